@@ -1,0 +1,1 @@
+"""Sequence-mixing ops, each with a token-loop reference beside its fast implementations."""
