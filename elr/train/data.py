@@ -1,0 +1,229 @@
+"""Training and validation batches from a memory-mapped token file.
+
+A token file (`train.bin`, `val.bin`, written by scripts/prepare_data.py) is a flat stream of
+token ids; `meta.json` beside it gives the dtype. A sample is a window of seq_len + 1 tokens:
+window w covers tokens [w * seq_len, w * seq_len + seq_len + 1), so consecutive windows share one
+token and inputs = window[:-1], labels = window[1:]. There are W = (n_tokens - 1) // seq_len.
+
+Samples form one global stream g = 0, 1, 2, ...: sample g is window perm_e(g mod W) of epoch
+e = g // W. Data parallelism cuts the stream into global microbatches of dp_world *
+local_batch_size samples, and rank r takes the r-th run of local_batch_size samples of each.
+The loader state is therefore one integer, the number of global samples consumed, identical on
+every rank; loading it with another dp_world (same global microbatch) continues the same stream
+without repeating or skipping a sample.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # inputs [local_bs, seq_len], labels [local_bs, seq_len]
+
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+_MASK64 = (1 << 64) - 1
+
+
+def load_tokens(path: str | Path) -> np.memmap:
+    """Open a token file read-only, with the dtype from the meta.json beside it."""
+    path = Path(path)
+    meta_path = path.parent / "meta.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"token file {path} does not exist (see scripts/prepare_data.py)")
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path} is missing: it gives the dtype of {path}")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("dtype") not in _DTYPES:
+        raise ValueError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {list(_DTYPES)}")
+    dtype = np.dtype(_DTYPES[meta["dtype"]])
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise ValueError(f"{path}: size {size} bytes is not a positive multiple of {dtype.name}")
+    n_tokens = size // dtype.itemsize
+    expected = meta.get("splits", {}).get(path.stem, {}).get("tokens")
+    if expected is not None and expected != n_tokens:
+        raise ValueError(f"{path}: holds {n_tokens} tokens but {meta_path} says {expected}")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def num_windows(tokens: np.ndarray, seq_len: int, path: str | Path) -> int:
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    count = (len(tokens) - 1) // seq_len
+    if count < 1:
+        raise ValueError(
+            f"{path}: {len(tokens)} tokens are too few for one window of {seq_len + 1} tokens"
+        )
+    return count
+
+
+def windows_to_batch(tokens: np.ndarray, windows: list[int], seq_len: int) -> Batch:
+    """Stack the given windows into (inputs, labels), int64 and contiguous."""
+    rows = np.stack([tokens[w * seq_len : w * seq_len + seq_len + 1] for w in windows])
+    rows = torch.from_numpy(rows.astype(np.int64))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a cheap 64-bit hash; every output bit depends on every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class WindowPermutation:
+    """A pseudo-random bijection of range(n) in O(1) memory, so ~1e9 windows need no table.
+
+    A 4-round Feistel network permutes the 2h-bit integers (the smallest even width that holds
+    n - 1), and cycle walking re-applies it until the result is below n. That stays a bijection
+    of range(n), and as 2^(2h) < 4n it takes fewer than four applications on average.
+    """
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        self.n, self.epoch = n, epoch
+        self.half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
+        self.half_mask = (1 << self.half_bits) - 1
+        base = _mix64(_mix64(seed & _MASK64) ^ epoch)
+        self.keys = [_mix64(base ^ r) for r in range(self.ROUNDS)]
+
+    def _feistel(self, x: int) -> int:
+        left, right = x >> self.half_bits, x & self.half_mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix64(right ^ key) & self.half_mask)
+        return (left << self.half_bits) | right
+
+    def __call__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(f"{i} is outside range({self.n})")
+        x = self._feistel(i)
+        while x >= self.n:
+            x = self._feistel(x)
+        return x
+
+
+class TokenWindowDataset(IterableDataset):
+    """Endless stream of this rank's microbatches; `position` (global samples consumed) is the
+    whole state. Yields (inputs, labels), each [local_batch_size, seq_len] int64."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world: int,
+        seed: int,
+        shuffle: bool = True,
+    ):
+        super().__init__()
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank {dp_rank} is outside dp_world {dp_world}")
+        if local_batch_size < 1:
+            raise ValueError(f"local_batch_size must be positive, got {local_batch_size}")
+        self.path = Path(path)
+        self.tokens = load_tokens(path)
+        self.seq_len = seq_len
+        self.num_windows = num_windows(self.tokens, seq_len, path)
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world = dp_world
+        self.global_batch_size = local_batch_size * dp_world
+        self.seed = seed
+        self.shuffle = shuffle
+        self._position = 0
+        self._perm = WindowPermutation(self.num_windows, seed, epoch=0)  # of the current epoch
+
+    @property
+    def position(self) -> int:
+        """Global samples consumed so far, summed over ranks; equal on every rank."""
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        if value < 0 or value % self.global_batch_size:
+            raise ValueError(
+                f"data position {value} is not a non-negative multiple of the global microbatch "
+                f"dp_world * local_batch_size = {self.dp_world} * {self.local_batch_size}; "
+                "resume with the same global batch"
+            )
+        self._position = value
+
+    def window(self, g: int) -> int:
+        """The window that global sample g reads."""
+        epoch, i = divmod(g, self.num_windows)
+        if not self.shuffle:
+            return i
+        if self._perm.epoch != epoch:
+            self._perm = WindowPermutation(self.num_windows, self.seed, epoch)
+        return self._perm(i)
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:  # reads self.position each time, so a state loaded mid-iteration holds
+            first = self.position + self.dp_rank * self.local_batch_size
+            windows = [self.window(g) for g in range(first, first + self.local_batch_size)]
+            batch = windows_to_batch(self.tokens, windows, self.seq_len)
+            self.position += self.global_batch_size
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+def build_train_loader(
+    path: str,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world: int,
+    seed: int,
+    shuffle: bool = True,
+) -> StatefulDataLoader:
+    """The training loader: one microbatch per step; its dataset is `loader.dataset`.
+
+    Batches are already formed by the dataset (batch_size=None) and read in the main process
+    (num_workers=0): a memmap slice is cheap, and the state stays the single `position`."""
+    dataset = TokenWindowDataset(path, seq_len, local_batch_size, dp_rank, dp_world, seed, shuffle)
+    return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+
+
+def val_batches(
+    path: str,
+    seq_len: int,
+    local_batch_size: int,
+    num_batches: int,
+    dp_rank: int,
+    dp_world: int,
+) -> Iterator[Batch]:
+    """This rank's share of the first num_batches * dp_world * local_batch_size windows of the
+    validation file, in order: the same each call, so validation losses are comparable."""
+    if not 0 <= dp_rank < dp_world:
+        raise ValueError(f"dp_rank {dp_rank} is outside dp_world {dp_world}")
+    tokens = load_tokens(path)
+    available = num_windows(tokens, seq_len, path)
+    global_batch = dp_world * local_batch_size
+    if num_batches * global_batch > available:
+        raise ValueError(
+            f"{path}: {num_batches} validation batches of {dp_world} x {local_batch_size} windows "
+            f"need {num_batches * global_batch} windows of {seq_len + 1} tokens; the file has "
+            f"{available}. Lower the number of validation batches or add validation data."
+        )
+
+    def batches() -> Iterator[Batch]:
+        for b in range(num_batches):
+            first = b * global_batch + dp_rank * local_batch_size
+            yield windows_to_batch(tokens, list(range(first, first + local_batch_size)), seq_len)
+
+    return batches()

@@ -1,0 +1,296 @@
+"""Data: prepare_data.py output, windows and labels, the shuffled order, exact resume and
+resharding of the single-integer loader state, validation batches, and error messages."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from elr.train.data import WindowPermutation, build_train_loader, load_tokens, val_batches
+from elr.train.tokenizer import build_tokenizer, file_sha256
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "data" / "tokenizer" / "elr8k.tiktoken"
+TINYPROSE = REPO / "data" / "tinyprose"
+CORPUS = REPO / "tests" / "fixtures" / "tiny_corpus"
+VAL_FRACTION = "0.3"  # the 11 fixture documents then fill both splits
+
+
+def prepare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--tokenizer", str(TOKENIZER),
+         *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+
+
+def fixture_documents() -> list[str]:
+    docs = [p.read_text() for p in sorted(CORPUS.glob("*.txt"))]
+    lines = (CORPUS / "paragraphs.jsonl").read_text().splitlines()
+    return docs + [json.loads(line)["text"] for line in lines]
+
+
+def make_token_file(folder: Path, n_tokens: int, name: str = "train") -> Path:
+    """A token file whose token at position p is p (mod 2^16): windows are easy to read off."""
+    folder.mkdir(parents=True, exist_ok=True)
+    np.arange(n_tokens, dtype=np.uint16).tofile(folder / f"{name}.bin")
+    meta = {"dtype": "uint16", "splits": {name: {"file": f"{name}.bin", "tokens": n_tokens}}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder / f"{name}.bin"
+
+
+def take(loader, n: int, it=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    it = iter(loader) if it is None else it
+    return [next(it) for _ in range(n)]
+
+
+def first_tokens(batches) -> list[int]:
+    """Global sample identities: the first input token of each row (= window start here)."""
+    return [int(x) for inputs, _ in batches for x in inputs[:, 0]]
+
+
+# --- prepare_data.py -----------------------------------------------------------------------------
+
+
+def test_prepare_data_end_to_end(tmp_path):
+    out = tmp_path / "tiny"
+    result = prepare("--out", str(out), "--val-fraction", VAL_FRACTION, str(CORPUS))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    meta = json.loads((out / "meta.json").read_text())
+    tok = build_tokenizer(str(TOKENIZER))
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == tok.n_vocab
+    assert meta["eot_id"] == tok.eot_id and meta["tokenizer"] == TOKENIZER.name
+    assert meta["val_fraction"] == float(VAL_FRACTION) and len(meta["sources"]) == 4
+
+    # Every document comes back exactly once, in one split, followed by <|endoftext|>.
+    decoded = []
+    for split in ("train", "val"):
+        tokens = np.fromfile(out / f"{split}.bin", dtype=np.uint16)
+        assert len(tokens) == meta["splits"][split]["tokens"] > 0 and tokens[-1] == tok.eot_id
+        ends = np.flatnonzero(tokens == tok.eot_id)
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        docs = [tok.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends)]
+        assert len(docs) == meta["splits"][split]["documents"]
+        decoded += docs
+    assert sorted(decoded) == sorted(fixture_documents())
+
+    # Same inputs, same bytes; the split does not depend on the input order.
+    again = tmp_path / "again"
+    files = sorted(str(p) for p in CORPUS.iterdir() if p.suffix in (".txt", ".jsonl"))
+    reordered = prepare("--out", str(again), "--val-fraction", VAL_FRACTION, *files[::-1])
+    assert reordered.returncode == 0, reordered.stderr
+    for split in ("train", "val"):
+        a = np.fromfile(out / f"{split}.bin", dtype=np.uint16)
+        b = np.fromfile(again / f"{split}.bin", dtype=np.uint16)
+        assert sorted(a.tolist()) == sorted(b.tolist())
+
+
+def test_prepare_data_errors_leave_no_partial_output(tmp_path):
+    out = tmp_path / "out"
+    assert prepare("--out", str(out), "--val-fraction", VAL_FRACTION, str(CORPUS)).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    missing = prepare("--out", str(out), str(CORPUS), str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 1 and "nope.jsonl: no such file" in missing.stderr
+    (tmp_path / "empty.txt").write_text("\n\n")
+    empty = prepare("--out", str(out), str(CORPUS), str(tmp_path / "empty.txt"))
+    assert empty.returncode == 1 and "empty.txt: no non-empty documents" in empty.stderr
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    bad = prepare("--out", str(out), str(tmp_path / "bad.jsonl"))
+    assert bad.returncode == 1 and "bad.jsonl:2" in bad.stderr
+    # Fails only after writing temporary files: none may be left, the old outputs stay.
+    no_val = prepare("--out", str(out), "--val-fraction", "1e-9", str(CORPUS))
+    assert no_val.returncode == 1 and "no document fell into the val split" in no_val.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_bundled_data_matches_its_tokenizer():
+    meta = json.loads((TINYPROSE / "meta.json").read_text())
+    assert meta["tokenizer_sha256"] == file_sha256(TOKENIZER)
+    tokens = load_tokens(TINYPROSE / "train.bin")
+    assert len(tokens) == meta["splits"]["train"]["tokens"] and int(tokens.max()) == meta["eot_id"]
+    # The first document decodes to text that the bundled tokenizer encodes to the same ids.
+    tok = build_tokenizer(str(TOKENIZER))
+    first_doc = tokens[: int(np.argmax(tokens == tok.eot_id))].tolist()
+    assert tok.encode(tok.decode(first_doc)) == first_doc and len(first_doc) > 1000
+    inputs, labels = next(iter(build_train_loader(str(TINYPROSE / "train.bin"), 64, 4, 0, 1, 0)))
+    assert inputs.shape == labels.shape == (4, 64) and inputs.dtype == torch.int64
+
+
+# --- windows and order ---------------------------------------------------------------------------
+
+
+def test_windows_and_labels_match_the_memmap():
+    path = TINYPROSE / "train.bin"
+    raw = np.memmap(path, dtype=np.uint16, mode="r")
+    seq_len, bs = 32, 3
+    loader = build_train_loader(str(path), seq_len, bs, dp_rank=0, dp_world=1, seed=7)
+    dataset = loader.dataset
+    assert dataset.num_windows == (len(raw) - 1) // seq_len
+    for step, (inputs, labels) in enumerate(take(loader, 4)):
+        for row in range(bs):
+            w = dataset.window(step * bs + row)
+            window = torch.from_numpy(raw[w * seq_len : w * seq_len + seq_len + 1].astype(np.int64))
+            assert torch.equal(inputs[row], window[:-1]) and torch.equal(labels[row], window[1:])
+
+
+def test_window_count_and_epochs(tmp_path):
+    seq_len = 4
+    assert build_train_loader(str(make_token_file(tmp_path / "a", 41)), seq_len, 1, 0, 1,
+                              0).dataset.num_windows == 10
+    path = make_token_file(tmp_path / "b", 40)  # the last window would need token 40
+    loader = build_train_loader(str(path), seq_len, 1, 0, 1, seed=3)
+    assert loader.dataset.num_windows == 9
+    it = iter(loader)
+    epochs = [first_tokens(take(loader, 9, it)) for _ in range(3)]
+    for order in epochs:
+        assert sorted(order) == [w * seq_len for w in range(9)]  # each window once per epoch
+    assert epochs[0] != epochs[1] != epochs[2]
+
+    plain = build_train_loader(str(path), seq_len, 2, 0, 1, seed=3, shuffle=False)
+    assert first_tokens(take(plain, 6)) == [w * seq_len for w in [*range(9), 0, 1, 2]]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 16, 17, 255, 1000, 4097])
+def test_permutation_is_a_bijection(n):
+    orders = {
+        (seed, epoch): [WindowPermutation(n, seed, epoch)(i) for i in range(n)]
+        for seed in (0, 1, 12345)
+        for epoch in (0, 1, 2)
+    }
+    for order in orders.values():
+        assert sorted(order) == list(range(n))
+    if n >= 7:  # epochs and seeds give different orders
+        assert orders[0, 0] != orders[0, 1] != orders[0, 2] and orders[0, 0] != orders[1, 0]
+
+
+def test_permutation_scales_without_a_table():
+    perm = WindowPermutation(10**9 + 7, seed=0, epoch=5)
+    values = [perm(i) for i in range(2000)]
+    assert len(set(values)) == 2000 and all(0 <= v < 10**9 + 7 for v in values)
+    assert max(values) > 10**8  # spread over the whole range, not local
+    with pytest.raises(IndexError):
+        perm(10**9 + 7)
+
+
+# --- state: exact resume and resharding ----------------------------------------------------------
+
+
+def test_state_dict_round_trip(tmp_path):
+    path = str(make_token_file(tmp_path, 4 * 23 + 1))  # 23 windows: the run crosses epochs
+    loader = build_train_loader(path, 4, 3, 0, 1, seed=11)
+    it = iter(loader)
+    take(loader, 5, it)
+    state = copy.deepcopy(loader.state_dict())
+    expected = take(loader, 7, it)
+    assert loader.dataset.position == 12 * 3
+
+    fresh = build_train_loader(path, 4, 3, 0, 1, seed=11)
+    fresh.load_state_dict(state)
+    resumed = take(fresh, 7)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(expected, resumed))
+    assert fresh.dataset.position == loader.dataset.position
+
+
+def global_stream(path: str, world: int, local_bs: int, steps: int, position: int = 0) -> list[int]:
+    """Samples of `steps` global microbatches read by `world` ranks, concatenated rank by rank."""
+    loaders = [build_train_loader(path, 4, local_bs, r, world, seed=5) for r in range(world)]
+    for loader in loaders:
+        loader.dataset.position = position
+    per_rank = [first_tokens(take(loader, steps)) for loader in loaders]
+    assert len({loader.dataset.position for loader in loaders}) == 1  # identical on every rank
+    return [
+        x
+        for step in range(steps)
+        for rank in range(world)
+        for x in per_rank[rank][step * local_bs : (step + 1) * local_bs]
+    ]
+
+
+def test_resharding_continues_the_same_stream(tmp_path):
+    path = str(make_token_file(tmp_path, 4 * 50 + 1))
+    reference = global_stream(path, world=1, local_bs=4, steps=30)  # crosses two epochs
+    assert global_stream(path, world=2, local_bs=2, steps=30) == reference
+    assert global_stream(path, world=4, local_bs=1, steps=30) == reference
+
+    # 2 ranks for 7 steps, save the position, continue on 1 rank; and the reverse.
+    two = [build_train_loader(path, 4, 2, r, 2, seed=5) for r in range(2)]
+    for loader in two:
+        take(loader, 7)
+    state = two[0].state_dict()
+    assert state["dataset_state"] == two[1].state_dict()["dataset_state"] == {"position": 28}
+    one = build_train_loader(path, 4, 4, 0, 1, seed=5)
+    one.load_state_dict(state)
+    assert first_tokens(take(one, 23)) == reference[28:]
+
+    position = one.dataset.position  # the single integer a trainer checkpoints
+    back = [build_train_loader(path, 4, 2, r, 2, seed=5) for r in range(2)]
+    for loader in back:
+        loader.dataset.load_state_dict({"position": position})
+    tail = global_stream(path, world=2, local_bs=2, steps=5, position=position)
+    longer = global_stream(path, world=1, local_bs=4, steps=35)
+    assert tail == longer[position:]
+
+
+def test_bad_position_is_refused(tmp_path):
+    path = str(make_token_file(tmp_path, 101))
+    loader = build_train_loader(path, 4, 2, 0, 2, seed=0)  # global microbatch of 4
+    with pytest.raises(ValueError, match="not a non-negative multiple"):
+        loader.dataset.load_state_dict({"position": 6})
+    with pytest.raises(ValueError, match="not a non-negative multiple"):
+        loader.dataset.position = -4
+    state = loader.state_dict()
+    state["dataset_state"] = {"position": 2}
+    loader.load_state_dict(state)
+    with pytest.raises(ValueError, match="position 2"):
+        next(iter(loader))
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+def test_val_batches(tmp_path):
+    path = str(make_token_file(tmp_path, 4 * 20 + 1, name="val"))
+    one = list(val_batches(path, 4, 4, 3, 0, 1))
+    assert first_tokens(one) == [4 * w for w in range(12)]  # the first windows, in order
+    assert all(torch.equal(labels, inputs + 1) for inputs, labels in one)
+    assert first_tokens(val_batches(path, 4, 4, 3, 0, 1)) == first_tokens(one)  # same each call
+    ranks = [list(val_batches(path, 4, 2, 3, r, 2)) for r in range(2)]
+    merged = [torch.cat([ranks[0][b][0], ranks[1][b][0]]) for b in range(3)]
+    assert all(torch.equal(m, o[0]) for m, o in zip(merged, one))
+    with pytest.raises(ValueError, match="need 24 windows .* the file has 20"):
+        val_batches(path, 4, 4, 6, 0, 1)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def test_loader_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere.bin"):
+        build_train_loader(str(tmp_path / "nothere.bin"), 4, 1, 0, 1, 0)
+    (tmp_path / "x").mkdir()
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "x" / "train.bin")
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        build_train_loader(str(tmp_path / "x" / "train.bin"), 4, 1, 0, 1, 0)
+    (tmp_path / "x" / "meta.json").write_text(json.dumps({"dtype": "float32"}))
+    with pytest.raises(ValueError, match="dtype 'float32'"):
+        build_train_loader(str(tmp_path / "x" / "train.bin"), 4, 1, 0, 1, 0)
+    path = make_token_file(tmp_path / "small", 8)
+    with pytest.raises(ValueError, match="small/train.bin: 8 tokens are too few"):
+        build_train_loader(str(path), 8, 1, 0, 1, 0)
+    (tmp_path / "small" / "train.bin").write_bytes(b"\x00" * 30)  # disagrees with meta.json
+    with pytest.raises(ValueError, match="holds 15 tokens but"):
+        build_train_loader(str(path), 4, 1, 0, 1, 0)
+    with pytest.raises(ValueError, match="dp_rank 2"):
+        build_train_loader(str(make_token_file(tmp_path / "ok", 50)), 4, 1, 2, 2, 0)
