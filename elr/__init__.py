@@ -1,0 +1,1 @@
+"""Elastic Latent Recurrence: a compact trainer for looped language models."""

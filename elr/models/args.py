@@ -1,0 +1,96 @@
+"""Model shapes and the named flavors (paper Table 4; MoE after Nemotron 3 Nano's published config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    # One character per layer, Nemotron-H style: G = Gated DeltaProduct mixer, A = attention,
+    # F = dense feed-forward, E = mixture-of-experts feed-forward.
+    layer_pattern: str
+    partition: tuple[int, int, int]  # (input, recurrent, output) layer counts
+    vocab_size: int = 131072
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192  # RoPE table size
+
+    # attention (GQA, RoPE on the first rope_fraction of each head's dims)
+    n_heads: int = 8
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    rope_theta: float = 10000.0
+    rope_fraction: float = 0.5
+
+    # Gated DeltaProduct
+    gdp_heads: int = 8
+    gdp_head_dim: int = 128  # key and value dims per head
+    gdp_householder: int = 2  # n_h Householder sub-steps per token
+    gdp_conv_size: int = 4
+    gdp_impl: str = "chunk"  # chunk (PyTorch, CPU) | naive (token loop, the oracle)
+
+    # dense feed-forward
+    ffn_dim: int = 4096
+    ffn_activation: str = "swiglu"  # swiglu | relu2
+
+    # mixture of experts
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    moe_expert_dim: int = 0
+    moe_shared_dim: int = 0
+    moe_routed_scale: float = 1.0
+    moe_route_replay: bool = False
+
+    # Elastic Latent Recurrence
+    elr: bool = True  # False builds the non-recurrent baseline
+    max_loops: int = 4
+    recurrent_input: str = "state"  # state | state_plus_input
+    update: str = "adaptive_delta"  # adaptive_delta | replace | residual
+    conditioning: bool = False
+    cond_dim: int = 256
+
+    def __post_init__(self):
+        unknown = set(self.layer_pattern) - set("GAFE")
+        if unknown:
+            raise ValueError(f"layer_pattern has unknown layer kinds {sorted(unknown)}; use G, A, F, E")
+        if sum(self.partition) != len(self.layer_pattern):
+            raise ValueError(f"partition {self.partition} does not add up to {len(self.layer_pattern)} layers")
+        if not self.elr and (self.max_loops != 1 or self.conditioning):
+            raise ValueError("the non-recurrent baseline (elr=False) runs one loop and has no conditioning")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_pattern)
+
+
+# Koi-4B puts three of its six attention layers in the recurrent block; GDP-Hybrid-4B spreads them
+# two per block. Both have 23 GDP / 6 attention / 23 FF layers, partitioned 14/24/14.
+_HYBRID_4B = "GFGFAGFGFGFAGF" + "GFGFGFAGFGFGFGFGFGAFGFGF" + "GFGFGAFGFGFGAF"
+_KOI_4B = "GFGFAGFGFGFAGF" + "GFGFAFGFGFGFAGFGFGFAGFGF" + "GFGFGGFAGFGFGF"
+
+_hybrid_4b = dict(
+    dim=3072, partition=(14, 24, 14), n_heads=24, n_kv_heads=8, head_dim=128,
+    gdp_heads=24, gdp_head_dim=128, ffn_dim=12288, ffn_activation="relu2",
+)
+
+flavors: dict[str, ModelArgs] = {
+    # toy size, every layer kind (G, A, F, E) present and the recurrent block holding all four
+    "debug": ModelArgs(
+        dim=128, layer_pattern="GF" + "GEAF" + "AF", partition=(2, 4, 2), vocab_size=8192, max_seq_len=1024,
+        n_heads=4, n_kv_heads=2, head_dim=32, gdp_heads=4, gdp_head_dim=32, ffn_dim=384,
+        moe_experts=8, moe_top_k=2, moe_expert_dim=128, moe_shared_dim=128, moe_routed_scale=1.0,
+        max_loops=3,
+    ),
+    "gpt_0p5b": ModelArgs(
+        dim=1024, layer_pattern="AF" * 15, partition=(8, 14, 8), n_heads=16, n_kv_heads=4, head_dim=64,
+        ffn_dim=3968, ffn_activation="swiglu", max_loops=5,
+    ),
+    "gdp_hybrid_4b": ModelArgs(layer_pattern=_HYBRID_4B, **_hybrid_4b),
+    "koi_4b": ModelArgs(layer_pattern=_KOI_4B, **_hybrid_4b),
+    "gdp_hybrid_30b_a3b": ModelArgs(
+        dim=2688, layer_pattern=_HYBRID_4B.replace("F", "E"), partition=(14, 24, 14),
+        n_heads=32, n_kv_heads=2, head_dim=128, gdp_heads=16, gdp_head_dim=128,
+        moe_experts=128, moe_top_k=6, moe_expert_dim=1856, moe_shared_dim=3712, moe_routed_scale=2.5,
+    ),
+}

@@ -1,0 +1,126 @@
+"""Feed-forward layers: dense SwiGLU / squared-ReLU, and a mixture of experts.
+
+The MoE follows Nemotron 3 Nano's published recipe: sigmoid router scores, an aux-loss-free expert
+bias that steers top-k selection only, normalised top-k weights times a routed scale, squared-ReLU
+experts and one always-on shared expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from elr.models.args import ModelArgs
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, activation: str):
+        super().__init__()
+        if activation not in ("swiglu", "relu2"):
+            raise ValueError(f"unknown feed-forward activation {activation!r}; use swiglu or relu2")
+        self.activation = activation
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False) if activation == "swiglu" else None
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def init_weights(self, out_std: float):
+        nn.init.trunc_normal_(self.w1.weight, std=0.02)
+        if self.w3 is not None:
+            nn.init.trunc_normal_(self.w3.weight, std=0.02)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(relu2(self.w1(x)))
+
+
+class MoE(nn.Module):
+    """Routed squared-ReLU experts plus a shared expert.
+
+    `route` is the recurrence's replay slot: None routes every call; an empty dict routes and
+    stores (indices, weights) in it; a filled dict reuses them, so later loops neither re-route
+    nor count towards the load that moves the expert bias.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        E, dim, hidden = args.moe_experts, args.dim, args.moe_expert_dim
+        self.top_k, self.routed_scale = args.moe_top_k, args.moe_routed_scale
+        self.router = nn.Linear(dim, E, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(E, dim, hidden))
+        self.shared = FeedForward(dim, args.moe_shared_dim, "relu2") if args.moe_shared_dim else None
+        # The bias only shifts which experts win; it is moved by load, not by gradients.
+        self.register_buffer("expert_bias", torch.zeros(E))
+        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+
+    def init_weights(self, out_std: float):
+        nn.init.trunc_normal_(self.router.weight, std=0.02)
+        nn.init.trunc_normal_(self.w1, std=0.02)
+        nn.init.trunc_normal_(self.w2, std=out_std)
+        if self.shared is not None:
+            self.shared.init_weights(out_std)
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(self.router(x).float())
+        indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        weights = weights / weights.sum(-1, keepdim=True) * self.routed_scale
+        if self.training:  # evaluation must not move the balance
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=len(self.expert_bias))
+        return indices, weights
+
+    def forward(self, x: torch.Tensor, route: dict | None = None) -> torch.Tensor:
+        B, T, dim = x.shape
+        x = x.reshape(-1, dim)
+        if route:
+            indices, weights = route["indices"], route["weights"]
+        else:
+            indices, weights = self._route(x)
+            if route is not None:
+                route.update(indices=indices, weights=weights)
+
+        # Group the (token, expert) pairs by expert and run each expert on its tokens.
+        flat = indices.flatten()
+        order = flat.argsort(stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
+        outputs = [
+            relu2(xs @ self.w1[e].t()) @ self.w2[e].t()
+            for e, xs in enumerate(x[token_of].split(counts)) if counts[e]
+        ]
+        routed = torch.cat(outputs) * weights.flatten()[order, None].to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_of, routed)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(B, T, dim)
+
+
+@torch.no_grad()
+def update_expert_biases(moes: list[MoE], rate: float) -> dict[str, float]:
+    """Aux-loss-free balancing: nudge each expert's bias towards the mean load, then reset counts.
+
+    Counts are summed over every rank first (one collective for all layers), so the biases stay
+    identical everywhere. Returns load statistics for the metrics.
+    """
+    if not moes:
+        return {}
+    loads = torch.stack([m.tokens_per_expert for m in moes])
+    if dist.is_initialized():
+        dist.all_reduce(loads)
+    mean = loads.mean(-1, keepdim=True)
+    for moe, load, m in zip(moes, loads, mean):
+        moe.expert_bias += rate * torch.sign(m - load)
+        moe.tokens_per_expert.zero_()
+    imbalance = (loads.max(-1).values / mean.squeeze(-1).clamp(min=1)).mean()
+    return {"moe/max_load_over_mean": imbalance.item()}

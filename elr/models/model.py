@@ -1,0 +1,131 @@
+"""The ELR language model: embed -> input block -> k x recurrent block -> output block -> head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elr.models.args import ModelArgs
+from elr.models.attention import Attention, rope_table
+from elr.models.ffn import FeedForward, MoE
+from elr.models.gdp import GatedDeltaProduct
+from elr.models.recurrence import RecurrentBlock
+
+
+class Layer(nn.Module):
+    """One pre-norm residual sublayer, x + sublayer(norm(x)), of kind G, A, F or E.
+
+    In the recurrent block a FiLM triple (scale, shift, gate) from the loop conditioning turns
+    this into x + (1 + gate) * sublayer(norm(x) * (1 + scale) + shift); all zeros is the plain layer.
+    """
+
+    def __init__(self, kind: str, args: ModelArgs):
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        if kind == "G":
+            self.sublayer = GatedDeltaProduct(args)
+        elif kind == "A":
+            self.sublayer = Attention(args)
+        elif kind == "F":
+            self.sublayer = FeedForward(args.dim, args.ffn_dim, args.ffn_activation)
+        else:
+            self.sublayer = MoE(args)
+
+    def init_weights(self, out_std: float):
+        self.norm.reset_parameters()
+        self.sublayer.init_weights(out_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route: dict | None = None) -> torch.Tensor:
+        h = self.norm(x)
+        if film is not None:
+            scale, shift, gate = film
+            h = h * (1 + scale) + shift
+        if self.kind == "A":
+            y = self.sublayer(h, rope)
+        elif self.kind == "E":
+            y = self.sublayer(h, route)
+        else:
+            y = self.sublayer(h)
+        return x + (y if film is None else (1 + gate) * y)
+
+
+class ELRModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        n_in, n_rec, _ = args.partition
+        layers = [Layer(kind, args) for kind in args.layer_pattern]
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.input_layers = nn.ModuleList(layers[:n_in])
+        self.recurrent = RecurrentBlock(args, layers[n_in:n_in + n_rec])
+        self.output_layers = nn.ModuleList(layers[n_in + n_rec:])
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        rope_dim = int(args.head_dim * args.rope_fraction) // 2 * 2
+        self.register_buffer("rope", rope_table(rope_dim, args.max_seq_len, args.rope_theta), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Materialise every parameter (the model may have been built on the meta device)."""
+        a = self.args
+        rope_dim = int(a.head_dim * a.rope_fraction) // 2 * 2
+        self.rope.copy_(rope_table(rope_dim, a.max_seq_len, a.rope_theta))
+        nn.init.normal_(self.tok_embeddings.weight)
+        layers = [*self.input_layers, *self.recurrent.layers, *self.output_layers]
+        for depth, layer in enumerate(layers):
+            layer.init_weights(out_std=0.02 / (2 * (depth + 1)) ** 0.5)
+        if self.recurrent.step_size is not None:
+            self.recurrent.step_size.init_weights()
+        if self.recurrent.conditioning is not None:
+            self.recurrent.conditioning.init_weights()
+        self.norm.reset_parameters()
+        cutoff = 3 * a.dim ** -0.5
+        nn.init.trunc_normal_(self.output.weight, std=a.dim ** -0.5, a=-cutoff, b=cutoff)
+
+    def forward(self, tokens: torch.Tensor, loops: int = 1) -> torch.Tensor:
+        """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times."""
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len={self.args.max_seq_len}")
+        rope = self.rope[:, : tokens.shape[1]]
+        h = self.tok_embeddings(tokens)
+        for layer in self.input_layers:
+            h = layer(h, rope)
+        h = self.recurrent(h, rope, loops)
+        for layer in self.output_layers:
+            h = layer(h, rope)
+        return self.output(self.norm(h))
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def num_flops_per_token(self, seq_len: int, loops: int = 1) -> int:
+        """Training FLOPs per token (forward + backward = 3 x forward), recurrent layers counted k times.
+
+        Weights count 6 FLOPs per multiply-accumulate; attention scores count 12 * heads * head_dim
+        * seq_len (non-causal, the PaLM/torchtitan convention); each GDP head's state update counts
+        6 * (2 n_h + 1) * d_k * d_v. The conditioning heads act once per sequence and are left out.
+        """
+        a = self.args
+        n_in, n_rec, _ = a.partition
+        per_layer = [layer_flops_per_token(kind, a, seq_len) for kind in a.layer_pattern]
+        recurrent = sum(per_layer[n_in:n_in + n_rec])
+        if self.recurrent.step_size is not None:
+            recurrent += 6 * a.dim * a.dim
+        once = sum(per_layer) - sum(per_layer[n_in:n_in + n_rec])
+        return once + loops * recurrent + 6 * a.dim * a.vocab_size
+
+
+def layer_flops_per_token(kind: str, a: ModelArgs, seq_len: int) -> int:
+    if kind == "A":
+        weights = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
+        return 6 * weights + 12 * a.n_heads * a.head_dim * seq_len
+    if kind == "G":
+        H, D, n_h = a.gdp_heads, a.gdp_head_dim, a.gdp_householder
+        weights = a.dim * (H * D * (3 + 2 * n_h) + H * (1 + n_h))
+        conv = a.gdp_conv_size * H * D * (1 + 2 * n_h)
+        state = H * (2 * n_h + 1) * D * D
+        return 6 * (weights + conv + state)
+    if kind == "F":
+        return 6 * a.dim * a.ffn_dim * (3 if a.ffn_activation == "swiglu" else 2)
+    return 6 * a.dim * (a.moe_experts + 2 * a.moe_top_k * a.moe_expert_dim + 2 * a.moe_shared_dim)

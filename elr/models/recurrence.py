@@ -1,0 +1,121 @@
+"""Elastic Latent Recurrence: the recurrent block and its k-loop (DESIGN.md §3.3).
+
+    s_0 = h_in
+    for i in 1..k:
+        s~_i = s_{i-1}                 (or s_{i-1} + h_in: the re-injection ablation)
+        r_i  = R(s~_i ; c_{i,k})       c_{i,k} = E_loop[i] + E_budget[k] drives per-layer FiLM heads
+        s_i  = update(s_{i-1}, s~_i, r_i)
+
+The block and its loop are one module, so FSDP can make it one unit that is called exactly once
+per microbatch whatever k is (a unit called a different number of times on different ranks
+desynchronises the collectives). At initialisation every ELR-specific path is an identity: the
+adaptive step is exactly 1 and the FiLM heads are exactly zero, so k=1 equals the plain stack.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elr.models.args import ModelArgs
+
+
+class AdaptiveStep(nn.Module):
+    """Per-token, per-channel step size a = 2 sigmoid(W norm(s~)), in (0, 2); a = 1 at init."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=eps)
+        self.proj = nn.Linear(dim, dim)
+
+    def init_weights(self):
+        self.norm.reset_parameters()
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, s_in: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.sigmoid(self.proj(self.norm(s_in)))
+
+
+class LoopConditioning(nn.Module):
+    """c_{i,k} = E_loop[i] + E_budget[k], mapped per recurrent layer to FiLM (scale, shift, gate).
+
+    The heads start at exactly zero (weights and bias) so adding them changes nothing yet still
+    receives gradients; the embeddings start small (std 0.02) so the heads' first updates are too.
+    """
+
+    def __init__(self, n_layers: int, max_loops: int, dim: int, cond_dim: int):
+        super().__init__()
+        self.loop_embed = nn.Embedding(max_loops, cond_dim)
+        self.budget_embed = nn.Embedding(max_loops, cond_dim)
+        self.heads = nn.ModuleList(nn.Linear(cond_dim, 3 * dim) for _ in range(n_layers))
+
+    def init_weights(self):
+        nn.init.normal_(self.loop_embed.weight, std=0.02)
+        nn.init.normal_(self.budget_embed.weight, std=0.02)
+        for head in self.heads:
+            nn.init.zeros_(head.weight)
+            nn.init.zeros_(head.bias)
+
+    def forward(self, loop: int, loops: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        c = self.loop_embed.weight[loop - 1] + self.budget_embed.weight[loops - 1]
+        return [tuple(head(c).chunk(3)) for head in self.heads]
+
+
+class RecurrentBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.elr, self.max_loops = args.elr, args.max_loops
+        self.update, self.recurrent_input = args.update, args.recurrent_input
+        if args.update not in ("adaptive_delta", "replace", "residual"):
+            raise ValueError(f"unknown ELR update rule {args.update!r}")
+        if args.recurrent_input not in ("state", "state_plus_input"):
+            raise ValueError(f"unknown ELR recurrent input {args.recurrent_input!r}")
+        self.step_size = AdaptiveStep(args.dim, args.norm_eps) if args.elr and args.update == "adaptive_delta" else None
+        self.conditioning = (
+            LoopConditioning(len(layers), args.max_loops, args.dim, args.cond_dim) if args.conditioning else None
+        )
+        self.route_replay = args.moe_route_replay
+        # When set, forward records per-loop statistics in `loop_stats` (for the metrics).
+        self.track_stats = False
+        self.loop_stats: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int) -> torch.Tensor:
+        if not self.elr and loops != 1:
+            raise ValueError(f"the non-recurrent baseline runs exactly one loop, not {loops}")
+        if loops < 1 or (self.conditioning is not None and loops > self.max_loops):
+            raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the budgets this model is conditioned on")
+        routes = [{} if self.route_replay and layer.kind == "E" else None for layer in self.layers]
+        no_film = [None] * len(self.layers)
+        self.loop_stats = []
+        s = h_in
+        for i in range(1, loops + 1):
+            s_in = s + h_in if self.recurrent_input == "state_plus_input" else s
+            films = self.conditioning(i, loops) if self.conditioning is not None else no_film
+            r = s_in
+            for layer, film, route in zip(self.layers, films, routes):
+                r = layer(r, rope, film=film, route=route)
+            step = self.step_size(s_in) if self.step_size is not None else None
+            s_next = self._update(s, s_in, r, step)
+            if self.track_stats:
+                self._record(s, s_next, step, films)
+            s = s_next
+        return s
+
+    def _update(self, s, s_in, r, step):
+        if step is not None:
+            # lerp(s, r, 1) is exactly r, so the initial model is the plain stack bit for bit.
+            return torch.lerp(s, r, step.to(r.dtype))
+        if self.update == "residual" and self.elr:
+            return s + (r - s_in)
+        return r
+
+    @torch.no_grad()
+    def _record(self, s, s_next, step, films) -> None:
+        stats = {"update_norm": (s_next - s).float().norm() / s.float().norm().clamp(min=1e-12)}
+        if step is not None:
+            stats["step_size_mean"] = step.float().mean()
+        if self.conditioning is not None:
+            stats["film_gate_mean"] = torch.stack([1 + gate.float().mean() for _, _, gate in films]).mean()
+        self.loop_stats.append(stats)
