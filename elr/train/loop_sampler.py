@@ -1,0 +1,47 @@
+"""Loop counts for mixed-depth training (DESIGN.md §3.4).
+
+The unit is a slot = (data-parallel rank, microbatch); every slot of an optimizer update gets a
+loop count k in 1..K. Draws depend only on (seed, step), so a resumed or resharded run draws the
+same counts and no sampler state needs saving. A rotating fraction f of slots always runs k=1
+(the paper's one-loop override); with uniform draws p(k=1) = f + (1 - f) / K.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class LoopSampler:
+    def __init__(self, max_loops: int, sampling: str = "independent", one_loop_override: float = 0.0,
+                 loop_weights: list[float] | None = None, seed: int = 0):
+        if sampling not in ("independent", "synchronized"):
+            raise ValueError(f"unknown loop sampling {sampling!r}")
+        weights = torch.tensor(loop_weights or [1.0] * max_loops, dtype=torch.float64)
+        if len(weights) != max_loops or (weights < 0).any() or weights.sum() <= 0:
+            raise ValueError(f"loop_weights must be {max_loops} non-negative numbers with a positive sum")
+        self.max_loops, self.sampling, self.override, self.seed = max_loops, sampling, one_loop_override, seed
+        self.probs = weights / weights.sum()
+
+    def sample(self, step: int, n_ranks: int, n_micro: int) -> torch.Tensor:
+        """Loop counts [n_ranks, n_micro] for optimizer step `step` (1-based)."""
+        n = n_ranks * n_micro
+        gen = torch.Generator().manual_seed(self.seed * 2**32 + step)
+        draws = 1 if self.sampling == "synchronized" else n
+        ks = torch.multinomial(self.probs, draws, replacement=True, generator=gen) + 1
+        ks = ks.expand(n).clone()
+        # Slots [start, end) modulo n run one loop; the window advances by f*n slots per step,
+        # so every slot takes its turn and the long-run fraction is exactly f.
+        start, end = math.floor((step - 1) * self.override * n), math.floor(step * self.override * n)
+        ks[torch.arange(start, end) % n] = 1
+        return ks.view(n_ranks, n_micro)
+
+    def p_one_loop(self) -> float:
+        """Closed-form probability that a slot runs k=1."""
+        return self.override + (1 - self.override) * self.probs[0].item()
+
+    def mean_loops(self) -> float:
+        """Closed-form mean loop count per slot."""
+        ks = torch.arange(1, self.max_loops + 1, dtype=torch.float64)
+        return self.override + (1 - self.override) * (self.probs * ks).sum().item()
