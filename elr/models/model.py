@@ -104,7 +104,8 @@ class ELRModel(nn.Module):
 
         Weights count 6 FLOPs per multiply-accumulate; attention scores count 12 * heads * head_dim
         * seq_len (non-causal, the PaLM/torchtitan convention); each GDP head's state update counts
-        6 * (2 n_h + 1) * d_k * d_v. The conditioning heads act once per sequence and are left out.
+        6 * (2 n_h + 1) * d_k * d_v. Left out: the conditioning heads (once per sequence), the
+        short convolutions (4 multiply-adds per channel) and elementwise work.
         """
         a = self.args
         n_in, n_rec, _ = a.partition
@@ -123,9 +124,8 @@ def layer_flops_per_token(kind: str, a: ModelArgs, seq_len: int) -> int:
     if kind == "G":
         H, D, n_h = a.gdp_heads, a.gdp_head_dim, a.gdp_householder
         weights = a.dim * (H * D * (3 + 2 * n_h) + H * (1 + n_h))
-        conv = a.gdp_conv_size * H * D * (1 + 2 * n_h)
         state = H * (2 * n_h + 1) * D * D
-        return 6 * (weights + conv + state)
+        return 6 * (weights + state)
     if kind == "F":
         return 6 * a.dim * a.ffn_dim * (3 if a.ffn_activation == "swiglu" else 2)
     return 6 * a.dim * (a.moe_experts + 2 * a.moe_top_k * a.moe_expert_dim + 2 * a.moe_shared_dim)

@@ -108,7 +108,7 @@ class RecurrentBlock(nn.Module):
             # lerp(s, r, 1) is exactly r, so the initial model is the plain stack bit for bit.
             return torch.lerp(s, r, step.to(r.dtype))
         if self.update == "residual" and self.elr:
-            return s + (r - s_in)
+            return r + (s - s_in)  # = s + (r - s~); this order is exactly r when s~ = s
         return r
 
     @torch.no_grad()

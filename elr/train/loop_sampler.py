@@ -13,6 +13,13 @@ import math
 import torch
 
 
+def _mix(seed: int, step: int) -> int:
+    """A 32-bit seed from (seed, step): the Mersenne Twister keeps only 32 bits of a seed."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 31)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 29)) & 0xFFFFFFFF
+
+
 class LoopSampler:
     def __init__(self, max_loops: int, sampling: str = "independent", one_loop_override: float = 0.0,
                  loop_weights: list[float] | None = None, seed: int = 0):
@@ -27,7 +34,7 @@ class LoopSampler:
     def sample(self, step: int, n_ranks: int, n_micro: int) -> torch.Tensor:
         """Loop counts [n_ranks, n_micro] for optimizer step `step` (1-based)."""
         n = n_ranks * n_micro
-        gen = torch.Generator().manual_seed(self.seed * 2**32 + step)
+        gen = torch.Generator().manual_seed(_mix(self.seed, step))
         draws = 1 if self.sampling == "synchronized" else n
         ks = torch.multinomial(self.probs, draws, replacement=True, generator=gen) + 1
         ks = ks.expand(n).clone()

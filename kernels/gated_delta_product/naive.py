@@ -29,7 +29,7 @@ def naive_gated_delta_product(q, k, v, g, beta, num_householder, scale, initial_
         for j in range(n_h):
             k_j = k[:, t, j]
             error = v[:, t, j] - torch.einsum("bhkv,bhk->bhv", S, k_j)
-            S = S + beta[:, t, j, :, None, None] * k_j[..., :, None] * error[..., None, :]
+            S = S + (beta[:, t, j, :, None] * k_j)[..., :, None] @ error[..., None, :]
         outputs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     o = torch.stack(outputs, dim=1)
     return o, (S if output_final_state else None)

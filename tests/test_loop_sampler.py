@@ -1,0 +1,62 @@
+"""Mixed-depth loop sampling: determinism, the closed forms, and the override's rotation."""
+
+import pytest
+import torch
+
+from elr.train.loop_sampler import LoopSampler
+
+
+def draw(sampler, steps, n_ranks=8, n_micro=4):
+    return torch.stack([sampler.sample(step, n_ranks, n_micro) for step in range(1, steps + 1)])
+
+
+def test_deterministic_from_seed_and_step():
+    a, b = LoopSampler(4, seed=1), LoopSampler(4, seed=1)
+    assert torch.equal(a.sample(5, 4, 2), b.sample(5, 4, 2))
+    assert not torch.equal(draw(a, 20), draw(LoopSampler(4, seed=2), 20))
+    assert all(1 <= k <= 4 for k in draw(a, 50).flatten().tolist())
+
+
+def test_koi_closed_forms_and_empirical_rates():
+    """K=4, uniform, 10% one-loop override: p1 = 0.325, mean k = 2.35 (paper, Table 6)."""
+    sampler = LoopSampler(4, "independent", one_loop_override=0.1, seed=0)
+    assert sampler.p_one_loop() == pytest.approx(0.325)
+    assert sampler.mean_loops() == pytest.approx(2.35)
+    ks = draw(sampler, 3000).double()  # 96,000 slots
+    assert (ks == 1).double().mean().item() == pytest.approx(0.325, abs=0.006)
+    assert ks.mean().item() == pytest.approx(2.35, abs=0.015)
+    # loops 2, 3, 4 occur in 67.5%, 45%, 22.5% of examples (paper)
+    for k, share in [(2, 0.675), (3, 0.45), (4, 0.225)]:
+        assert (ks >= k).double().mean().item() == pytest.approx(share, abs=0.006)
+
+
+@pytest.mark.parametrize("f", [0.1, 0.15, 0.25, 1 / 3])
+def test_override_fraction_is_exact_in_the_long_run_and_rotates(f):
+    n_ranks, n_micro, steps = 4, 3, 600
+    sampler = LoopSampler(5, "synchronized", one_loop_override=f, loop_weights=[0, 1, 1, 1, 1], seed=0)
+    ks = draw(sampler, steps, n_ranks, n_micro)  # k=1 only through the override here
+    ones = (ks == 1)
+    assert ones.sum().item() == pytest.approx(f * steps * n_ranks * n_micro, abs=1)
+    assert ones.flatten(1).any(0).all()  # every slot takes its turn
+
+
+def test_synchronized_shares_one_k_outside_the_override():
+    sampler = LoopSampler(5, "synchronized", one_loop_override=0.15, loop_weights=[0, 1, 1, 1, 1], seed=3)
+    for step in range(1, 40):
+        ks = sampler.sample(step, 4, 5)
+        assert len(set(ks[ks > 1].tolist())) <= 1  # <= 2 depths per update, as in Table 3
+
+
+def test_weights_give_the_weighted_rows_of_table_3():
+    """p1 = 0.32, the rest uniform over k = 2..5."""
+    sampler = LoopSampler(5, "independent", loop_weights=[0.32, 0.17, 0.17, 0.17, 0.17], seed=0)
+    assert sampler.p_one_loop() == pytest.approx(0.32)
+    ks = draw(sampler, 2000)
+    assert (ks == 1).double().mean().item() == pytest.approx(0.32, abs=0.007)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        LoopSampler(3, "lockstep")
+    with pytest.raises(ValueError):
+        LoopSampler(3, loop_weights=[1.0, 1.0])
