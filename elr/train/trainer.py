@@ -1,0 +1,404 @@
+"""The training loop: mixed-depth gradient accumulation, validation at every k, checkpoints.
+
+A token's path: data loader -> Trainer.train_step -> model(inputs, loops=k) -> cross entropy.
+Each (data-parallel rank, microbatch) slot runs its own loop count k; the loss of an update is
+the mean over all of its tokens, whatever depth produced them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from elr.config import JobConfig
+from elr.models import ModelArgs, build_model, flavors
+from elr.models.ffn import update_expert_biases
+from elr.parallel.parallel_dims import ParallelDims
+from elr.parallel.parallelize import apply_fsdp, compile_layers, convert_to_float8
+from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
+from elr.train.data import build_train_loader, val_batches
+from elr.train.loop_sampler import LoopSampler
+from elr.train.metrics import MetricsLogger, console_line, memory_gib
+from elr.train.optimizer import build_lr_scheduler, build_optimizer
+from elr.train.tokenizer import build_tokenizer
+
+logger = logging.getLogger("elr")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive updates with a NaN/Inf loss or gradient norm."""
+
+
+def is_conditioning_key(key: str) -> bool:
+    """Checkpoint keys of the loop-conditioning parameters, which a pre-switch checkpoint lacks."""
+    return ".conditioning." in key
+
+
+def model_args_from_config(cfg: JobConfig, vocab_size: int, conditioning: bool) -> ModelArgs:
+    e = cfg.elr
+    args = flavors[cfg.model.flavor]
+    return dataclasses.replace(
+        args,
+        vocab_size=vocab_size,
+        max_seq_len=cfg.training.seq_len,
+        partition=tuple(e.partition) if e.partition else args.partition,
+        elr=e.enabled,
+        max_loops=e.max_loops,
+        recurrent_input=e.recurrent_input,
+        update=e.update,
+        conditioning=conditioning,
+        moe_route_replay=cfg.moe.route_replay,
+    )
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        t = cfg.training
+        self.rank, self.world_size, self.device = self._init_distributed()
+        self.dims = ParallelDims(
+            cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree, self.world_size
+        )
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        self.dp_rank, self.dp_world = self.rank, self.dims.dp_world
+
+        per_update = t.local_batch_size * self.dp_world
+        global_batch = per_update if t.global_batch_size == -1 else t.global_batch_size
+        if global_batch % per_update:
+            raise ValueError(
+                f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x "
+                f"data-parallel ranks = {t.local_batch_size} x {self.dp_world}"
+            )
+        self.n_micro = global_batch // per_update
+        self.global_batch = global_batch
+
+        self.dump_folder = Path(cfg.job.dump_folder)
+        data_dir = Path(cfg.data.path)
+        self.tokenizer = build_tokenizer(cfg.tokenizer.path)
+        self._check_data_vocab(data_dir)
+        self.train_loader = build_train_loader(
+            str(data_dir / "train.bin"), t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world, t.seed,
+            cfg.data.shuffle,
+        )
+        self.data_iter = iter(self.train_loader)
+        self.val_path = str(data_dir / "val.bin")
+        if cfg.validation.freq:  # fail now, not at the first evaluation, if the val split is too small
+            val_batches(self.val_path, t.seq_len, t.local_batch_size, cfg.validation.steps, self.dp_rank, self.dp_world)
+
+        self.sampler = LoopSampler(
+            cfg.elr.max_loops, cfg.elr.sampling, cfg.elr.one_loop_override, cfg.elr.loop_weights, t.seed
+        )
+        self.switch_step = round(cfg.elr.switch_at * t.steps)
+        self.checkpointer = CheckpointManager(
+            self.dump_folder / cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
+            keep_latest_k=cfg.checkpoint.keep_latest_k, async_save=cfg.checkpoint.async_save,
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        self.nonfinite_streak = 0
+        self.stop_requested = False
+
+        self._build_and_resume()
+        self.metrics = MetricsLogger(self.dump_folder, cfg.metrics.enable_tensorboard, self.rank)
+        if self.rank == 0:
+            self.dump_folder.mkdir(parents=True, exist_ok=True)
+            (self.dump_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        self._log_setup()
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    def _init_distributed(self) -> tuple[int, int, torch.device]:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        return (dist.get_rank() if world_size > 1 else 0), world_size, device
+
+    def _check_data_vocab(self, data_dir: Path) -> None:
+        meta_path = data_dir / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"data.path: {meta_path} not found (make it with scripts/prepare_data.py)")
+        vocab = json.loads(meta_path.read_text())["vocab_size"]
+        if vocab != self.tokenizer.n_vocab:
+            raise ValueError(
+                f"data.path: {data_dir} was tokenized with a vocabulary of {vocab}, but tokenizer.path "
+                f"{self.cfg.tokenizer.path} has {self.tokenizer.n_vocab}"
+            )
+
+    def _build(self, mixed: bool) -> None:
+        """Model, optimizer and schedule for one phase: one-loop (no conditioning) or mixed depth.
+
+        Weights are initialised from the seed alone, so a model rebuilt at the switch gets the same
+        fresh conditioning parameters as one built when resuming after it.
+        """
+        cfg = self.cfg
+        self.mixed = mixed
+        self.model_args = model_args_from_config(cfg, self.tokenizer.n_vocab, cfg.elr.conditioning and mixed)
+        torch.manual_seed(cfg.training.seed)
+        with torch.device("meta"):
+            model = build_model(self.model_args)
+        if cfg.float8.enable:
+            convert_to_float8(model, emulate=self.device.type != "cuda")
+        if cfg.compile.enable:
+            compile_layers(model)
+        if self.mesh is not None:
+            dp_mesh = self.mesh if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+            param_dtype = getattr(torch, cfg.training.mixed_precision_param)
+            apply_fsdp(model, dp_mesh, param_dtype)
+        model.to_empty(device=self.device)
+        model.init_weights()
+        model.train()
+        self.model = model
+        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+
+    def _build_and_resume(self) -> None:
+        """Build the phase the checkpoint to resume from belongs to, then load it.
+
+        If the newest checkpoint is unreadable the load falls back to an older one, which may sit on
+        the other side of the switch; then the model is rebuilt for that phase and loaded again.
+        """
+        ckpt = self.cfg.checkpoint
+        planned = None
+        if ckpt.enable:
+            planned = self.checkpointer.latest_step() if ckpt.load_step == -1 else ckpt.load_step
+        self._build(mixed=(planned or 0) >= self.switch_step)
+        if planned is None:
+            return
+        self._load(None if ckpt.load_step == -1 else ckpt.load_step)
+        if (self.step >= self.switch_step) != self.mixed:
+            self._build(mixed=not self.mixed)
+            if self.step:
+                self._load(self.step)
+
+    def states(self) -> dict:
+        return {
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "train_state": self,
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "data_position": self.train_loader.dataset.position,
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.train_loader.dataset.position = int(state["data_position"])
+        torch.set_rng_state(state["rng"])
+
+    def _load(self, step: int | None) -> None:
+        loaded = self.checkpointer.load(
+            self.states(), step=step, allow_missing=is_conditioning_key if self.model_args.conditioning else (lambda key: False)
+        )
+        if loaded is not None:
+            logger.info(f"resumed from {self.checkpointer.folder}/step-{loaded} (step {self.step})")
+
+    def _log_setup(self) -> None:
+        a, t = self.model_args, self.cfg.training
+        n_params = sum(p.numel() for p in self.model.parameters())
+        n_in, n_rec, n_out = a.partition
+        logger.info(
+            f"model {self.cfg.model.flavor}: {n_params:,} parameters | layers {a.layer_pattern} "
+            f"(input {n_in}, recurrent {n_rec}, output {n_out}) | ELR {'on' if a.elr else 'off (baseline)'}, "
+            f"update {a.update}, conditioning {'on' if a.conditioning else 'off'}, K={a.max_loops}"
+        )
+        logger.info(
+            f"{self.world_size} rank(s) on {self.device.type} | {self.n_micro} microbatch(es) x "
+            f"{t.local_batch_size} x {t.seq_len} tokens per rank per update | global batch {self.global_batch} | "
+            f"{self.model.num_flops_per_token(t.seq_len, 1) / 1e9:.3f} GFLOP/token at k=1"
+        )
+        if self.switch_step and not self.mixed:
+            logger.info(f"one loop until step {self.switch_step}, then mixed depth")
+
+    # ---- training ----------------------------------------------------------------------------
+
+    def loop_counts(self, step: int) -> torch.Tensor:
+        """k for every slot [dp_world, n_micro] of update `step`: one loop before the switch."""
+        if step <= self.switch_step:
+            return torch.ones(self.dp_world, self.n_micro, dtype=torch.long)
+        return self.sampler.sample(step, self.dp_world, self.n_micro)
+
+    def train_step(self, step: int) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        cfg, K = self.cfg, self.cfg.elr.max_loops
+        ks = self.loop_counts(step)
+        track = step % cfg.metrics.log_freq == 0
+        self.model.recurrent.track_stats = track
+        tokens_per_rank = self.n_micro * cfg.training.local_batch_size * cfg.training.seq_len
+        # Row 0: summed loss per k, row 1: tokens per k (this rank), reduced over ranks below.
+        per_k = torch.zeros(2, K, dtype=torch.float64, device=self.device)
+        loop_stats: dict[str, list[float]] = {}
+        for micro, k in enumerate(ks[self.dp_rank].tolist()):
+            inputs, labels = (x.to(self.device) for x in next(self.data_iter))
+            logits = self.model(inputs, loops=k)
+            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            (loss_sum / tokens_per_rank).backward()
+            per_k[0, k - 1] += loss_sum.detach().double()
+            per_k[1, k - 1] += labels.numel()
+            if track:
+                for i, stats in enumerate(self.model.recurrent.loop_stats, start=1):
+                    for name, value in stats.items():
+                        loop_stats.setdefault(f"loop{i}/{name}", []).append(value.item())
+        if dist.is_initialized():
+            dist.all_reduce(per_k)
+        loss = (per_k[0].sum() / per_k[1].sum()).item()
+        grad_norm = self._clip_gradients(cfg.training.max_norm)
+
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.nonfinite_streak = 0
+            self.optimizer.step()
+            moe_stats = update_expert_biases(self.model.moe_layers(), cfg.moe.bias_update_rate)
+        else:
+            self.nonfinite_streak += 1
+            moe_stats = update_expert_biases(self.model.moe_layers(), 0.0)  # drop this update's counts
+            logger.warning(
+                f"step {step}: non-finite loss {loss} or grad norm {grad_norm}; update skipped "
+                f"({self.nonfinite_streak} in a row, limit {cfg.training.max_nonfinite_steps})"
+            )
+            if self.nonfinite_streak > cfg.training.max_nonfinite_steps:
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_streak} consecutive updates had a NaN/Inf loss or gradient norm "
+                    f"(training.max_nonfinite_steps = {cfg.training.max_nonfinite_steps}); stopping without "
+                    "saving. Lower optimizer.lr or resume from the last checkpoint."
+                )
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+
+        scalars = {"loss/train": loss, "grad_norm": grad_norm, "lr": lr, "loops/mean": ks.float().mean().item()}
+        for k in range(1, K + 1):
+            if per_k[1, k - 1] > 0:
+                scalars[f"loss/k{k}"] = (per_k[0, k - 1] / per_k[1, k - 1]).item()
+        scalars.update({name: sum(v) / len(v) for name, v in loop_stats.items()})
+        scalars.update(moe_stats)
+        return scalars, ks, per_k
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        total = total.item()
+        if max_norm > 0 and math.isfinite(total) and total > max_norm:
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+        return total
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Validation loss at every k in 1..K on the same held-out batches."""
+        cfg = self.cfg
+        self.model.eval()
+        self.model.recurrent.track_stats = False
+        sums = torch.zeros(2, cfg.elr.max_loops, dtype=torch.float64, device=self.device)
+        for inputs, labels in val_batches(
+            self.val_path, cfg.training.seq_len, cfg.training.local_batch_size, cfg.validation.steps,
+            self.dp_rank, self.dp_world,
+        ):
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            for k in range(1, cfg.elr.max_loops + 1):
+                logits = self.model(inputs, loops=k)
+                sums[0, k - 1] += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                sums[1, k - 1] += labels.numel()
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        self.model.train()
+        return {f"val/loss_k{k}": (sums[0, k - 1] / sums[1, k - 1]).item() for k in range(1, cfg.elr.max_loops + 1)}
+
+    def _switch_to_mixed_depth(self, step: int) -> None:
+        """The late switch: save, rebuild with zero-initialised conditioning, reload, continue.
+
+        Going through the checkpoint makes the in-run switch and a resume at the switch one path.
+        """
+        self.checkpointer.save(step, self.states())
+        self.checkpointer.wait()
+        self._build(mixed=True)
+        self._load(step)
+        logger.info(f"step {step}: switched to mixed depth (K={self.cfg.elr.max_loops}), loop conditioning "
+                    f"{'added at zero' if self.model_args.conditioning else 'off'}")
+
+    def _request_stop(self, signum, frame) -> None:
+        logger.warning(f"received {signal.Signals(signum).name}: saving a checkpoint at the end of this step")
+        self.stop_requested = True
+        signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+
+    def _should_stop(self) -> bool:
+        flag = torch.tensor([float(self.stop_requested)], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def train(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
+        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        tokens_per_update = self.global_batch * t.seq_len
+        window = None  # loss sums and tokens per k since the last console line
+        try:
+            if self.step == 0 and cfg.validation.freq:
+                self._log_validation(0)
+            while self.step < t.steps:
+                step = self.step + 1
+                start = time.perf_counter()
+                scalars, ks, per_k = self.train_step(step)
+                window = per_k if window is None else window + per_k
+                elapsed = time.perf_counter() - start
+                self.step = step
+                self.tokens_seen += tokens_per_update
+                flops = sum(self.model.num_flops_per_token(t.seq_len, k) for k in ks.flatten().tolist())
+                flops *= t.local_batch_size * t.seq_len
+                scalars["throughput/tokens_per_s"] = tokens_per_update / elapsed
+                scalars["throughput/mfu_pct"] = 100 * flops / elapsed / (cfg.metrics.peak_tflops * 1e12 * self.world_size)
+                scalars["memory/max_gib"] = memory_gib(self.device)
+                self.metrics.log(step, scalars, {"loops": ks.tolist(), "tokens": self.tokens_seen})
+                if step % cfg.metrics.log_freq == 0 or step == 1:
+                    logger.info(console_line(step, t.steps, scalars, window))
+                    window = None
+                if cfg.validation.freq and (step % cfg.validation.freq == 0 or step == t.steps):
+                    self._log_validation(step)
+
+                stop = self._should_stop()
+                if step == self.switch_step and step < t.steps:
+                    self._switch_to_mixed_depth(step)
+                elif stop or (cfg.checkpoint.enable and (self.checkpointer.should_save(step) or step == t.steps)):
+                    self.checkpointer.save(step, self.states())
+                if stop:
+                    logger.info(f"stopped at step {step}; resume with the same command")
+                    break
+            self.checkpointer.wait()
+            if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
+                path = self.checkpointer.export_model(self.step, self.model, getattr(torch, cfg.checkpoint.export_dtype))
+                logger.info(f"exported model weights ({cfg.checkpoint.export_dtype}) to {path}")
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.metrics.close()
+
+    def _log_validation(self, step: int) -> None:
+        val = self.validate()
+        self.metrics.log(step, val)
+        logger.info(f"validation at step {step}: " + " | ".join(f"k={n.split('_k')[-1]} {v:.4f}" for n, v in val.items()))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

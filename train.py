@@ -1,0 +1,51 @@
+"""Train an ELR model.
+
+    python train.py                                            # the debug config (CPU, about a minute)
+    python train.py --config train_configs/debug.toml --training.steps 50
+    torchrun --nproc_per_node 8 train.py --config train_configs/koi4b.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).parent / "train_configs" / "debug.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML job config (default: %(default)s)")
+    args, overrides = parser.parse_known_args(argv)
+
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(message)s" if "WORLD_SIZE" in os.environ else "%(asctime)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    from elr.config import ConfigError, load_config
+    from elr.train.checkpoint import CheckpointError
+    from elr.train.trainer import NonFiniteLossError, Trainer
+
+    try:
+        cfg = load_config(args.config, overrides)
+        trainer = Trainer(cfg)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        logging.error(f"error: {e}")
+        return 2
+    try:
+        trainer.train()
+    except NonFiniteLossError as e:
+        logging.error(f"error: {e}")
+        return 1
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
