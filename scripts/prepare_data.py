@@ -5,16 +5,30 @@ Inputs are .txt files (one document per file) and .jsonl files (one document per
 --text-field), named directly or found in directories (recursively, in sorted order). Writes to
 --out:
 
-    train.bin, val.bin   flat token streams; every document is followed by <|endoftext|>
-    meta.json            dtype, vocab size, tokenizer file and sha256, documents / tokens /
-                         UTF-8 text bytes per split, val fraction, sources
+    train.bin, val.bin   flat token streams; every document (or part of one, with --split tail)
+                         is followed by <|endoftext|>
+    meta.json            dtype, vocab size, tokenizer file and sha256, split kind, documents /
+                         tokens / UTF-8 text bytes per split, val fraction, sources
 
-A document goes to val when a hash of its text falls below --val-fraction: the split is the same
-on every run and machine whatever the input order, and no document straddles the two splits.
+--split document (the default, right for large corpora): a document goes to val when a hash of
+its text falls below --val-fraction. The split is the same on every run and machine whatever the
+input order, and no document straddles the two splits.
+
+--split tail (right for a small corpus of few, long documents, where a handful of whole documents
+would make val a different domain from train): every document is cut at a token boundary; its
+last floor(n * val_fraction) of n tokens go to val and the rest to train, each part followed by
+<|endoftext|>. A cut that would fall inside a UTF-8 character moves later to the next character
+boundary, so both parts decode to text; a document too short to give val a token stays whole in
+train. Train parts are written in input order (the loader shuffles windows); val parts are held
+in memory and written in the order of a hash of their document's text, so that the first windows
+of val.bin (which validation reads) mix the sources, and val.bin does not depend on input order.
+
 Outputs are written under temporary names and renamed only when complete.
 
     python scripts/prepare_data.py --tokenizer data/tokenizer/elr8k.tiktoken \\
         --out data/tinyprose path/to/texts/ more.jsonl
+    python scripts/prepare_data.py --tokenizer data/tokenizer/elr8k.tiktoken \\
+        --out data/tinyprose --split tail --val-fraction 0.02 path/to/texts/
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from elr.train.tokenizer import Tokenizer, build_tokenizer, file_sha256  # noqa: E402
 
 SPLITS = ("train", "val")
+SPLIT_KINDS = ("document", "tail")
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
@@ -101,10 +116,24 @@ def iter_all_documents(
             raise InputError(f"{name}: no non-empty documents")
 
 
+def text_hash(text: str) -> int:
+    """Stable per-document number in [0, 2^64): the first 8 bytes of a hash of the text."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
 def is_val(text: str, val_fraction: float) -> bool:
-    """Stable per-document coin: the first 8 bytes of a hash of the text, read as a fraction."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < val_fraction
+    """Stable per-document coin: the text's hash, read as a fraction, below val_fraction."""
+    return text_hash(text) / 2**64 < val_fraction
+
+
+def tail_cut(ids: list[int], val_fraction: float, token_bytes) -> int:
+    """Where --split tail cuts a document's ids: the last floor(n * val_fraction) go to val,
+    the cut moved later past tokens that continue a UTF-8 character (`token_bytes(id)` gives a
+    token's bytes). Returns len(ids) when val gets nothing; never 0, as val_fraction < 1."""
+    cut = len(ids) - int(len(ids) * val_fraction)
+    while cut < len(ids) and token_bytes(ids[cut])[0] & 0xC0 == 0x80:
+        cut += 1
+    return cut
 
 
 def token_dtype(n_vocab: int) -> np.dtype:
@@ -127,10 +156,13 @@ def prepare(
     val_fraction: float = 0.05,
     text_field: str = "text",
     chunk_docs: int = 256,
+    split: str = "document",
 ) -> dict:
     """Tokenize `inputs` into `out_dir`; returns the meta.json contents."""
     if not 0.0 < val_fraction < 1.0:
         raise InputError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    if split not in SPLIT_KINDS:
+        raise InputError(f"--split must be one of {', '.join(SPLIT_KINDS)}, got {split!r}")
     tokenizer: Tokenizer = build_tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.n_vocab)
     groups = list_input_files(inputs)  # fail on a missing input before any work
@@ -144,16 +176,30 @@ def prepare(
             tmp[name] = open(out / f".{name}.{os.getpid()}.tmp", "xb")
         counts = {s: {"documents": 0, "tokens": 0, "text_bytes": 0} for s in SPLITS}
         start = last_report = time.monotonic()
+        token_bytes = tokenizer.encoding.decode_single_token_bytes
+        tails: list[tuple[int, np.ndarray]] = []  # --split tail: (document hash, val part)
+
+        def add(part: str, ids: list[int], text_bytes: int) -> np.ndarray:
+            """Count one document (or part) of `part`, with its <|endoftext|>; its tokens."""
+            tokens = np.asarray([*ids, tokenizer.eot_id], dtype=dtype)
+            c = counts[part]
+            c["documents"] += 1
+            c["tokens"] += len(tokens)
+            c["text_bytes"] += text_bytes
+            return tokens
 
         def flush(texts: list[str]) -> None:
             for text, ids in zip(texts, tokenizer.encode_batch(texts)):
-                split = "val" if is_val(text, val_fraction) else "train"
-                ids.append(tokenizer.eot_id)
-                np.asarray(ids, dtype=dtype).tofile(tmp[split])
-                c = counts[split]
-                c["documents"] += 1
-                c["tokens"] += len(ids)
-                c["text_bytes"] += len(text.encode("utf-8"))
+                n_bytes = len(text.encode("utf-8"))
+                if split == "document":
+                    part = "val" if is_val(text, val_fraction) else "train"
+                    add(part, ids, n_bytes).tofile(tmp[part])
+                    continue
+                cut = tail_cut(ids, val_fraction, token_bytes)
+                val_bytes = sum(len(token_bytes(t)) for t in ids[cut:])
+                add("train", ids[:cut], n_bytes - val_bytes).tofile(tmp["train"])
+                if cut < len(ids):
+                    tails.append((text_hash(text), add("val", ids[cut:], val_bytes)))
             texts.clear()
 
         pending: list[str] = []
@@ -172,13 +218,23 @@ def prepare(
                     flush=True,
                 )
         flush(pending)
-        for split in SPLITS:
-            if counts[split]["documents"] == 0:
+        # Sorted by hash alone, a tie is two identical documents with identical tails.
+        for _, tokens in sorted(tails, key=lambda t: t[0]):
+            tokens.tofile(tmp["val"])
+        for part in SPLITS:
+            if counts[part]["documents"] > 0:
+                continue
+            if split == "document":
                 total = sum(c["documents"] for c in counts.values())
                 raise InputError(
-                    f"no document fell into the {split} split ({total} documents, val fraction "
+                    f"no document fell into the {part} split ({total} documents, val fraction "
                     f"{val_fraction}); add documents or change --val-fraction"
                 )
+            raise InputError(  # tail: train always gets a part, val may not
+                f"no document is long enough to give the val split a token with --split tail "
+                f"({counts['train']['documents']} documents, val fraction {val_fraction}); add "
+                "text or raise --val-fraction"
+            )
 
         tok_file = Path(tokenizer_path)
         meta = {
@@ -187,6 +243,7 @@ def prepare(
             "eot_id": tokenizer.eot_id,
             "tokenizer": tok_file.name if tok_file.is_file() else tokenizer_path,
             "tokenizer_sha256": file_sha256(tok_file) if tok_file.is_file() else None,
+            "split": split,
             "val_fraction": val_fraction,
             "text_field": text_field,
             "splits": {s: {"file": f"{s}.bin", **counts[s]} for s in SPLITS},
@@ -198,8 +255,8 @@ def prepare(
         # A stale meta.json beside half-renamed token files must not look valid: drop it first
         # and put the new one in place last.
         (out / "meta.json").unlink(missing_ok=True)
-        for split in SPLITS:
-            os.replace(tmp[split].name, out / f"{split}.bin")
+        for part in SPLITS:
+            os.replace(tmp[part].name, out / f"{part}.bin")
         os.replace(tmp["meta"].name, out / "meta.json")
         done = True
         return meta
@@ -215,13 +272,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories")
     parser.add_argument("--tokenizer", required=True, help="ranks file or tiktoken encoding name")
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--split",
+        choices=SPLIT_KINDS,
+        default="document",
+        help="document: whole documents go to val by a hash of their text (large corpora); "
+        "tail: the last val fraction of every document's tokens goes to val (small corpora)",
+    )
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--text-field", default="text", help="JSON field of .jsonl documents")
     args = parser.parse_args(argv)
 
     start = time.monotonic()
     try:
-        meta = prepare(args.inputs, args.tokenizer, args.out, args.val_fraction, args.text_field)
+        meta = prepare(
+            args.inputs, args.tokenizer, args.out, args.val_fraction, args.text_field,
+            split=args.split,
+        )
     except (InputError, FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 1

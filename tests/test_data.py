@@ -4,6 +4,7 @@ resharding of the single-integer loader state, validation batches, and error mes
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def test_prepare_data_end_to_end(tmp_path):
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == tok.n_vocab
     assert meta["eot_id"] == tok.eot_id and meta["tokenizer"] == TOKENIZER.name
     assert meta["val_fraction"] == float(VAL_FRACTION) and len(meta["sources"]) == 4
+    assert meta["split"] == "document"
 
     # Every document comes back exactly once, in one split, followed by <|endoftext|>.
     decoded = []
@@ -112,6 +114,95 @@ def test_prepare_data_errors_leave_no_partial_output(tmp_path):
     no_val = prepare("--out", str(out), "--val-fraction", "1e-9", str(CORPUS))
     assert no_val.returncode == 1 and "no document fell into the val split" in no_val.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def split_parts(path: Path, eot_id: int) -> list[list[int]]:
+    """The documents (or document parts) of a token file, each without its <|endoftext|>."""
+    tokens = np.fromfile(path, dtype=np.uint16)
+    assert len(tokens) > 0 and tokens[-1] == eot_id
+    ends = np.flatnonzero(tokens == eot_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokens[s:e].tolist() for s, e in zip(starts, ends)]
+
+
+def test_prepare_data_tail_split(tmp_path):
+    out = tmp_path / "tail"
+    result = prepare("--out", str(out), "--split", "tail", "--val-fraction", VAL_FRACTION,
+                     str(CORPUS))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["split"] == "tail" and meta["val_fraction"] == float(VAL_FRACTION)
+    tok = build_tokenizer(str(TOKENIZER))
+    texts = fixture_documents()
+    encoded = [tok.encode(text) for text in texts]
+    n_val = [int(len(ids) * float(VAL_FRACTION)) for ids in encoded]
+    assert min(n_val) > 0  # every fixture document is long enough to give val a part
+
+    # Each document's head is in train and its last floor(n * fraction) tokens are in val, each
+    # part followed by <|endoftext|>; together they are exactly the document's tokens.
+    train = split_parts(out / "train.bin", tok.eot_id)
+    val = split_parts(out / "val.bin", tok.eot_id)
+    assert sorted(map(tuple, train)) == sorted(
+        tuple(ids[: len(ids) - k]) for ids, k in zip(encoded, n_val)
+    )
+    assert sorted(map(tuple, val)) == sorted(
+        tuple(ids[len(ids) - k :]) for ids, k in zip(encoded, n_val)
+    )
+    for part in val:  # a tail decodes to the end of one of the texts
+        assert any(text.endswith(tok.decode(part)) for text in texts)
+    for split, parts in (("train", train), ("val", val)):
+        c = meta["splits"][split]
+        assert c["documents"] == len(parts) == len(texts)
+        assert c["tokens"] == sum(len(part) + 1 for part in parts)
+    assert sum(meta["splits"][s]["tokens"] for s in ("train", "val")) == sum(
+        len(ids) for ids in encoded
+    ) + 2 * len(texts)
+    assert sum(meta["splits"][s]["text_bytes"] for s in ("train", "val")) == sum(
+        len(text.encode("utf-8")) for text in texts
+    )
+
+    # Deterministic: the same run gives the same bytes, and val.bin is the same whatever the
+    # input order (train parts follow the input order; the loader shuffles them anyway).
+    files = sorted(str(p) for p in CORPUS.iterdir() if p.suffix in (".txt", ".jsonl"))
+    for name, inputs in (("again", [str(CORPUS)]), ("reordered", files[::-1])):
+        rerun = prepare("--out", str(tmp_path / name), "--split", "tail", "--val-fraction",
+                        VAL_FRACTION, *inputs)
+        assert rerun.returncode == 0, rerun.stderr
+        assert (tmp_path / name / "val.bin").read_bytes() == (out / "val.bin").read_bytes()
+    for name in ("train.bin", "meta.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes()
+    reordered = split_parts(tmp_path / "reordered" / "train.bin", tok.eot_id)
+    assert sorted(map(tuple, reordered)) == sorted(map(tuple, train))
+
+
+def test_tail_cut_keeps_utf8_characters_whole():
+    script = REPO / "scripts" / "prepare_data.py"
+    spec = importlib.util.spec_from_file_location("prepare_data", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # Token i stands for the bytes below: "a", "b", the first and the last two bytes of "—", "c".
+    pieces = [b"a", b"b", b"\xe2", b"\x80\x94", b"c"]
+    cut = lambda ids, fraction: module.tail_cut(ids, fraction, pieces.__getitem__)  # noqa: E731
+    assert cut([0, 1, 4, 0], 0.5) == 2  # the last floor(4 * 0.5) = 2 tokens go to val
+    assert cut([0, 2, 3, 1], 0.75) == 1  # a cut before "—" is a character boundary
+    assert cut([0, 2, 3, 1], 0.5) == 3  # a cut inside "—" moves past it: "—" stays in train
+    assert cut([0, 1, 2, 3], 0.25) == 4  # the tail would start inside "—": val gets nothing
+    assert cut([0, 1, 2, 3], 0.2) == 4  # floor(4 * 0.2) = 0 tokens
+    assert cut([0], 0.99) == 1  # train always keeps at least one token
+
+
+def test_prepare_data_tail_split_errors_leave_no_partial_output(tmp_path):
+    out = tmp_path / "out"
+    args = ("--out", str(out), "--split", "tail")
+    assert prepare(*args, "--val-fraction", VAL_FRACTION, str(CORPUS)).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # Every fixture document has fewer than 10^4 tokens: none gives val a token.
+    too_short = prepare(*args, "--val-fraction", "1e-4", str(CORPUS))
+    assert too_short.returncode == 1 and "no document is long enough" in too_short.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    bogus = prepare("--out", str(out), "--split", "random", str(CORPUS))
+    assert bogus.returncode == 2 and "invalid choice: 'random'" in bogus.stderr
 
 
 def test_bundled_data_matches_its_tokenizer():
