@@ -97,6 +97,8 @@ class Checkpoint:
     load_step: int = -1  # -1: resume from the newest complete checkpoint, if any
     async_save: bool = False
     export_dtype: str = "none"  # none | float32 | bfloat16: also write model-only weights at the end
+    create_seed: bool = False  # save the initial weights as step 0 and exit (one process): every
+    # world size then starts from the same weights, which sharded initialisation does not give
 
 
 @dataclass
@@ -306,7 +308,7 @@ def validate(cfg: JobConfig) -> None:
     _check(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", o.weight_decay)
 
     s = cfg.lr_scheduler
-    _check(0 <= s.warmup_steps <= t.steps, "lr_scheduler.warmup_steps", "must lie in [0, training.steps]", s.warmup_steps)
+    _check(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0", s.warmup_steps)
     _check(0 < s.decay_fraction <= 1, "lr_scheduler.decay_fraction", "must lie in (0, 1]", s.decay_fraction)
     _check(0 <= s.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "must lie in [0, 1]", s.min_lr_ratio)
 
@@ -314,6 +316,7 @@ def validate(cfg: JobConfig) -> None:
     _check(c.interval >= 1, "checkpoint.interval", "must be >= 1", c.interval)
     _check(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)
     _check(c.load_step >= -1, "checkpoint.load_step", "must be -1 (latest) or a step", c.load_step)
+    _check(c.enable or not c.create_seed, "checkpoint.create_seed", "needs checkpoint.enable = true", c.create_seed)
     if e.switch_at > 0:
         _check(c.enable, "checkpoint.enable", "must be true when elr.switch_at > 0 (the switch saves and reloads)",
                c.enable)

@@ -22,9 +22,9 @@ def test_defaults_without_a_file():
 
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
-    path = write(tmp_path, "[training]\nsteps = 70\nseq_len = 64\n[elr]\nmax_loops = 2\n")
-    cfg = load_config(path, ["--training.steps", "90", "--elr.loop_weights=1,2", "--elr.conditioning", "false"])
-    assert cfg.training.steps == 90  # CLI beats TOML
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[elr]\nmax_loops = 2\n")
+    cfg = load_config(path, ["--training.steps", "9", "--elr.loop_weights=1,2", "--elr.conditioning", "false"])
+    assert cfg.training.steps == 9  # CLI beats TOML
     assert cfg.training.seq_len == 64  # TOML beats default
     assert cfg.training.local_batch_size == JobConfig().training.local_batch_size  # default
     assert cfg.elr.loop_weights == [1.0, 2.0] and cfg.elr.conditioning is False
@@ -53,7 +53,7 @@ def test_shipped_configs_load(name):
         ("[elr]\nenabled = false\n", [], "elr.max_loops"),  # the baseline runs one loop
         ("[elr]\nswitch_at = 0.5\n", [], "checkpoint.enable"),  # the switch goes through a checkpoint
         ("[model]\nflavor = \"gpt5\"\n", [], "model.flavor"),
-        ("[lr_scheduler]\nwarmup_steps = 1000\n", [], "lr_scheduler.warmup_steps"),
+        ("[lr_scheduler]\nwarmup_steps = -1\n", [], "lr_scheduler.warmup_steps"),
         ("", ["--optimizer.betas", "0.9"], "optimizer.betas"),
         ("", ["--training.steps"], "training.steps"),  # missing value
     ],

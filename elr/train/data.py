@@ -16,6 +16,7 @@ without repeating or skipping a sample.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+# torchdata 0.11 warns on every loader that it calls a deprecated torch API; nothing for us to act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs [local_bs, seq_len], labels [local_bs, seq_len]
 

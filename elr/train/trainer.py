@@ -349,8 +349,19 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def create_seed_checkpoint(self) -> None:
+        if self.world_size > 1:
+            raise ValueError("checkpoint.create_seed: run it in one process (python train.py ...)")
+        if self.step:
+            raise ValueError(f"checkpoint.create_seed: {self.checkpointer.folder} already holds step {self.step}")
+        self.checkpointer.save(0, self.states())
+        self.checkpointer.wait()
+        logger.info(f"saved the initial weights to {self.checkpointer.folder}/step-0")
+
     def train(self) -> None:
         cfg, t = self.cfg, self.cfg.training
+        if cfg.checkpoint.create_seed:
+            return self.create_seed_checkpoint()
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         tokens_per_update = self.global_batch * t.seq_len
         window = None  # loss sums and tokens per k since the last console line

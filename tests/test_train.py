@@ -1,0 +1,158 @@
+"""End-to-end training on the bundled data: metrics, accumulation, exact resume, the late switch,
+bad numbers and preemption."""
+
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elr.config import load_config
+from elr.train.trainer import NonFiniteLossError, Trainer
+from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, losses, overrides, records, run
+
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0"]
+
+
+def test_debug_job_writes_every_metric(tmp_path):
+    dump = tmp_path / "run"
+    run(dump, 4, "--validation.freq", "2", "--metrics.enable_tensorboard", "true", "--metrics.log_freq", "2")
+    recs = records(dump)
+    steps = [r for r in recs if "loss/train" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert math.isfinite(r["loss/train"]) and len(r["loops"]) == 1 and len(r["loops"][0]) == 2
+        for key in ("lr", "grad_norm", "loops/mean", "throughput/tokens_per_s", "throughput/mfu_pct", "memory/max_gib"):
+            assert key in r, key
+        assert any(k.startswith("loss/k") for k in r)
+    logged = [r for r in steps if r["step"] % 2 == 0]  # per-loop statistics on log steps
+    assert all("loop1/update_norm" in r and "loop1/step_size_mean" in r and "loop1/film_gate_mean" in r for r in logged)
+    assert all("moe/max_load_over_mean" in r for r in steps)
+    vals = [r for r in recs if "val/loss_k1" in r]
+    assert [r["step"] for r in vals] == [0, 2, 4]
+    assert all(set(r) >= {"val/loss_k1", "val/loss_k2", "val/loss_k3"} for r in vals)
+    assert list((dump / "tb").glob("events.out.tfevents.*"))
+    assert (dump / "config.json").is_file()
+
+
+def test_gradient_accumulation_equals_one_large_microbatch(tmp_path):
+    one_loop = ["--elr.max_loops", "1"]
+    accumulated = run(tmp_path / "a", 3, *one_loop)  # two microbatches of 2
+    single = run(tmp_path / "b", 3, *one_loop, "--training.local_batch_size", "4")
+    for step in accumulated:
+        assert accumulated[step] == pytest.approx(single[step], rel=1e-5)
+
+
+def test_resume_is_bit_exact_at_every_checkpoint(tmp_path):
+    full = run(tmp_path / "full", 6, *CKPT, "--checkpoint.interval", "2")
+    for step in (2, 4):
+        dump = tmp_path / f"resume{step}"
+        copy_checkpoint(tmp_path / "full", step, dump)
+        resumed = run(dump, 6, *CKPT, "--checkpoint.interval", "2")
+        assert sorted(resumed) == list(range(step + 1, 7))
+        for s, loss in resumed.items():
+            assert loss == full[s], (step, s)  # to the last bit, loop counts included
+        assert [r["loops"] for r in records(dump)] == [r["loops"] for r in records(tmp_path / "full")][step:]
+
+
+SWITCH = [*CKPT, "--elr.switch_at", "0.5", "--checkpoint.interval", "100"]
+
+
+def test_late_switch_in_run_equals_switch_by_resume(tmp_path):
+    in_run = run(tmp_path / "in_run", 6, *SWITCH)
+    assert all(len(set(sum(r["loops"], []))) == 1 for r in records(tmp_path / "in_run")[:3])  # k=1 before
+    assert (tmp_path / "in_run" / "checkpoint" / "step-3").is_dir()  # saved at the switch
+    for name, config in [("same_config", SWITCH), ("mixed_depth_config", [*CKPT, "--elr.switch_at", "0"])]:
+        dump = tmp_path / name
+        copy_checkpoint(tmp_path / "in_run", 3, dump)
+        resumed = run(dump, 6, *config)
+        assert resumed == {s: in_run[s] for s in (4, 5, 6)}, name
+
+
+def test_switch_keeps_the_one_loop_model_exactly(tmp_path):
+    """At the switch the new zero-initialised conditioning changes no logit at k=1 (or any k)."""
+    dump = tmp_path / "run"
+    run(dump, 2, *SWITCH)  # switch_at 0.5 of 2 steps: the switch checkpoint is step 1
+    trainer = Trainer(load_config(DEBUG_TOML, overrides(dump, 2, *SWITCH, "--checkpoint.load_step", "1")))
+    assert trainer.model_args.conditioning and trainer.step == 1
+    inputs, _ = next(iter(trainer.train_loader))
+    with torch.no_grad():
+        after = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
+        trainer._build(mixed=False)
+        trainer._load(1)
+        assert not trainer.model_args.conditioning
+        before = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
+    for a, b in zip(after, before):
+        assert torch.equal(a, b)
+
+
+def test_nonfinite_updates_are_skipped_then_abort(tmp_path):
+    dump = tmp_path / "run"
+    cfg = load_config(DEBUG_TOML, overrides(dump, 6, *CKPT, "--checkpoint.interval", "1",
+                                            "--training.max_nonfinite_steps", "1"))
+    trainer = Trainer(cfg)
+    poisoned_steps = {2, 4, 5}
+    forward, optimizer_step = trainer.model.forward, trainer.optimizer.step
+    stepped = []
+
+    def maybe_nan(tokens, loops=1):
+        logits = forward(tokens, loops=loops)
+        return logits * float("nan") if trainer.step + 1 in poisoned_steps else logits
+
+    trainer.model.forward = maybe_nan
+    trainer.optimizer.step = lambda: (stepped.append(trainer.step + 1), optimizer_step())[1]
+    with pytest.raises(NonFiniteLossError, match="training.max_nonfinite_steps"):
+        trainer.train()
+    trainer.close()
+    assert stepped == [1, 3]  # step 2 skipped; 4 skipped; 5 is the second in a row: abort
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-1", "step-2", "step-3", "step-4"]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    logged = losses(dump)
+    assert math.isnan(logged[2]) and math.isfinite(logged[3])
+
+
+def test_sigterm_saves_a_resumable_checkpoint_and_exits_zero(tmp_path):
+    dump = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *overrides(dump, 100000, *CKPT, "--checkpoint.interval", "100000")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and len(losses(dump) if (dump / "metrics.jsonl").exists() else {}) < 2:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    last = max(losses(dump))
+    assert (dump / "checkpoint" / f"step-{last}").is_dir(), out
+    resumed = run(dump, last + 1, *CKPT)
+    assert max(resumed) == last + 1
+
+
+def test_baseline_trains_and_validates_one_loop(tmp_path):
+    dump = tmp_path / "run"
+    run(dump, 2, "--elr.enabled", "false", "--elr.max_loops", "1", "--elr.conditioning", "false",
+        "--validation.freq", "2")
+    val = [r for r in records(dump) if "val/loss_k1" in r][-1]
+    assert "val/loss_k2" not in val
+
+
+def test_one_loop_override_and_cross_entropy_match_a_manual_step(tmp_path):
+    """The logged loss of step 1 is the token mean of cross entropy over the slots' own k."""
+    dump = tmp_path / "run"
+    trainer = Trainer(load_config(DEBUG_TOML, overrides(dump, 1)))
+    ks = trainer.loop_counts(1)[0].tolist()
+    loader = iter(trainer.train_loader)
+    batches = [next(loader) for _ in ks]
+    trainer.train_loader.dataset.position = 0
+    with torch.no_grad():
+        expected = torch.stack([
+            F.cross_entropy(trainer.model(x, loops=k).flatten(0, 1), y.flatten()) for (x, y), k in zip(batches, ks)
+        ]).mean().item()
+    trainer.train()
+    trainer.close()
+    assert losses(dump)[1] == pytest.approx(expected, rel=1e-6)

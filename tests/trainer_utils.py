@@ -1,0 +1,61 @@
+"""Shared helpers for the end-to-end trainer tests: a tiny debug job, run in-process or as a script."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from elr.config import load_config
+from elr.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG_TOML = ROOT / "train_configs" / "debug.toml"
+
+# Seconds per run on a 2-core CPU: 32-token windows, two slots of two sequences per update.
+TINY = [
+    "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+    "--lr_scheduler.warmup_steps", "2", "--validation.steps", "1", "--validation.freq", "0",
+    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+    "--data.path", str(ROOT / "data" / "tinyprose"), "--tokenizer.path", str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"),
+]
+
+
+def overrides(dump: Path, steps: int, *extra: str) -> list[str]:
+    return [*TINY, "--training.steps", str(steps), "--job.dump_folder", str(dump), *extra]
+
+
+def run(dump: Path, steps: int, *extra: str) -> dict[int, float]:
+    """Train in this process; returns {step: training loss}."""
+    trainer = Trainer(load_config(DEBUG_TOML, overrides(dump, steps, *extra)))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return losses(dump) if (dump / "metrics.jsonl").exists() else {}
+
+
+def run_script(dump: Path, steps: int, *extra: str, nproc: int = 1, timeout: int = 240) -> dict[int, float]:
+    """Train through train.py (torchrun --standalone for nproc > 1)."""
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*launcher, str(ROOT / "train.py"), "--config", str(DEBUG_TOML), *overrides(dump, steps, *extra)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return losses(dump)
+
+
+def records(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(dump: Path) -> dict[int, float]:
+    return {r["step"]: r["loss/train"] for r in records(dump) if "loss/train" in r}
+
+
+def copy_checkpoint(src_dump: Path, step: int, dst_dump: Path) -> None:
+    shutil.copytree(src_dump / "checkpoint" / f"step-{step}", dst_dump / "checkpoint" / f"step-{step}")
