@@ -1,0 +1,89 @@
+"""Added training compute of an ELR run against its non-recurrent baseline (our reading of Eq. 5).
+
+    python scripts/estimate_cost.py train_configs/koi4b.toml train_configs/gpt_0p5b.toml
+
+A token trained at k loops passes through L_in + k L_rec + L_out layers; the baseline's passes
+through L = L_in + L_rec + L_out. With a late switch at fraction s of the steps and mean loop count
+E[k] = f + (1 - f) sum_k w_k k in the mixed phase,
+
+    cost / baseline = s + (1 - s) (L_in + E[k] L_rec + L_out) / L            (layers)
+
+The FLOP column weighs each layer by its analytic training FLOPs at the config's seq_len and counts
+the embedding/head once per token, as model.num_flops_per_token does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elr.config import ConfigError, load_config  # noqa: E402
+from elr.models import build_model  # noqa: E402
+from elr.train.loop_sampler import LoopSampler  # noqa: E402
+from elr.train.trainer import model_args_from_config  # noqa: E402
+
+FORMULA = (
+    "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L,   "
+    "E[k] = f + (1 - f) * sum_k w_k * k"
+)
+
+
+def estimate(config_path: str) -> dict:
+    cfg = load_config(config_path)
+    e = cfg.elr
+    sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights)
+    mean_k = sampler.mean_loops() if e.enabled else 1.0
+    args = model_args_from_config(cfg, vocab_size=build_vocab(cfg), conditioning=e.conditioning)
+    n_in, n_rec, n_out = args.partition
+    n_layers = n_in + n_rec + n_out
+    s = e.switch_at
+    mixed_layers = (n_in + mean_k * n_rec + n_out) / n_layers
+    with torch.device("meta"):
+        model = build_model(args)
+    f1 = model.num_flops_per_token(cfg.training.seq_len, 1)
+    per_loop = model.num_flops_per_token(cfg.training.seq_len, 2) - f1
+    mixed_flops = (f1 + (mean_k - 1) * per_loop) / f1
+    return {
+        "config": Path(config_path).name, "partition": f"{n_in}/{n_rec}/{n_out}", "K": e.max_loops,
+        "f": e.one_loop_override, "p1": sampler.p_one_loop() if e.enabled else 1.0, "E[k]": mean_k, "s": s,
+        "mixed x (layers)": mixed_layers, "run x (layers)": s + (1 - s) * mixed_layers,
+        "run x (FLOPs)": s + (1 - s) * mixed_flops,
+    }
+
+
+def build_vocab(cfg) -> int:
+    """The tokenizer's vocabulary when it can be loaded here, else the flavor's default."""
+    from elr.models.args import flavors
+    from elr.train.tokenizer import build_tokenizer
+
+    try:
+        return build_tokenizer(cfg.tokenizer.path).n_vocab
+    except Exception:  # an encoding that is not cached offline: the estimate barely depends on it
+        return flavors[cfg.model.flavor].vocab_size
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="+", help="TOML job configs")
+    args = parser.parse_args()
+    try:
+        rows = [estimate(path) for path in args.configs]
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(FORMULA)
+    header = list(rows[0])
+    cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    for line in (header, *cells):
+        print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
