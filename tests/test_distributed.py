@@ -33,3 +33,15 @@ def test_two_ranks_match_one_process_and_reshard_both_ways(tmp_path):
     for step in (3, 4):
         assert two_to_one[step] == pytest.approx(two[step], rel=2e-5, abs=2e-5), step
         assert one_to_two[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step
+
+
+def test_hsdp_two_replicas_of_two_shards_match_one_process(tmp_path):
+    run(tmp_path / "seed", 2, *CKPT, "--checkpoint.create_seed", "true")
+    copy_checkpoint(tmp_path / "seed", 0, tmp_path / "hsdp")
+    copy_checkpoint(tmp_path / "seed", 0, tmp_path / "one")
+    per_rank = ["--training.local_batch_size", "1"]
+    hsdp = run_script(tmp_path / "hsdp", 2, *CKPT, *FP32, *per_rank,
+                      "--parallelism.data_parallel_replicate_degree", "2", nproc=4)
+    one = run(tmp_path / "one", 2, *CKPT, *per_rank)
+    for step in (1, 2):
+        assert hsdp[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step
