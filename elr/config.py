@@ -178,24 +178,16 @@ def _coerce(key: str, value, typ):
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if typ is int:
+    if typ in (int, float):
         if isinstance(value, str):
             try:
-                return int(value)
+                value = typ(value)
             except ValueError:
                 pass
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if typ is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        accepted = int if typ is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise ConfigError(f"{key}: expected {'an integer' if typ is int else 'a number'}, got {value!r}")
+        return typ(value)
     if typ is str:
         if isinstance(value, str):
             return value

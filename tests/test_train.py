@@ -158,3 +158,25 @@ def test_one_loop_override_and_cross_entropy_match_a_manual_step(tmp_path):
     trainer.train()
     trainer.close()
     assert losses(dump)[1] == pytest.approx(expected, rel=1e-6)
+
+
+def test_resume_into_another_model_fails_naming_the_keys(tmp_path):
+    dump = tmp_path / "run"
+    run(dump, 2, *CKPT)
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides(dump, 4, *CKPT, "--elr.update", "replace")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "recurrent.step_size" in errors[0], result.stderr
+
+
+def test_debug_config_learns_real_text(tmp_path):
+    """The product's promise: `python train.py` trains on the bundled prose; val loss at k=1 drops >= 30%."""
+    dump = tmp_path / "debug"
+    result = subprocess.run([sys.executable, "train.py", "--job.dump_folder", str(dump)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    val = [r["val/loss_k1"] for r in records(dump) if "val/loss_k1" in r]
+    assert val[-1] <= 0.7 * val[0], val

@@ -247,7 +247,11 @@ class CheckpointManager:
             saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         except Exception as e:
             raise _Unreadable(f".metadata: {_one_line(e)}") from e
-        _check_keys(state_dict, saved, allow_missing)
+        try:
+            _check_keys(state_dict, saved, allow_missing)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path} does not fit this job ({e}); was it saved with another "
+                                  "model config? Use a new job.dump_folder or the matching config") from None
         planner = DefaultLoadPlanner(allow_partial_load=True)  # missing keys were vetted above
         dcp.load(state_dict, checkpoint_id=path, planner=planner, process_group=self._pg,
                  no_dist=self._pg is None)
