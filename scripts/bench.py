@@ -1,6 +1,7 @@
 """Micro-benchmarks, timed in one process so the ratios between variants are what count.
 
     python scripts/bench.py gdp
+    python scripts/bench.py model --flavor debug --seq-len 128 --batch 16
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """
@@ -66,7 +67,47 @@ def bench_gdp(args):
                  ["chunk", f"{chunk * 1e3:.1f}", f"{naive / chunk:.1f}x"]])
 
 
-BENCHMARKS = {"gdp": bench_gdp}
+def bench_model(args):
+    """Training step (fwd+bwd) of a flavor: the non-recurrent baseline vs ELR at k = 1..K.
+
+    At k=1 ELR runs every layer once, as the baseline does; its extra work is the adaptive step and
+    the conditioning heads. Later loops add the recurrent block's cost each.
+    """
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from elr.models import build_model, flavors
+
+    base = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, base.vocab_size, (args.batch, args.seq_len))
+
+    def make(**kw):
+        model = build_model(dataclasses.replace(base, **kw))
+        model.init_weights()
+        return model
+
+    def step(model, loops):
+        F.cross_entropy(model(tokens, loops=loops).flatten(0, 1), tokens.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+
+    baseline, elr = make(elr=False, max_loops=1), make(conditioning=True)
+    t_base = time_call(lambda: step(baseline, 1), repeats=args.repeats)
+    rows = [["baseline", "1", f"{t_base * 1e3:.1f}", "1.00x", "-",
+             f"{baseline.num_flops_per_token(args.seq_len, 1) / 1e6:.2f}"]]
+    t_one = None
+    for k in range(1, base.max_loops + 1):
+        t = time_call(lambda: step(elr, k), repeats=args.repeats)
+        t_one = t_one or t
+        rows.append(["ELR", str(k), f"{t * 1e3:.1f}", f"{t / t_base:.2f}x", f"{t / t_one:.2f}x",
+                     f"{elr.num_flops_per_token(args.seq_len, k) / 1e6:.2f}"])
+    print(f"{args.flavor}: fwd+bwd, batch {args.batch} x {args.seq_len} tokens, fp32, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print_table(["model", "k", "ms", "vs baseline", "vs k=1", "MFLOP/token"], rows)
+
+
+BENCHMARKS = {"gdp": bench_gdp, "model": bench_model}
 
 
 def main():
@@ -75,6 +116,8 @@ def main():
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--naive-repeats", type=int, default=2)
+    parser.add_argument("--flavor", default="debug", help="model: the flavor to time")
+    parser.add_argument("--batch", type=int, default=16, help="model: sequences per step")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)
 
