@@ -63,7 +63,7 @@ def build_vocab(cfg) -> int:
 
     try:
         return build_tokenizer(cfg.tokenizer.path).n_vocab
-    except Exception:  # an encoding that is not cached offline: the estimate barely depends on it
+    except FileNotFoundError:  # an encoding not cached offline: the estimate barely depends on it
         return flavors[cfg.model.flavor].vocab_size
 
 

@@ -68,7 +68,7 @@ def test_unknown_name_and_offline_encoding(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(tiktoken.load, "read_file", offline)
-    with pytest.raises(RuntimeError, match="TIKTOKEN_CACHE_DIR"):
+    with pytest.raises(FileNotFoundError, match="TIKTOKEN_CACHE_DIR"):
         build_tokenizer("o200k_base")
 
 

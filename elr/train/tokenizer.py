@@ -95,7 +95,7 @@ def build_tokenizer(path_or_name: str) -> Tokenizer:
     try:
         encoding = tiktoken.get_encoding(path_or_name)
     except Exception as e:  # network errors come in many types; all mean "not available"
-        raise RuntimeError(
+        raise FileNotFoundError(
             f"tiktoken encoding {path_or_name!r} is not available offline ({type(e).__name__}: "
             f"{e}). Download it once on a machine with internet access and point "
             "TIKTOKEN_CACHE_DIR at the cache, or pass a local ranks file instead."
