@@ -63,6 +63,11 @@ class ModelArgs:
     def n_layers(self) -> int:
         return len(self.layer_pattern)
 
+    @property
+    def rope_dim(self) -> int:
+        """Rotated dims per attention head: rope_fraction of head_dim, rounded down to even."""
+        return int(self.head_dim * self.rope_fraction) // 2 * 2
+
 
 # Koi-4B puts three of its six attention layers in the recurrent block; GDP-Hybrid-4B spreads them
 # two per block. Both have 23 GDP / 6 attention / 23 FF layers, partitioned 14/24/14.

@@ -62,15 +62,13 @@ class ELRModel(nn.Module):
         self.output_layers = nn.ModuleList(layers[n_in + n_rec:])
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        rope_dim = int(args.head_dim * args.rope_fraction) // 2 * 2
-        self.register_buffer("rope", rope_table(rope_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        self.register_buffer("rope", rope_table(args.rope_dim, args.max_seq_len, args.rope_theta), persistent=False)
 
     @torch.no_grad()
     def init_weights(self):
         """Materialise every parameter (the model may have been built on the meta device)."""
         a = self.args
-        rope_dim = int(a.head_dim * a.rope_fraction) // 2 * 2
-        self.rope.copy_(rope_table(rope_dim, a.max_seq_len, a.rope_theta))
+        self.rope.copy_(rope_table(a.rope_dim, a.max_seq_len, a.rope_theta))
         nn.init.normal_(self.tok_embeddings.weight)
         layers = [*self.input_layers, *self.recurrent.layers, *self.output_layers]
         for depth, layer in enumerate(layers):

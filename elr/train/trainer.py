@@ -45,6 +45,11 @@ def is_conditioning_key(key: str) -> bool:
     return ".conditioning." in key
 
 
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy summed over tokens, in fp32: updates and evaluations average it over tokens."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
+
 def model_args_from_config(cfg: JobConfig, vocab_size: int, conditioning: bool) -> ModelArgs:
     e = cfg.elr
     args = flavors[cfg.model.flavor]
@@ -251,8 +256,7 @@ class Trainer:
         loop_stats: dict[str, list[float]] = {}
         for micro, k in enumerate(ks[self.dp_rank].tolist()):
             inputs, labels = (x.to(self.device) for x in next(self.data_iter))
-            logits = self.model(inputs, loops=k)
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            loss_sum = summed_loss(self.model(inputs, loops=k), labels)
             (loss_sum / tokens_per_rank).backward()
             per_k[0, k - 1] += loss_sum.detach().double()
             per_k[1, k - 1] += labels.numel()
@@ -318,8 +322,7 @@ class Trainer:
         ):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             for k in range(1, cfg.elr.max_loops + 1):
-                logits = self.model(inputs, loops=k)
-                sums[0, k - 1] += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                sums[0, k - 1] += summed_loss(self.model(inputs, loops=k), labels)
                 sums[1, k - 1] += labels.numel()
         if dist.is_initialized():
             dist.all_reduce(sums)
