@@ -56,7 +56,7 @@ def test_encoding_sizes_match_tiktoken_where_the_encoding_loads(name):
 
 
 def test_cli_prints_the_formula_and_takes_a_vocabulary():
-    out = subprocess.run([sys.executable, "scripts/estimate_cost.py", "train_configs/debug.toml", "--vocab-size", "512"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "scripts/estimate_cost.py", "train_configs/debug.toml", "--vocab-size", "512"]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "cost / baseline = s + (1 - s)" in out.stdout
     assert " 512 " in out.stdout.splitlines()[-1]
