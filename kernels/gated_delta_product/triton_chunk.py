@@ -38,11 +38,21 @@ def _rows(chunk, T, n_h, C: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptr, row, mask, H, h, D: tl.constexpr):
-    """Rows `row` of a [B, rows, H, D] tensor at head h as fp32 [C, D]; masked rows are zero."""
+def _load_rows(ptr, row, mask, H, h, D: tl.constexpr, NORMALIZE: tl.constexpr = False):
+    """Rows `row` of a [B, rows, H, D] tensor at head h as fp32 [C, D]; masked rows are zero.
+    NORMALIZE: each row divided by its L2 norm (see _inverse_norm)."""
     cols = tl.arange(0, D)
     x = tl.load(ptr + (row[:, None] * H + h) * D + cols[None, :], mask=mask[:, None], other=0.0)
-    return x.to(tl.float32)
+    x = x.to(tl.float32)
+    if NORMALIZE:
+        x = x * _inverse_norm(x)[:, None]
+    return x
+
+
+@triton.jit
+def _inverse_norm(x):
+    """1 / sqrt(|x|^2 + 1e-6) per row, the in-kernel q/k normalisation (l2_normalize in PyTorch)."""
+    return tl.rsqrt(tl.sum(x * x, 1) + 1e-6)
 
 
 @triton.jit
@@ -90,13 +100,14 @@ def _state_ptrs(ptr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, v_block
 
 @triton.jit
 def _prepare_kernel(k, v, g, beta, G_out, W_out, U_out, Tinv_out, T, H, n_h,
-                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, STORE_INVERSE: tl.constexpr):
+                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, STORE_INVERSE: tl.constexpr,
+                    NORM: tl.constexpr):
     """Per chunk: cumulative decay G, the inverse Tinv, W = Tinv (beta exp(G) k), U = Tinv (beta v)."""
     chunk, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     pos, token, valid, first, last = _rows(chunk, T, n_h, C)
     L = T * n_h
-    k_c = _load_rows(k, b * L + pos, valid, H, h, K)
+    k_c = _load_rows(k, b * L + pos, valid, H, h, K, NORM)
     v_c = _load_rows(v, b * L + pos, valid, H, h, V)
     beta_c = tl.load(beta + (b * L + pos) * H + h, mask=valid, other=0.0).to(tl.float32)
     g_c = tl.load(g + (b * T + token) * H + h, mask=first, other=0.0).to(tl.float32)
@@ -119,7 +130,7 @@ def _prepare_kernel(k, v, g, beta, G_out, W_out, U_out, Tinv_out, T, H, n_h,
 @triton.jit
 def _state_kernel(k, G_buf, W_buf, U_buf, initial, h_out, u_out, final_out, T, H, n_h, N,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                  HAS_INITIAL: tl.constexpr):
+                  HAS_INITIAL: tl.constexpr, NORM: tl.constexpr):
     """Walk the chunks in order for one (batch, head, value block): store each chunk-start state
     h[n] and the effective values u = U - W S, and the final state."""
     v_block, bh = tl.program_id(0), tl.program_id(1)
@@ -135,7 +146,7 @@ def _state_kernel(k, G_buf, W_buf, U_buf, initial, h_out, u_out, final_out, T, H
         tl.store(_state_ptrs(h_out + (bh * N + n) * K * V, K, V, BV, v_block), S)
         pos, token, valid, first, last = _rows(n, T, n_h, C)
         row = bh * N * C + n * C + i
-        k_c = _load_rows(k, b * L + pos, valid, H, h, K)
+        k_c = _load_rows(k, b * L + pos, valid, H, h, K, NORM)
         G = tl.load(G_buf + row)
         W = tl.load(W_buf + row[:, None] * K + tl.arange(0, K)[None, :])
         U = tl.load(U_buf + row[:, None] * V + cols_v[None, :])
@@ -148,7 +159,8 @@ def _state_kernel(k, G_buf, W_buf, U_buf, initial, h_out, u_out, final_out, T, H
 
 @triton.jit
 def _output_kernel(q, k, G_buf, h_buf, u_buf, o, scale, T, H, n_h,
-                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
+                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+                   NORM: tl.constexpr):
     """o = (q exp(G)) S + ((q k^T) * D) u for one chunk and value block; only each token's last
     sub-step is an output row."""
     chunk, bh, v_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -158,8 +170,8 @@ def _output_kernel(q, k, G_buf, h_buf, u_buf, o, scale, T, H, n_h,
     i = tl.arange(0, C)
     cols_v = v_block * BV + tl.arange(0, BV)
     row = bh * N * C + chunk * C + i
-    q_c = _load_rows(q, b * T + token, last, H, h, K) * scale
-    k_c = _load_rows(k, b * T * n_h + pos, valid, H, h, K)
+    q_c = _load_rows(q, b * T + token, last, H, h, K, NORM) * scale
+    k_c = _load_rows(k, b * T * n_h + pos, valid, H, h, K, NORM)
     G = tl.load(G_buf + row)
     S = tl.load(_state_ptrs(h_buf + (bh * N + chunk) * K * V, K, V, BV, v_block))
     u = tl.load(u_buf + row[:, None] * V + cols_v[None, :])
@@ -176,7 +188,7 @@ def _output_kernel(q, k, G_buf, h_buf, u_buf, o, scale, T, H, n_h,
 @triton.jit
 def _state_grad_kernel(q, k, do, G_buf, W_buf, d_final, dh_out, du_out, d_initial, scale,
                        T, H, n_h, N, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                       BV: tl.constexpr, HAS_D_FINAL: tl.constexpr):
+                       BV: tl.constexpr, HAS_D_FINAL: tl.constexpr, NORM: tl.constexpr):
     """Walk the chunks in reverse for one (batch, head, value block): dh[n] is the gradient of
     the state at chunk n's end, du the gradient of the effective values u, and what remains at
     the start is the gradient of the initial state."""
@@ -193,8 +205,8 @@ def _state_grad_kernel(q, k, do, G_buf, W_buf, d_final, dh_out, du_out, d_initia
         tl.store(_state_ptrs(dh_out + (bh * N + n) * K * V, K, V, BV, v_block), dS)
         pos, token, valid, first, last = _rows(n, T, n_h, C)
         row = bh * N * C + n * C + i
-        q_c = _load_rows(q, b * T + token, last, H, h, K) * scale
-        k_c = _load_rows(k, b * T * n_h + pos, valid, H, h, K)
+        q_c = _load_rows(q, b * T + token, last, H, h, K, NORM) * scale
+        k_c = _load_rows(k, b * T * n_h + pos, valid, H, h, K, NORM)
         do_c = tl.load(do + ((b * T + token[:, None]) * H + h) * V + cols_v[None, :],
                        mask=last[:, None], other=0.0).to(tl.float32)
         G = tl.load(G_buf + row)
@@ -211,7 +223,8 @@ def _state_grad_kernel(q, k, do, G_buf, W_buf, d_final, dh_out, du_out, d_initia
 @triton.jit
 def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, dh_buf, du_buf,
                        dq, dk, dv, dbeta, dg, scale, T, H, n_h,
-                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
+                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+                       NORM: tl.constexpr):
     """Gradients of one chunk's inputs, given its state h, its end-state gradient dh and du.
 
     Value-sized terms are summed over blocks of BV columns so only [C, K] and [C, C] tiles stay
@@ -226,8 +239,12 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
     strict = i[:, None] > i[None, :]
     row = bh * N * C + chunk * C + i
     cols_k = tl.arange(0, K)
-    q_c = _load_rows(q, b * T + token, last, H, h, K) * scale
+    q_c = _load_rows(q, b * T + token, last, H, h, K)
     k_c = _load_rows(k, b * L + pos, valid, H, h, K)
+    if NORM:
+        q_inv_norm, k_inv_norm = _inverse_norm(q_c), _inverse_norm(k_c)
+        q_c, k_c = q_c * q_inv_norm[:, None], k_c * k_inv_norm[:, None]
+    q_c = q_c * scale
     beta_c = tl.load(beta + (b * L + pos) * H + h, mask=valid, other=0.0).to(tl.float32)
     G = tl.load(G_buf + row)
     W = tl.load(W_buf + row[:, None] * K + cols_k[None, :])
@@ -288,7 +305,12 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
     # G = cumsum(g) within the chunk, so dg_i = sum_{m >= i} dG_m.
     dg_c = tl.sum(tl.where(i[None, :] >= i[:, None], dG[None, :], 0.0), 1)
 
-    _store_rows(dq, dq_c * scale, b * T + token, last, H, h, K)
+    dq_c = dq_c * scale
+    if NORM:  # y = x / |x|: dx = (dy - y (y . dy)) / |x|
+        q_c = q_c / scale
+        dq_c = (dq_c - q_c * tl.sum(q_c * dq_c, 1)[:, None]) * q_inv_norm[:, None]
+        dk_c = (dk_c - k_c * tl.sum(k_c * dk_c, 1)[:, None]) * k_inv_norm[:, None]
+    _store_rows(dq, dq_c, b * T + token, last, H, h, K)
     _store_rows(dk, dk_c, b * L + pos, valid, H, h, K)
     tl.store(dbeta + (b * L + pos) * H + h, dbeta_c.to(dbeta.dtype.element_ty), mask=valid)
     tl.store(dg + (b * T + token) * H + h, dg_c.to(dg.dtype.element_ty), mask=first)
@@ -297,6 +319,9 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
 # ----------------------------------------------------------------------------------------------
 # Launchers
 
+BLOCK_V = 64  # value columns per program in the state, output and state-gradient kernels
+GRAD_BLOCK_V = 32  # value columns per step of _chunk_grad_kernel's loop
+
 
 def _check_dims(K, V, chunk_size):
     for name, d in (("head dim K", K), ("head dim V", V), ("chunk_size", chunk_size)):
@@ -304,7 +329,7 @@ def _check_dims(K, V, chunk_size):
             raise ValueError(f"triton gated_delta_product needs {name} a power of two >= 16, got {d}")
 
 
-def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse):
+def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse, norm):
     B, L, H, K = k.shape
     V, C = v.shape[-1], chunk_size
     N = triton.cdiv(L, C)
@@ -314,57 +339,59 @@ def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse):
     U = torch.empty(B * H, N * C, V, **f32)
     Tinv = torch.empty(B * H, N * C, C, **f32) if store_inverse else G
     _prepare_kernel[(N, B * H)](k, v, g, beta, G, W, U, Tinv, T, H, n_h, K=K, V=V, C=C,
-                                STORE_INVERSE=store_inverse)
+                                STORE_INVERSE=store_inverse, NORM=norm)
     return G, W, U, Tinv
 
 
-def _states(k, G, W, U, initial_state, T, n_h, chunk_size):
+def _states(k, G, W, U, initial_state, T, n_h, chunk_size, norm):
     B, L, H, K = k.shape
     V, C = U.shape[-1], chunk_size
     N = G.shape[1] // C
-    BV = min(V, 64)
+    BV = min(V, BLOCK_V)
     h = torch.empty(B * H, N, K, V, device=k.device, dtype=torch.float32)
     u = torch.empty_like(U)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32)
     has_initial = initial_state is not None
     _state_kernel[(V // BV, B * H)](k, G, W, U, initial_state if has_initial else final, h, u,
                                     final, T, H, n_h, N, K=K, V=V, C=C, BV=BV,
-                                    HAS_INITIAL=has_initial)
+                                    HAS_INITIAL=has_initial, NORM=norm)
     return h, u, final
 
 
-def chunk_forward(q, k, v, g, beta, initial_state, n_h, scale, chunk_size):
-    """o [B, T, H, V] in q's dtype and the final state [B, H, K, V] in fp32."""
+def chunk_forward(q, k, v, g, beta, initial_state, n_h, scale, chunk_size, qk_l2norm):
+    """o [B, T, H, V] in q's dtype and the final state [B, H, K, V] in fp32. Inputs contiguous,
+    shapes as in `gated_delta_product`; qk_l2norm: normalise q and k rows in the kernels."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     _check_dims(K, V, chunk_size)
-    G, W, U, _ = _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse=False)
-    h, u, final = _states(k, G, W, U, initial_state, T, n_h, chunk_size)
+    G, W, U, _ = _prepare(k, v, g, beta, T, n_h, chunk_size, False, qk_l2norm)
+    h, u, final = _states(k, G, W, U, initial_state, T, n_h, chunk_size, qk_l2norm)
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
-    BV = min(V, 64)
+    BV = min(V, BLOCK_V)
     _output_kernel[(h.shape[1], B * H, V // BV)](q, k, G, h, u, o, scale, T, H, n_h,
-                                                 K=K, V=V, C=chunk_size, BV=BV)
+                                                 K=K, V=V, C=chunk_size, BV=BV, NORM=qk_l2norm)
     return o, final
 
 
-def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chunk_size):
+def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chunk_size,
+                   qk_l2norm):
     """Gradients (dq, dk, dv, dg, dbeta, d_initial_state) from those of o and the final state.
     The chunk states are recomputed, as the forward keeps none."""
     B, T, H, K = q.shape
     L, V, C = k.shape[1], v.shape[-1], chunk_size
-    G, W, U, Tinv = _prepare(k, v, g, beta, T, n_h, C, store_inverse=True)
-    h, u, _ = _states(k, G, W, U, initial_state, T, n_h, C)
+    G, W, U, Tinv = _prepare(k, v, g, beta, T, n_h, C, True, qk_l2norm)
+    h, u, _ = _states(k, G, W, U, initial_state, T, n_h, C, qk_l2norm)
     N = h.shape[1]
     dh, du = torch.empty_like(h), torch.empty_like(u)
     d_initial = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
-    BV = min(V, 64)
+    BV = min(V, BLOCK_V)
     has_d_final = d_final is not None
     _state_grad_kernel[(V // BV, B * H)](q, k, do, G, W, d_final if has_d_final else d_initial,
                                          dh, du, d_initial, scale, T, H, n_h, N, K=K, V=V, C=C,
-                                         BV=BV, HAS_D_FINAL=has_d_final)
+                                         BV=BV, HAS_D_FINAL=has_d_final, NORM=qk_l2norm)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     _chunk_grad_kernel[(N, B * H)](q, k, v, beta, do, G, W, Tinv, h, u, dh, du,
                                    dq, dk, dv, dbeta, dg, scale, T, H, n_h,
-                                   K=K, V=V, C=C, BV=min(V, 32))
+                                   K=K, V=V, C=C, BV=min(V, GRAD_BLOCK_V), NORM=qk_l2norm)
     return dq, dk, dv, dg, dbeta, d_initial
