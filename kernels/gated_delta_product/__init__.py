@@ -83,9 +83,11 @@ def gated_delta_product_step(q, k, v, g, beta, state=None, *, num_householder, s
     if impl == "auto":
         impl = "triton" if q.is_cuda else "naive"
     if impl not in ("triton", "naive"):
-        raise ValueError(f"gated_delta_product_step impl must be auto, triton or naive, got {impl!r}")
+        raise ValueError(f"gated_delta_product_step impl must be auto, triton or naive, "
+                         f"got {impl!r}")
     if q.shape[1] != 1:
-        raise ValueError(f"gated_delta_product_step takes one token, got q of shape {tuple(q.shape)}")
+        raise ValueError(f"gated_delta_product_step takes one token, got q of shape "
+                         f"{tuple(q.shape)}")
     _check_shapes(q, k, v, g, beta, num_householder, state)
     if scale is None:
         scale = q.shape[-1] ** -0.5

@@ -38,7 +38,7 @@ def _rows(chunk, T, n_h, C: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptr, row, mask, H, h, D: tl.constexpr, NORMALIZE: tl.constexpr = False):
+def _load_rows(ptr, row, mask, H, h, D: tl.constexpr, NORMALIZE: tl.constexpr):
     """Rows `row` of a [B, rows, H, D] tensor at head h as fp32 [C, D]; masked rows are zero.
     NORMALIZE: each row divided by its L2 norm (see _inverse_norm)."""
     cols = tl.arange(0, D)
@@ -102,13 +102,14 @@ def _state_ptrs(ptr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, v_block
 def _prepare_kernel(k, v, g, beta, G_out, W_out, U_out, Tinv_out, T, H, n_h,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, STORE_INVERSE: tl.constexpr,
                     NORM: tl.constexpr):
-    """Per chunk: cumulative decay G, the inverse Tinv, W = Tinv (beta exp(G) k), U = Tinv (beta v)."""
-    chunk, bh = tl.program_id(0), tl.program_id(1)
+    """Per chunk: cumulative decay G, the inverse Tinv, W = Tinv (beta exp(G) k) and
+    U = Tinv (beta v)."""
+    chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: large offsets
     b, h = bh // H, bh % H
     pos, token, valid, first, last = _rows(chunk, T, n_h, C)
     L = T * n_h
     k_c = _load_rows(k, b * L + pos, valid, H, h, K, NORM)
-    v_c = _load_rows(v, b * L + pos, valid, H, h, V)
+    v_c = _load_rows(v, b * L + pos, valid, H, h, V, False)
     beta_c = tl.load(beta + (b * L + pos) * H + h, mask=valid, other=0.0).to(tl.float32)
     g_c = tl.load(g + (b * T + token) * H + h, mask=first, other=0.0).to(tl.float32)
     G = tl.cumsum(g_c, 0)
@@ -133,7 +134,7 @@ def _state_kernel(k, G_buf, W_buf, U_buf, initial, h_out, u_out, final_out, T, H
                   HAS_INITIAL: tl.constexpr, NORM: tl.constexpr):
     """Walk the chunks in order for one (batch, head, value block): store each chunk-start state
     h[n] and the effective values u = U - W S, and the final state."""
-    v_block, bh = tl.program_id(0), tl.program_id(1)
+    v_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     L = T * n_h
     i = tl.arange(0, C)
@@ -163,7 +164,7 @@ def _output_kernel(q, k, G_buf, h_buf, u_buf, o, scale, T, H, n_h,
                    NORM: tl.constexpr):
     """o = (q exp(G)) S + ((q k^T) * D) u for one chunk and value block; only each token's last
     sub-step is an output row."""
-    chunk, bh, v_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk, bh, v_block = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     b, h = bh // H, bh % H
     N = tl.num_programs(0)
     pos, token, valid, first, last = _rows(chunk, T, n_h, C)
@@ -192,7 +193,7 @@ def _state_grad_kernel(q, k, do, G_buf, W_buf, d_final, dh_out, du_out, d_initia
     """Walk the chunks in reverse for one (batch, head, value block): dh[n] is the gradient of
     the state at chunk n's end, du the gradient of the effective values u, and what remains at
     the start is the gradient of the initial state."""
-    v_block, bh = tl.program_id(0), tl.program_id(1)
+    v_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     i = tl.arange(0, C)
     cols_v = v_block * BV + tl.arange(0, BV)
@@ -230,7 +231,7 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
     Value-sized terms are summed over blocks of BV columns so only [C, K] and [C, C] tiles stay
     live. Names: dX is the gradient of the loss with respect to X.
     """
-    chunk, bh = tl.program_id(0), tl.program_id(1)
+    chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: large offsets
     b, h = bh // H, bh % H
     N = tl.num_programs(0)
     L = T * n_h
@@ -239,8 +240,8 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
     strict = i[:, None] > i[None, :]
     row = bh * N * C + chunk * C + i
     cols_k = tl.arange(0, K)
-    q_c = _load_rows(q, b * T + token, last, H, h, K)
-    k_c = _load_rows(k, b * L + pos, valid, H, h, K)
+    q_c = _load_rows(q, b * T + token, last, H, h, K, False)
+    k_c = _load_rows(k, b * L + pos, valid, H, h, K, False)
     if NORM:
         q_inv_norm, k_inv_norm = _inverse_norm(q_c), _inverse_norm(k_c)
         q_c, k_c = q_c * q_inv_norm[:, None], k_c * k_inv_norm[:, None]
@@ -260,7 +261,7 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
     dP = tl.zeros([C, C], dtype=tl.float32)          # of (q k^T) * D, from o
     dA = tl.zeros([C, C], dtype=tl.float32)          # of the system's strict lower part (negated)
     dbeta_c = tl.zeros([C], dtype=tl.float32)
-    dG_end = 0.0                                     # of G_end, from exp(G_end) S
+    dG_end_rows = tl.zeros([K], dtype=tl.float32)   # of G_end, from exp(G_end) S, per key row
     for v_block in range(V // BV):
         cols_v = v_block * BV + tl.arange(0, BV)
         v_c = tl.load(v + ((b * L + pos[:, None]) * H + h) * V + cols_v[None, :],
@@ -280,7 +281,7 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
         dbeta_c += tl.sum(d_beta_v * v_c, 1)
         tl.store(dv + ((b * L + pos[:, None]) * H + h) * V + cols_v[None, :],
                  (d_beta_v * beta_c[:, None]).to(dv.dtype.element_ty), mask=valid[:, None])
-        dG_end += tl.sum(tl.sum(dS_next * S, 1), 0)
+        dG_end_rows += tl.sum(dS_next * S, 1)
     d_beta_gk = tl.dot(tl.trans(Tinv), dW)           # W = Tinv (beta exp(G) k)
     dA += tl.dot(d_beta_gk, tl.trans(W))
     # d(I + A)^-1 = -Tinv^T (.) Tinv^T, folded into the two products above; A's strict part only.
@@ -300,7 +301,8 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
 
     dG = tl.sum(dq_decayed * q_c, 1) * eG - tl.sum(dk_to_end * k_c, 1) * e_to_end \
         + tl.sum(d_beta_gk * k_c, 1) * beta_c * eG + tl.sum(dDD, 1) - tl.sum(dDD, 0)
-    dG_end = dG_end * tl.exp(G_end) + tl.sum(tl.sum(dk_to_end * k_c, 1) * e_to_end, 0)
+    dG_end = tl.sum(dG_end_rows, 0) * tl.exp(G_end) \
+        + tl.sum(tl.sum(dk_to_end * k_c, 1) * e_to_end, 0)
     dG += tl.where(i == C - 1, dG_end, 0.0)
     # G = cumsum(g) within the chunk, so dg_i = sum_{m >= i} dG_m.
     dg_c = tl.sum(tl.where(i[None, :] >= i[:, None], dG[None, :], 0.0), 1)
@@ -326,7 +328,8 @@ GRAD_BLOCK_V = 32  # value columns per step of _chunk_grad_kernel's loop
 def _check_dims(K, V, chunk_size):
     for name, d in (("head dim K", K), ("head dim V", V), ("chunk_size", chunk_size)):
         if d < 16 or d & (d - 1):
-            raise ValueError(f"triton gated_delta_product needs {name} a power of two >= 16, got {d}")
+            raise ValueError(f"triton gated_delta_product needs {name} a power of two >= 16, "
+                             f"got {d}")
 
 
 def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse, norm):
@@ -393,5 +396,6 @@ def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chu
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     _chunk_grad_kernel[(N, B * H)](q, k, v, beta, do, G, W, Tinv, h, u, dh, du,
                                    dq, dk, dv, dbeta, dg, scale, T, H, n_h,
-                                   K=K, V=V, C=C, BV=min(V, GRAD_BLOCK_V), NORM=qk_l2norm)
+                                   K=K, V=V, C=C, BV=min(V, GRAD_BLOCK_V), NORM=qk_l2norm,
+                                   num_stages=1)  # no pipelining: spare the shared memory
     return dq, dk, dv, dg, dbeta, d_initial

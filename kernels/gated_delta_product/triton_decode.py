@@ -13,7 +13,7 @@ import triton.language as tl
 @triton.jit
 def _decode_kernel(q, k, v, g, beta, state, new_state, o, scale, H, n_h,
                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr):
-    v_block, bh = tl.program_id(0), tl.program_id(1)
+    v_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     rows_k = tl.arange(0, K)
     cols_v = v_block * BV + tl.arange(0, BV)
@@ -43,6 +43,9 @@ def triton_gated_delta_product_step(q, k, v, g, beta, state, num_householder, sc
     state [B, H, K, V]. Returns (o [B, 1, H, V] in q's dtype, new state [B, H, K, V] in fp32)."""
     B, _, H, K = q.shape
     V = v.shape[-1]
+    for name, d in (("head dim K", K), ("head dim V", V)):
+        if d & (d - 1):
+            raise ValueError(f"triton gated_delta_product_step needs {name} a power of two, got {d}")
     q, k, v, g, beta, state = (x.contiguous() for x in (q, k, v, g, beta, state))
     o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
     new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
