@@ -66,23 +66,24 @@ def names_for(use_state):
     return NAMES if use_state else [n for n in NAMES if n not in ("final_state", "dinitial_state")]
 
 
-# (n_h, B, T, K, V, decay): expanded lengths 45, 74 and 69, none a multiple of the chunk, so chunk
-# edges fall inside tokens for n_h = 2, 3; decay 1000 makes exp(G) underflow inside chunks.
-CASES = [(1, 2, 45, 16, 32, 1.0), (2, 1, 37, 32, 16, 1.0), (3, 2, 23, 16, 16, 1000.0)]
+# (n_h, B, T, K, V, decay, chunk): expanded lengths 45, 74 and 69, none a multiple of the chunk, so
+# chunk edges fall inside tokens for n_h = 2, 3; decay 1000 makes exp(G) underflow inside chunks;
+# chunk 32 joins two diagonal blocks in the inverse (chunk 64, four, in the tests further down).
+CASES = [(1, 2, 45, 16, 32, 1.0, 16), (2, 1, 37, 32, 16, 1.0, 16), (3, 2, 23, 16, 16, 1000.0, 32)]
 
 
 @kernel_test
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"n_h{c[0]}")
 @pytest.mark.parametrize("use_state", [False, True])
 def test_forward_backward_match_naive(case, use_state):
-    n_h, B, T, K, V, decay = case
+    n_h, B, T, K, V, decay, chunk = case
     inputs = make_inputs(B=B, T=T, H=2, K=K, V=V, n_h=n_h, decay=decay)
 
     def run(impl):
         def fn(q, k, v, g, beta, state, final):
             if impl == "triton":
                 return triton_gated_delta_product(q, k, v, g, beta, n_h, 0.3, state, final,
-                                                  chunk_size=16)
+                                                  chunk_size=chunk)
             return gated_delta_product(q, k, v, g, beta, num_householder=n_h, scale=0.3,
                                        initial_state=state, output_final_state=final, impl=impl)
         return fn
@@ -166,6 +167,38 @@ def test_compiled_gdp_layer_has_no_graph_break():
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     for a, e in zip(loss_and_grads(compiled), loss_and_grads(layer)):
         torch.testing.assert_close(a, e, atol=ATOL, rtol=RTOL)
+
+
+@kernel_test
+@pytest.mark.parametrize("save_gdp_output", [False, True])
+def test_selective_checkpointing_can_save_the_op_output(monkeypatch, save_gdp_output):
+    """With the op in the SAC save list, the backward does not run the GDP forward again."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from elr.models.args import ModelArgs
+    from elr.models.gdp import GatedDeltaProduct
+    from kernels.gated_delta_product import triton_op
+
+    forward_calls = []
+
+    def counting_forward(*args):
+        forward_calls.append(1)
+        return triton_chunk.chunk_forward(*args)
+
+    monkeypatch.setattr(triton_op, "chunk_forward", counting_forward)
+    args = ModelArgs(dim=32, layer_pattern="G", partition=(1, 0, 0), gdp_heads=2,
+                     gdp_head_dim=16, gdp_impl="triton")
+    layer = GatedDeltaProduct(args).to(DEVICE)
+    with torch.no_grad():
+        layer.init_weights(out_std=0.02)
+    x = torch.randn(1, 12, 32, device=DEVICE, requires_grad=True)
+    saved = [torch.ops.elr.gated_delta_product.default] if save_gdp_output else []
+    context_fn = functools.partial(create_selective_checkpoint_contexts, saved)
+    checkpoint(layer, x, use_reentrant=False, context_fn=context_fn).sum().backward()
+    assert len(forward_calls) == (1 if save_gdp_output else 2)
+    assert torch.isfinite(x.grad).all()
 
 
 @kernel_test

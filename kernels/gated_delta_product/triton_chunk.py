@@ -78,13 +78,27 @@ def _last(x, C: tl.constexpr):
 
 @triton.jit
 def _unit_lower_inverse(A, C: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular A, by forward substitution one row at a time:
-    row i of the inverse is e_i - sum_{j<i} A_ij (row j of the inverse)."""
+    """(I + A)^-1 for a strictly lower-triangular A (C in 16, 32, 64).
+
+    Forward substitution inside the 16 x 16 diagonal blocks, one row of every block per step
+    (row i of the inverse is e_i - sum_{j<i} A_ij (row j)); then the blocks are joined: with X
+    the block-diagonal inverse and N = X A_off (A's part below the diagonal blocks, so N is
+    nilpotent of order C/16), (I + A)^-1 = (I + N)^-1 X = (I - N)(I + N^2) X. The products run
+    in tf32x3 (about fp32 accuracy on tensor cores)."""
     i = tl.arange(0, C)
+    same_block = (i[:, None] // 16) == (i[None, :] // 16)
+    A_diag = tl.where(same_block, A, 0.0)
     X = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-    for r in range(1, C):
-        a_r = tl.sum(tl.where(i[:, None] == r, A, 0.0), 0)
-        X = tl.where(i[:, None] == r, X - tl.sum(a_r[:, None] * X, 0)[None, :], X)
+    for r in range(1, 16):
+        rows = (i % 16) == r
+        step = tl.dot(tl.where(rows[:, None], A_diag, 0.0), X, input_precision="tf32x3")
+        X = tl.where(rows[:, None], X - step, X)
+    if C > 16:
+        minus_N = -tl.dot(X, tl.where(same_block, 0.0, A), input_precision="tf32x3")
+        X = X + tl.dot(minus_N, X, input_precision="tf32x3")
+        if C > 32:
+            N_squared = tl.dot(minus_N, minus_N, input_precision="tf32x3")
+            X = X + tl.dot(N_squared, X, input_precision="tf32x3")
     return X
 
 
@@ -321,12 +335,19 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
 # ----------------------------------------------------------------------------------------------
 # Launchers
 
-BLOCK_V = 64  # value columns per program in the state, output and state-gradient kernels
-GRAD_BLOCK_V = 32  # value columns per step of _chunk_grad_kernel's loop
+# Value columns per program in the state, output and state-gradient kernels, and per step of
+# _chunk_grad_kernel's loop; 8 warps per program. Chosen by compiling for sm_90 without a GPU
+# (fewest register spills, shared memory under the 227 KiB limit; docs/LOG.md), not yet timed.
+BLOCK_V = 32
+GRAD_BLOCK_V = 32
+NUM_WARPS = 8
 
 
 def _check_dims(K, V, chunk_size):
-    for name, d in (("head dim K", K), ("head dim V", V), ("chunk_size", chunk_size)):
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"triton gated_delta_product needs chunk_size 16, 32 or 64, "
+                         f"got {chunk_size}")
+    for name, d in (("head dim K", K), ("head dim V", V)):
         if d < 16 or d & (d - 1):
             raise ValueError(f"triton gated_delta_product needs {name} a power of two >= 16, "
                              f"got {d}")
@@ -342,7 +363,8 @@ def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse, norm):
     U = torch.empty(B * H, N * C, V, **f32)
     Tinv = torch.empty(B * H, N * C, C, **f32) if store_inverse else G
     _prepare_kernel[(N, B * H)](k, v, g, beta, G, W, U, Tinv, T, H, n_h, K=K, V=V, C=C,
-                                STORE_INVERSE=store_inverse, NORM=norm)
+                                STORE_INVERSE=store_inverse, NORM=norm,
+                                num_warps=NUM_WARPS)
     return G, W, U, Tinv
 
 
@@ -357,7 +379,8 @@ def _states(k, G, W, U, initial_state, T, n_h, chunk_size, norm):
     has_initial = initial_state is not None
     _state_kernel[(V // BV, B * H)](k, G, W, U, initial_state if has_initial else final, h, u,
                                     final, T, H, n_h, N, K=K, V=V, C=C, BV=BV,
-                                    HAS_INITIAL=has_initial, NORM=norm)
+                                    HAS_INITIAL=has_initial, NORM=norm,
+                                    num_warps=NUM_WARPS)
     return h, u, final
 
 
@@ -372,7 +395,8 @@ def chunk_forward(q, k, v, g, beta, initial_state, n_h, scale, chunk_size, qk_l2
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
     BV = min(V, BLOCK_V)
     _output_kernel[(h.shape[1], B * H, V // BV)](q, k, G, h, u, o, scale, T, H, n_h,
-                                                 K=K, V=V, C=chunk_size, BV=BV, NORM=qk_l2norm)
+                                                 K=K, V=V, C=chunk_size, BV=BV, NORM=qk_l2norm,
+                                                 num_warps=NUM_WARPS)
     return o, final
 
 
@@ -391,11 +415,12 @@ def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chu
     has_d_final = d_final is not None
     _state_grad_kernel[(V // BV, B * H)](q, k, do, G, W, d_final if has_d_final else d_initial,
                                          dh, du, d_initial, scale, T, H, n_h, N, K=K, V=V, C=C,
-                                         BV=BV, HAS_D_FINAL=has_d_final, NORM=qk_l2norm)
+                                         BV=BV, HAS_D_FINAL=has_d_final, NORM=qk_l2norm,
+                                         num_warps=NUM_WARPS)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     _chunk_grad_kernel[(N, B * H)](q, k, v, beta, do, G, W, Tinv, h, u, dh, du,
                                    dq, dk, dv, dbeta, dg, scale, T, H, n_h,
                                    K=K, V=V, C=C, BV=min(V, GRAD_BLOCK_V), NORM=qk_l2norm,
-                                   num_stages=1)  # no pipelining: spare the shared memory
+                                   num_warps=NUM_WARPS, num_stages=1)  # 1: spare shared memory
     return dq, dk, dv, dg, dbeta, d_initial
