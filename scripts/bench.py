@@ -132,8 +132,9 @@ def bench_gdp_kernels(args):
             torch.cuda.synchronize()
 
     def call(impl, inputs):
-        if impl == "fla":
-            return fla_op(*inputs, num_householder=n_h)[0]
+        if impl == "fla":  # beta in q's dtype, as flash-linear-attention's layers pass it
+            q, k, v, g, beta = inputs
+            return fla_op(q, k, v, g, beta.to(q.dtype), num_householder=n_h)[0]
         return gated_delta_product(*inputs, num_householder=n_h, impl=impl)[0]
 
     def timed(fn):

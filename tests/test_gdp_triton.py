@@ -3,9 +3,11 @@
 TRITON_INTERPRET=1 only takes effect if set before triton is first imported, and other tests in
 the same pytest process may import it earlier (torch.compile does), so on a machine without CUDA
 `test_kernels_under_interpreter` re-runs this file in a fresh process with the variable set; the
-kernel tests skip in the outer process. On CUDA they run directly. Shapes are tiny and the chunk
-size lowered to 16 (the interpreter costs milliseconds per program instance); everything is fp32,
-as the interpreter computes bf16 wrongly. Tolerances as in test_gdp_op.py: atol 1e-5, rtol 1e-4.
+kernel tests skip in the outer process. On CUDA they run directly, with the kernels' fp32 dots in
+IEEE fp32 rather than TF32 (TRITON_F32_DEFAULT=ieee, as scripts/gpu_check.sh sets it). Shapes are
+tiny and the chunk size lowered to 16 (the interpreter costs milliseconds per program instance);
+everything is fp32, as the interpreter computes bf16 wrongly. Tolerances as in test_gdp_op.py:
+atol 1e-5, rtol 1e-4. bf16 on a GPU is checked by scripts/check_gdp_triton.py.
 """
 
 import os
