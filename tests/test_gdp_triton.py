@@ -136,9 +136,11 @@ def test_decode_matches_naive_token_by_token(use_qk_l2norm):
 
 @kernel_test
 def test_custom_op_registrations():
-    """Schema, fake tensor, autograd registration and AOT dispatch checks of torch.library."""
-    q, k, v, g, beta, state = (x.to(DEVICE).requires_grad_()
-                               for x in make_inputs(B=1, T=5, H=1, K=16, V=16, n_h=2))
+    """Schema, fake tensor, autograd registration and AOT dispatch checks of torch.library, with
+    q and k non-contiguous (same values, heads-first memory), as a layer's reshapes can give."""
+    q, k, v, g, beta, state = (x.to(DEVICE) for x in make_inputs(B=1, T=5, H=2, K=16, V=16, n_h=2))
+    q, k = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k))
+    q, k, v, g, beta, state = (x.requires_grad_() for x in (q, k, v, g, beta, state))
     torch.library.opcheck(torch.ops.elr.gated_delta_product.default,
                           (q, k, v, g, beta, state, 2, 0.25, 16, False))
 

@@ -55,8 +55,9 @@ def gated_delta_product_backward_op(
 def _(do, d_final, q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), q.new_empty(B, H, K, V, dtype=torch.float32))
+    # contiguous, as the real op returns them whatever the inputs' strides
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), q.new_empty(B, H, K, V, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
