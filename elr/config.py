@@ -47,6 +47,7 @@ class ELR:
 class MoE:
     route_replay: bool = False  # recurrent MoE layers reuse loop-1 routes on later loops
     bias_update_rate: float = 1e-3  # aux-loss-free balancing: expert bias step per optimizer update
+    aux_loss_coeff: float = 0.0  # sequence-level balance loss weight, per routing call; 0 disables
 
 
 @dataclass
@@ -282,6 +283,7 @@ def validate(cfg: JobConfig) -> None:
         _check(e.switch_at == 0.0, "elr.switch_at", "needs elr.enabled = true", e.switch_at)
 
     _check(cfg.moe.bias_update_rate >= 0, "moe.bias_update_rate", "must be >= 0", cfg.moe.bias_update_rate)
+    _check(cfg.moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", "must be >= 0", cfg.moe.aux_loss_coeff)
 
     t = cfg.training
     _check(t.steps >= 1, "training.steps", "must be >= 1", t.steps)
