@@ -64,10 +64,12 @@ class Training:
 
 @dataclass
 class Optimizer:
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest)
     lr: float = 3e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
+    muon_momentum: float = 0.95  # muon: momentum of the Muon matrices (Nesterov)
 
 
 @dataclass
@@ -158,6 +160,7 @@ CHOICES = {
     "elr.update": ("adaptive_delta", "replace", "residual"),
     "elr.sampling": ("independent", "synchronized"),
     "training.mixed_precision_param": ("float32", "bfloat16"),
+    "optimizer.name": ("adamw", "muon"),
     "lr_scheduler.decay_type": ("cosine", "wsd"),
     "checkpoint.export_dtype": ("none", "float32", "bfloat16"),
 }
@@ -300,6 +303,7 @@ def validate(cfg: JobConfig) -> None:
            "must be two numbers in [0, 1)", o.betas)
     _check(o.eps > 0, "optimizer.eps", "must be > 0", o.eps)
     _check(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", o.weight_decay)
+    _check(0 <= o.muon_momentum < 1, "optimizer.muon_momentum", "must lie in [0, 1)", o.muon_momentum)
 
     s = cfg.lr_scheduler
     _check(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0", s.warmup_steps)
