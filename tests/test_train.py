@@ -31,7 +31,7 @@ def test_debug_job_writes_every_metric(tmp_path):
         assert any(k.startswith("loss/k") for k in r)
     logged = [r for r in steps if r["step"] % 2 == 0]  # per-loop statistics on log steps
     assert all("loop1/update_norm" in r and "loop1/step_size_mean" in r and "loop1/film_gate_mean" in r for r in logged)
-    assert all("moe/max_load_over_mean" in r for r in steps)
+    assert all("moe/max_load_over_mean" in r and "moe/aux_loss" in r for r in steps)
     vals = [r for r in recs if "val/loss_k1" in r]
     assert [r["step"] for r in vals] == [0, 2, 4]
     assert all(set(r) >= {"val/loss_k1", "val/loss_k2", "val/loss_k3"} for r in vals)
