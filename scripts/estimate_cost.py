@@ -59,7 +59,7 @@ def estimate(config_path: str) -> dict:
 def build_vocab(cfg) -> int:
     """The tokenizer's vocabulary when it can be loaded here, else the flavor's default."""
     from elr.models.args import flavors
-    from elr.train.tokenizer import build_tokenizer
+    from elr.tokenizer import build_tokenizer
 
     try:
         return build_tokenizer(cfg.tokenizer.path).n_vocab
