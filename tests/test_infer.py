@@ -9,6 +9,7 @@ import torch
 
 from elr.infer.cache import InferenceCache
 from elr.infer.generate import Sampling, generate, left_pad, sample
+from elr.infer.memory import inference_state_bytes
 from elr.models import ELRModel, flavors
 
 
@@ -109,3 +110,24 @@ def test_generate_batch_matches_single_prompts_and_stops():
         assert len(out) <= 6
     first = batch[0][0]  # make the first token the end-of-text: generation stops before it
     assert generate(model, prompts[:1], loops=2, max_new_tokens=6, eot_id=first) == [[]]
+
+
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
+def test_memory_formula_matches_measured_bytes(mode):
+    model = small_model()
+    for loops in (1, 2, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            measured = InferenceCache(model, 3, 40, loops, mode, dtype=dtype).nbytes()
+            assert measured == inference_state_bytes(model.args, loops, 40, mode, dtype, batch=3)
+
+
+def test_memory_formula_gives_the_papers_koi_4b_figures():
+    """Koi-4B, 128K tokens, bf16 (arXiv 2610.12582): per-loop KV at k=4 is 7.5 GiB = 2.5x the one-loop
+    3.0 GiB; last-loop stays at 1.0x; GDP state under 25 MiB (with one state per layer)."""
+    args, gib, mib = flavors["koi_4b"], 2**30, 2**20
+    one = inference_state_bytes(args, 1, 131072, "per_loop")
+    per_loop = inference_state_bytes(args, 4, 131072, "per_loop")
+    last_loop = inference_state_bytes(args, 4, 131072, "last_loop")
+    assert one["attention_kv"] == 3.0 * gib and per_loop["attention_kv"] == 7.5 * gib
+    assert last_loop["attention_kv"] == one["attention_kv"]
+    assert last_loop["gdp_state"] < 25 * mib

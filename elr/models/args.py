@@ -71,8 +71,8 @@ class ModelArgs:
 
 # Koi-4B puts three of its six attention layers in the recurrent block; GDP-Hybrid-4B spreads them
 # two per block. Both have 23 GDP / 6 attention / 23 FF layers, partitioned 14/24/14.
-_HYBRID_4B = "GFGFAGFGFGFAGF" + "GFGFGFAGFGFGFGFGFGAFGFGF" + "GFGFGAFGFGFGAF"
-_KOI_4B = "GFGFAGFGFGFAGF" + "GFGFAFGFGFGFAGFGFGFAGFGF" + "GFGFGGFAGFGFGF"
+_HYBRID_4B = "GFGFGAFGFGFGAF" + "GFGFGAFGFGFGAFGFGFGAFGFG" + "FGFGAFGFGFGFGF"
+_KOI_4B = "GFGFGAFGFGFGAF" + "GFGFGAFGFGFGAFGFGFGAFGFG" + "FGFGAFGFGFGFGF"
 
 _hybrid_4b = dict(
     dim=3072, partition=(14, 24, 14), n_heads=24, n_kv_heads=8, head_dim=128,
