@@ -1,12 +1,16 @@
-"""Loading trained checkpoints for inference: before and after the late switch, and the export."""
+"""Using trained checkpoints: loading before and after the late switch and the export; the scripts."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elr.infer.load import load_model
-from trainer_utils import run
+from elr.infer.generate import generate
+from elr.infer.load import load_model, load_tokenizer
+from trainer_utils import ROOT, run
 
 SWITCH = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
           "--elr.switch_at", "0.5", "--checkpoint.export_dtype", "float32"]
@@ -20,10 +24,23 @@ def saved_model_tensors(path, prefix: str, keys) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_checkpoints_before_and_after_the_switch_and_the_export_load(tmp_path):
-    dump = tmp_path / "run"
-    run(dump, 2, *SWITCH)  # step-1: one-loop phase, saved at the switch; step-2: mixed depth
-    folder = dump / "checkpoint"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step debug run: step-1 is the one-loop phase (saved at the switch), step-2 mixed depth."""
+    dump = tmp_path_factory.mktemp("infer") / "run"
+    run(dump, 2, *SWITCH)
+    return dump / "checkpoint"
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checkpoints_before_and_after_the_switch_and_the_export_load(trained):
+    folder = trained
     before, _ = load_model(folder / "step-1")
     after, cfg = load_model(folder / "step-2")
     export, _ = load_model(folder / "step-2-model")
@@ -37,3 +54,16 @@ def test_checkpoints_before_and_after_the_switch_and_the_export_load(tmp_path):
     with torch.no_grad():
         for k in (1, 2, 3):
             torch.testing.assert_close(export(tokens, k), after(tokens, k), atol=0, rtol=0)
+
+
+def test_generate_script_prints_the_generated_text_last(trained, capsys):
+    checkpoint = trained / "step-2"
+    argv = ["--checkpoint", str(checkpoint), "--loops", "1,3", "--kv", "last_loop", "--prompt", "The king",
+            "--max-new-tokens", "5", "--temperature", "0"]
+    assert script("generate").main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("--- k=1") and lines[2].startswith("--- k=3") and "tokens/s" in lines[2]
+    model, cfg = load_model(checkpoint)
+    tokenizer = load_tokenizer(cfg)
+    out = generate(model, [tokenizer.encode("The king")], 3, 5, tokenizer.eot_id, "last_loop")[0]
+    assert lines[-1] == tokenizer.decode(out).replace("\n", " ")

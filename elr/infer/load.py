@@ -29,6 +29,10 @@ def find_run_config(checkpoint: Path) -> Path:
     raise FileNotFoundError(f"no config.json in any folder above {checkpoint}: is it a training checkpoint?")
 
 
+def run_config(checkpoint: str | Path) -> dict:
+    return json.loads(find_run_config(Path(checkpoint)).read_text())
+
+
 def model_args_from_run_config(cfg: dict, vocab_size: int, conditioning: bool) -> ModelArgs:
     """The ModelArgs the trainer built from this run config (its `model_args_from_config`)."""
     e = cfg["elr"]
@@ -54,7 +58,7 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     checkpoint = Path(checkpoint)
     if not (checkpoint / ".metadata").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a DCP checkpoint folder (no .metadata)")
-    cfg = json.loads(find_run_config(checkpoint).read_text())
+    cfg = run_config(checkpoint)
     saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     prefix = TRAINING_PREFIX if any(key.startswith(TRAINING_PREFIX) for key in saved) else ""
     embedding = saved.get(f"{prefix}tok_embeddings.weight")
