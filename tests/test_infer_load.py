@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -67,3 +68,30 @@ def test_generate_script_prints_the_generated_text_last(trained, capsys):
     tokenizer = load_tokenizer(cfg)
     out = generate(model, [tokenizer.encode("The king")], 3, 5, tokenizer.eot_id, "last_loop")[0]
     assert lines[-1] == tokenizer.decode(out).replace("\n", " ")
+
+
+def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys):
+    base = tmp_path / "base"
+    run(base, 1, "--checkpoint.enable", "true", "--elr.enabled", "false", "--elr.max_loops", "1",
+        "--elr.conditioning", "false", "--elr.one_loop_override", "0")
+    task = tmp_path / "tiny.jsonl"
+    task.write_text('{"question": "Snow is", "options": "A. cold\\nB. hot", "answer": "A. cold"}\n'
+                    '{"question": "Fire is", "choices": ["cold", "hot"], "answer": 1}\n')
+    out = tmp_path / "eval" / "result.json"
+    argv = ["--checkpoint", str(trained / "step-2"), "--loops", "1,2", "--tasks", str(task), "--val-batches", "1",
+            "--batch-size", "2", "--latency-prompt-tokens", "8", "--latency-new-tokens", "2",
+            "--baseline", str(base / "checkpoint" / "step-1"), "--out", str(out)]
+    assert script("evaluate").main(argv) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0] == "| metric | k=1 | k=2 | baseline |"
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert set(rows) >= {"val_loss", "tiny/acc", "tiny/acc_norm", "latency/ttft_s", "latency/decode_s_per_token_rel"}
+    assert rows["latency/ttft_s_rel"]["1"] == 1.0 and set(rows["val_loss"]) == {"1", "2"}
+    assert set(result["baseline"]["rows"]["val_loss"]) == {"1"}
+    assert out.with_suffix(".md").read_text().strip() == table.strip()
+
+    pytest.importorskip("matplotlib")
+    assert script("plot_loops").main([str(out), "--out-dir", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "result_vs_k.png").stat().st_size > 0
+    assert (tmp_path / "fig" / "result_vs_latency.png").stat().st_size > 0

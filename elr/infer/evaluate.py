@@ -32,12 +32,15 @@ def parse_item(item: dict) -> dict:
     else:
         letters, choices = [], []
         for line in str(item["options"]).splitlines():
-            if line.strip():
-                match = _OPTION.match(line)
-                if match is None:
-                    raise ValueError(f"option line {line!r} does not start with 'A. '")
+            match = _OPTION.match(line)
+            expected = chr(ord("A") + len(letters))
+            if match is not None and match[1] == expected:
                 letters.append(match[1])
                 choices.append(match[2].rstrip())
+            elif line.strip() and choices:  # an option's text may run over several lines
+                choices[-1] = f"{choices[-1]}\n{line.rstrip()}"
+            elif line.strip():
+                raise ValueError(f"options must start with 'A. ', not {line!r}")
         match = _OPTION.match(str(item.get("answer", "")))
         if match is None or match[1] not in letters:
             raise ValueError(f"answer {item.get('answer')!r} names none of the options {letters}")
