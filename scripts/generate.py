@@ -4,6 +4,7 @@
         --kv last_loop --prompt "Once upon a time" --max-new-tokens 64 --temperature 0
     python scripts/generate.py --checkpoint ... --loops 1,2,3 --prompt "..."   # the same prompt at each depth
     python scripts/generate.py --checkpoint ... --memory 131072                # KV/state bytes per request
+    python scripts/generate.py --flavor koi_4b --loops 4 --memory 131072 --dtype bfloat16
 
 For each k it prints a header line with tokens/s, then the generated text; the last line printed is
 the text generated at the last k. Several --prompt flags decode as one left-padded batch.
@@ -24,6 +25,7 @@ from elr.infer.cache import MODES  # noqa: E402
 from elr.infer.generate import Sampling, generate  # noqa: E402
 from elr.infer.load import load_model, load_tokenizer, run_config  # noqa: E402
 from elr.infer.memory import memory_table  # noqa: E402
+from elr.models import flavors  # noqa: E402
 
 
 def parse_loops(text: str) -> list[int]:
@@ -35,7 +37,7 @@ def parse_loops(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="step-N (DCP) or step-N-model (export) folder")
+    p.add_argument("--checkpoint", help="step-N (DCP) or step-N-model (export) folder")
     p.add_argument("--loops", type=parse_loops, default=[1], help="k, or several as 1,2,3 (default 1)")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
@@ -51,7 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument("--memory", type=int, metavar="TOKENS",
                    help="print KV-cache and GDP-state bytes per request of TOKENS tokens and exit")
+    p.add_argument("--flavor", choices=sorted(flavors), help="with --memory: a named flavor instead of a checkpoint")
     args = p.parse_args(argv)
+    if args.memory is not None and args.flavor:
+        dtype = getattr(torch, args.dtype)
+        print(memory_table(flavors[args.flavor], max(args.loops), args.memory, dtype))
+        return 0
+    if not args.checkpoint:
+        p.error("--checkpoint is required (or --memory with --flavor)")
 
     dtype = getattr(torch, args.dtype)
     try:
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
     if args.memory is not None:
-        print(memory_table(model.args, max(args.loops + [model.args.max_loops]), args.memory, dtype))
+        print(memory_table(model.args, max(args.loops), args.memory, dtype))
         return 0
     if args.route_replay:
         model.recurrent.route_replay = True

@@ -35,14 +35,21 @@ def inference_state_bytes(args: ModelArgs, loops: int, context_len: int, mode: s
     return {"attention_kv": batch * slots["A"] * kv, "gdp_state": batch * slots["G"] * state}
 
 
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
 def memory_table(args: ModelArgs, max_loops: int, context_len: int, dtype: torch.dtype) -> str:
     """Markdown table: bytes per request at each k and mode, with the ratio to one loop."""
     one = inference_state_bytes(args, 1, context_len, "per_loop", dtype)["attention_kv"]
     lines = [f"inference state per request, {context_len} tokens, {str(dtype).removeprefix('torch.')}",
-             "| k | mode | attention KV (GiB) | x one loop | GDP state (MiB) |", "|---|---|---|---|---|"]
+             "| k | mode | attention KV | x one loop | GDP state |", "|---|---|---|---|---|"]
     for k in range(1, max_loops + 1):
         for mode in MODES:
             b = inference_state_bytes(args, k, context_len, mode, dtype)
-            lines.append(f"| {k} | {mode} | {b['attention_kv'] / 2**30:.3f} | "
-                         f"{b['attention_kv'] / one if one else 0:.2f} | {b['gdp_state'] / 2**20:.2f} |")
+            lines.append(f"| {k} | {mode} | {human_bytes(b['attention_kv'])} | "
+                         f"{b['attention_kv'] / one if one else 0:.2f} | {human_bytes(b['gdp_state'])} |")
     return "\n".join(lines)
