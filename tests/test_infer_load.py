@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from elr.infer.generate import generate
 from elr.infer.load import load_model, load_tokenizer
-from trainer_utils import ROOT, run
+from trainer_utils import ROOT, run, run_script
 
 SWITCH = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
           "--elr.switch_at", "0.5", "--checkpoint.export_dtype", "float32"]
@@ -95,3 +95,13 @@ def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys
     assert script("plot_loops").main([str(out), "--out-dir", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "result_vs_k.png").stat().st_size > 0
     assert (tmp_path / "fig" / "result_vs_latency.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_by_two_fsdp_ranks_loads_in_one_process(tmp_path):
+    dump = tmp_path / "two_ranks"
+    run_script(dump, 1, "--checkpoint.enable", "true", nproc=2)
+    model, _ = load_model(dump / "checkpoint" / "step-1")
+    want = saved_model_tensors(dump / "checkpoint" / "step-1", "model.", model.state_dict().keys())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
