@@ -46,7 +46,7 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
         ax.axis("off")
     fig.tight_layout()
     written.append(out_dir / f"{name}_vs_k.png")
-    fig.savefig(written[-1], dpi=120)
+    fig.savefig(written[-1], dpi=80)
     plt.close(fig)
 
     latency = rows.get("latency/decode_s_per_token_rel")
@@ -66,7 +66,7 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
             ax.axis("off")
         fig.tight_layout()
         written.append(out_dir / f"{name}_vs_latency.png")
-        fig.savefig(written[-1], dpi=120)
+        fig.savefig(written[-1], dpi=80)
         plt.close(fig)
     return written
 
