@@ -105,3 +105,35 @@ def test_checkpoint_saved_by_two_fsdp_ranks_loads_in_one_process(tmp_path):
     want = saved_model_tensors(dump / "checkpoint" / "step-1", "model.", model.state_dict().keys())
     for key, value in model.state_dict().items():
         assert torch.equal(value, want[key]), key
+
+
+def test_lm_eval_adapter_scores_as_evaluate_does(trained):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from elr.infer.evaluate import continuation_logprobs
+    from elr.infer.lm_eval_adapter import ELRHarnessModel
+
+    lm = ELRHarnessModel(str(trained / "step-2"), loops=2, kv="last_loop", max_gen_toks=6)
+    tok, model = lm.tokenizer, lm.model
+
+    def request(kind, args):
+        return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+    got = lm.loglikelihood([request("loglikelihood", ("The king", " said")), request("loglikelihood", ("", "Hi"))])
+    want = continuation_logprobs(model, [([tok.eot_id] + tok.encode("The king"), tok.encode(" said")),
+                                         ([tok.eot_id], tok.encode("Hi"))], 2)
+    assert got == want
+    text = "the old man walked by the sea " * 4  # more tokens than the 32-token window: two chunks
+    ids = [tok.eot_id] + tok.encode(text)
+    assert len(ids) > 33
+    with torch.no_grad():
+        rolling = 0.0
+        for first in range(1, len(ids), 32):  # each token predicted once, with as much context as fits
+            last = min(first + 31, len(ids) - 1)
+            start = max(0, last - 32)
+            logprobs = model(torch.tensor([ids[start:last]]), 2)[0].log_softmax(-1)
+            rolling += sum(logprobs[p - 1 - start, ids[p]].item() for p in range(first, last + 1))
+    assert lm.loglikelihood_rolling([request("loglikelihood_rolling", (text,))])[0] == pytest.approx(rolling, abs=1e-3)
+    generated = generate(model, [[tok.eot_id] + tok.encode("The king")], 2, 6, tok.eot_id, "last_loop")[0]
+    assert lm.generate_until([request("generate_until", ("The king", {"until": []}))]) == [tok.decode(generated)]

@@ -72,9 +72,10 @@ def mc_requests(item: dict, tokenizer: Tokenizer) -> list[tuple[list[int], list[
 
 @torch.no_grad()
 def continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], loops: int,
-                          batch_size: int = 16) -> list[float]:
-    """Summed log-probability of each continuation given its context, at k=loops. Rows are right-
-    padded (a causal model never looks right) and cut on the left to the model's length."""
+                          batch_size: int = 16) -> list[tuple[float, bool]]:
+    """Summed log-probability of each continuation given its context at k=loops, and whether greedy
+    decoding would produce it. Rows are right-padded (a causal model never looks right) and cut on
+    the left to the model's length."""
     device, limit = model.output.weight.device, model.args.max_seq_len
     scores = []
     for start in range(0, len(requests), batch_size):
@@ -87,8 +88,9 @@ def continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], lo
         logprobs = F.log_softmax(model(tokens.to(device), loops).float(), dim=-1).cpu()
         for b, ((_, cont), row) in enumerate(zip(batch, rows)):
             first = len(row) - 1 - len(cont)  # position whose logits predict the first option token
-            targets = torch.tensor(cont)
-            scores.append(logprobs[b, first:first + len(cont)].gather(-1, targets[:, None]).sum().item())
+            targets, rows_lp = torch.tensor(cont), logprobs[b, first:first + len(cont)]
+            greedy = bool((rows_lp.argmax(-1) == targets).all())
+            scores.append((rows_lp.gather(-1, targets[:, None]).sum().item(), greedy))
     return scores
 
 
@@ -100,7 +102,7 @@ def score_multiple_choice(model, tokenizer: Tokenizer, items: list[dict], loops:
     correct = correct_norm = 0
     loglikelihoods = []
     for item in items:
-        ll = [next(flat) for _ in item["choices"]]
+        ll = [next(flat)[0] for _ in item["choices"]]
         per_byte = [score / max(len(c.encode()), 1) for score, c in zip(ll, item["choices"])]
         correct += int(np.argmax(ll) == item["answer"])
         correct_norm += int(np.argmax(per_byte) == item["answer"])
