@@ -77,7 +77,7 @@ def human(n: float) -> str:
 
 def config_vocab(cfg) -> int:
     """The config tokenizer's vocabulary, the same on every machine (see the module docstring)."""
-    from elr.train.tokenizer import build_tokenizer
+    from elr.tokenizer import build_tokenizer
 
     name = cfg.tokenizer.path
     if Path(name).is_file():

@@ -81,7 +81,8 @@ class RecurrentBlock(nn.Module):
         self.track_stats = False
         self.loop_stats: list[dict[str, torch.Tensor]] = []
 
-    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int) -> torch.Tensor:
+    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None) -> torch.Tensor:
+        """`cache` (inference only) hands each layer its key/value or state slot for loop i."""
         if not self.elr and loops != 1:
             raise ValueError(f"the non-recurrent baseline runs exactly one loop, not {loops}")
         if loops < 1 or (self.conditioning is not None and loops > self.max_loops):
@@ -95,7 +96,8 @@ class RecurrentBlock(nn.Module):
             films = self.conditioning(i, loops) if self.conditioning is not None else no_film
             r = s_in
             for layer, film, route in zip(self.layers, films, routes):
-                r = layer(r, rope, film=film, route=route)
+                slot = cache.slot(layer, i) if cache is not None else None
+                r = layer(r, rope, film=film, route=route, cache=slot)
             step = self.step_size(s_in) if self.step_size is not None else None
             s_next = self._update(s, s_in, r, step)
             if self.track_stats:

@@ -31,7 +31,7 @@ from elr.train.data import build_train_loader, val_batches
 from elr.train.loop_sampler import LoopSampler
 from elr.train.metrics import MetricsLogger, console_line, memory_gib
 from elr.train.optimizer import build_lr_scheduler, build_optimizer
-from elr.train.tokenizer import build_tokenizer
+from elr.tokenizer import build_tokenizer
 
 logger = logging.getLogger("elr")
 

@@ -1,4 +1,4 @@
-"""Tokenizer: a thin wrapper over `tiktoken.Encoding`.
+"""Tokenizer: a thin wrapper over `tiktoken.Encoding`, shared by training and inference.
 
 Two sources are accepted, so that the same trainer runs offline with the bundled BPE and at
 scale with a production vocabulary:
