@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elr.config import ConfigError, load_config  # noqa: E402
 from elr.models import build_model  # noqa: E402
+from elr.models.from_config import check_model_config, model_args_from_config  # noqa: E402
 from elr.train.loop_sampler import LoopSampler  # noqa: E402
-from elr.train.trainer import model_args_from_config  # noqa: E402
 
 FORMULA = (
     "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L,   "
@@ -35,10 +35,11 @@ FORMULA = (
 
 def estimate(config_path: str) -> dict:
     cfg = load_config(config_path)
+    check_model_config(cfg)
     e = cfg.elr
     sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights)
     mean_k = sampler.mean_loops() if e.enabled else 1.0
-    args = model_args_from_config(cfg, vocab_size=build_vocab(cfg), conditioning=e.conditioning)
+    args = model_args_from_config(cfg, vocab_size=build_vocab(cfg))
     n_in, n_rec, n_out = args.partition
     n_layers = n_in + n_rec + n_out
     s = e.switch_at
