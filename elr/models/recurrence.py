@@ -10,12 +10,12 @@ r_i is the recurrent block's full output: its layers are pre-norm residual, so r
 the layers add). The update rules (the paper's Figure 4a compares a learned step with parameter-free
 residual addition or replacement; the formulas are our reading, docs/LOG.md):
 
-    replace         s_i = r_i                                         k=1 is the plain stack
-    residual        s_i = s_{i-1} + r_i                               k=1 is NOT: s_1 = h_in + r_1
-    adaptive_delta  s_i = s_{i-1} + a_i (r_i - s_{i-1}), a_i in (0, 2)  k=1 is the plain stack at init
+    replace         s_i = r_i                             k=1 is the plain stack
+    residual        s_i = s_{i-1} + r_i                   k=1 is NOT: s_1 = h_in + r_1
+    adaptive_delta  s_i = s_{i-1} + a_i (r_i - s_{i-1})   k=1 is the plain stack at init (a_i = 1)
 
-Re-injection starts at loop 2 because s_0 is already h_in: adding it at loop 1 would feed the block
-2 h_in, and the state would grow by h_in every loop. So k=1 is the plain stack with either input.
+Re-injection starts at loop 2 because s_0 is already h_in: adding it at loop 1 too would feed the
+block 2 h_in. So k=1 is the plain stack with either input (Table 14 has them nearly equal at k=1).
 
 The block and its loop are one module, so FSDP can make it one unit that is called exactly once
 per microbatch whatever k is (a unit called a different number of times on different ranks
