@@ -22,7 +22,7 @@ TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "elr8k.
 def small_model(seed: int = 0, **overrides) -> ELRModel:
     """The debug flavor (G, E, A, F, with A and G inside the recurrent block), conditioning on, and
     every parameter nudged off its identity init so loops, FiLM heads and step sizes all matter."""
-    settings = dict(vocab_size=64, max_seq_len=64, conditioning=True, cond_dim=16)
+    settings = dict(vocab_size=64, max_seq_len=64, max_loops=3, update="adaptive_delta", conditioning=True, cond_dim=16)
     args = dataclasses.replace(flavors["debug"], **{**settings, **overrides})
     torch.manual_seed(seed)
     model = ELRModel(args)

@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elr.models import ELRModel, ModelArgs, build_model, flavors
+from elr.config import config_from_dict
+from elr.models import ELRModel, build_model
+from elr.models.from_config import model_args_from_config
 from elr.tokenizer import Tokenizer, build_tokenizer
 
 # Loading without a process group is what we want; DCP warns that it assumed so.
@@ -37,24 +39,6 @@ def run_config(checkpoint: str | Path) -> dict:
     return json.loads(find_run_config(Path(checkpoint)).read_text())
 
 
-def model_args_from_run_config(cfg: dict, vocab_size: int, conditioning: bool) -> ModelArgs:
-    """The ModelArgs the trainer built from this run config (its `model_args_from_config`)."""
-    e = cfg["elr"]
-    args = flavors[cfg["model"]["flavor"]]
-    return dataclasses.replace(
-        args,
-        vocab_size=vocab_size,
-        max_seq_len=cfg["training"]["seq_len"],
-        partition=tuple(e["partition"]) if e["partition"] else args.partition,
-        elr=e["enabled"],
-        max_loops=e["max_loops"],
-        recurrent_input=e["recurrent_input"],
-        update=e["update"],
-        conditioning=conditioning,
-        moe_route_replay=cfg["moe"]["route_replay"],
-    )
-
-
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                max_seq_len: int | None = None) -> tuple[ELRModel, dict]:
     """Model (eval mode) and run config. `max_seq_len` enlarges the RoPE table past the training
@@ -69,7 +53,8 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     if embedding is None:
         raise ValueError(f"{checkpoint} holds no model weights (no {prefix}tok_embeddings.weight)")
     conditioning = any(key.startswith(prefix) and ".conditioning." in key for key in saved)
-    args = model_args_from_run_config(cfg, embedding.size[0], conditioning)
+    # the trainer's own config -> ModelArgs step; a checkpoint without conditioning keys predates the switch
+    args = model_args_from_config(config_from_dict(cfg), embedding.size[0], before_switch=not conditioning)
     if max_seq_len is not None:
         args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, max_seq_len))
     with torch.device("meta"):
