@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--ngpu", type=int, default=8)
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    parser.add_argument("--expert-parallel-degree", type=int, default=1,
+                        help="plan the proposed expert parallelism (not in the trainer yet): ranks per expert group")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the config tokenizer's")
     args, overrides = parser.parse_known_args(argv)
     try:
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     model_args = model_args_from_config(cfg, vocab, cfg.elr.conditioning)
-    plan = plan_memory(cfg, model_args, args.ngpu, args.gpu_memory_gib, Path(args.config).name)
+    plan = plan_memory(cfg, model_args, args.ngpu, args.gpu_memory_gib, Path(args.config).name,
+                       args.expert_parallel_degree)
     print(plan.report())
     return 0 if plan.fits else 1
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from elr.config import JobConfig
 from elr.models import build_model
+from elr.models.ffn import MoE
 from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.activation_memory import LiveTensors, forward_activation_bytes, storage_key
@@ -157,7 +158,10 @@ def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> tu
     return activation_bytes(args, cfg, dtype, loops), max(logits_grad, recompute + 3 * tokens * args.dim * pd)
 
 
-def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "") -> MemoryPlan:
+def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "",
+                expert_parallel: int = 1) -> MemoryPlan:
+    """expert_parallel > 1 plans the proposed (not yet built) expert parallelism: each rank owns
+    E / expert_parallel whole experts of every MoE layer, so a unit gathers only its own experts."""
     p = cfg.parallelism
     dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu)
     dtype = getattr(torch, cfg.training.mixed_precision_param)
@@ -173,9 +177,13 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     # to backward; other units are gathered one at a time, with their gradients and, when compute is
     # not fp32, an fp32 copy for the reduce-scatter.
     root = _numel(model.tok_embeddings) + _numel(model.norm) + _numel(model.output)
-    units = {"recurrent block": _numel(model.recurrent)}
+    def gathered(module: nn.Module) -> int:
+        experts = sum(m.w1.numel() + m.w2.numel() for m in module.modules() if isinstance(m, MoE))
+        return _numel(module) - experts + experts // expert_parallel
+
+    units = {"recurrent block": gathered(model.recurrent)}
     for i, layer in enumerate([*model.input_layers, *model.output_layers]):
-        units[f"layer {i}"] = _numel(layer)
+        units[f"layer {i}"] = gathered(layer)
     name, largest = max(units.items(), key=lambda kv: kv[1])
     per_param = pd + pd + (4 if pd != 4 else 0)
     unsharded = root * pd + largest * per_param if ngpu > 1 else 0
@@ -186,7 +194,8 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     ac = cfg.activation_checkpoint
     ac_name = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
     return MemoryPlan(
-        config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}",
+        config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
+        + (f", expert parallel {expert_parallel} (proposed)" if expert_parallel > 1 else ""),
         ac=ac_name, loops=loops, tokens_per_microbatch=tokens, n_params=n,
         params=4 * n / shard, grads=4 * n / shard, optimizer=8 * n / shard,
         unsharded=unsharded, unsharded_unit=f"root {root / 1e9:.2f}B + {name} {largest / 1e9:.2f}B",
