@@ -4,6 +4,7 @@ rank; a training step moves statistics to the host once, however many microbatch
 import dataclasses
 import sys
 
+import pytest
 import torch
 from torchao.float8.float8_linear import Float8Linear
 
@@ -51,3 +52,12 @@ def test_train_step_syncs_with_the_host_a_fixed_number_of_times(tmp_path, monkey
         return len(calls) - 1  # less the CPU-side ks[dp_rank].tolist() that sets the loop counts
 
     assert syncs(1) == syncs(3)
+
+
+@pytest.mark.slow  # two short training runs
+def test_training_with_full_ac_equals_training_without(tmp_path):
+    from trainer_utils import run
+
+    plain = run(tmp_path / "plain", 2)
+    checkpointed = run(tmp_path / "ac", 2, "--activation_checkpoint.mode", "full")
+    assert checkpointed == plain  # same losses bit for bit, so the same updates
