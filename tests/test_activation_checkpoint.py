@@ -60,3 +60,21 @@ def test_every_second_layer_is_wrapped_across_the_whole_stack():
     apply_activation_checkpointing(model, "selective", "2")
     layers = [*model.input_layers, *model.recurrent.layers, *model.output_layers]
     assert [isinstance(layer, CheckpointedLayer) for layer in layers] == [i % 2 == 1 for i in range(len(layers))]
+
+
+@pytest.mark.slow  # compiles the debug layers (about a minute on an idle 2-core machine)
+def test_compiled_checkpointed_layers_match_eager_and_count_once(tmp_path, monkeypatch):
+    from elr.parallel.parallelize import compile_layers
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    reference = make()
+    tokens = torch.randint(0, DEBUG.vocab_size, (1, 16))
+    want_grads, want_counts = grads_and_counts(reference, tokens, 2)
+    for mode, option in [("full", "op"), ("selective", "op")]:
+        model = copy.deepcopy(reference)
+        apply_activation_checkpointing(model, mode, option)
+        compile_layers(model)
+        grads, counts = grads_and_counts(model, tokens, 2)
+        for name in want_grads:
+            torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{mode} {name}")
+        assert all(torch.equal(got, want) for got, want in zip(counts, want_counts)), mode

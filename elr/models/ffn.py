@@ -80,7 +80,8 @@ class MoE(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True) * self.routed_scale
         if self.training and not recomputing():  # evaluation and AC recomputation must not move the balance
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=len(self.expert_bias))
+                # index_add_, not bincount: CUDA's bincount reads the max index on the host to size its output
+                self.tokens_per_expert.index_add_(0, indices.flatten(), self.tokens_per_expert.new_ones(indices.numel()))
         return indices, weights
 
     def forward(self, x: torch.Tensor, route: dict | None = None) -> torch.Tensor:
