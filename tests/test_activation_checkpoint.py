@@ -50,7 +50,8 @@ def test_gradients_and_moe_counts_with_ac_equal_without(mode, option, route_repl
         want_grads, want_counts = expected[k]
         assert grads.keys() == want_grads.keys()
         for name in want_grads:
-            torch.testing.assert_close(grads[name], want_grads[name], rtol=0, atol=1e-6, msg=f"{mode} {option} k={k} {name}")
+            torch.testing.assert_close(grads[name], want_grads[name], rtol=0, atol=1e-6,
+                                       msg=f"{mode} {option} k={k} {name}")
         for got, want in zip(counts, want_counts):
             assert torch.equal(got, want), (mode, option, k)  # recomputation does not count twice
 

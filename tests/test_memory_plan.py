@@ -1,7 +1,6 @@
 """The memory plan's activation count (meta device, no allocation) equals what a real CPU forward
 keeps for backward, for every AC mode and loop count; and the shipped configs' verdicts hold."""
 
-import dataclasses
 import subprocess
 import sys
 
@@ -22,7 +21,8 @@ MODES = [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")
 @pytest.mark.parametrize("mode,option", MODES)
 def test_predicted_activations_match_a_real_forward_within_10_percent(mode, option):
     cfg = load_config(DEBUG_TOML, ["--training.seq_len", "32", "--training.local_batch_size", "2",
-                                   "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option])
+                                   "--activation_checkpoint.mode", mode,
+                                   "--activation_checkpoint.selective_ac_option", option])
     args = model_args_from_config(cfg, 8192, conditioning=True)
     torch.manual_seed(0)
     model = build_model(args)

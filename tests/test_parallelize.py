@@ -43,8 +43,8 @@ def test_train_step_syncs_with_the_host_a_fixed_number_of_times(tmp_path, monkey
         monkeypatch.setattr(torch.Tensor, name, counted)
 
     def syncs(n_micro):
-        trainer = Trainer(load_config(DEBUG_TOML, overrides(
-            tmp_path / str(n_micro), 1, "--training.local_batch_size", "1", "--training.global_batch_size", str(n_micro))))
+        batch = ["--training.local_batch_size", "1", "--training.global_batch_size", str(n_micro)]
+        trainer = Trainer(load_config(DEBUG_TOML, overrides(tmp_path / str(n_micro), 1, *batch)))
         trainer.switch_step = -1  # mixed depth from the first step, so loop statistics exist
         calls.clear()
         scalars, ks, _ = trainer.train_step(1)

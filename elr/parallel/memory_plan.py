@@ -177,6 +177,7 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     # to backward; other units are gathered one at a time, with their gradients and, when compute is
     # not fp32, an fp32 copy for the reduce-scatter.
     root = _numel(model.tok_embeddings) + _numel(model.norm) + _numel(model.output)
+
     def gathered(module: nn.Module) -> int:
         experts = sum(m.w1.numel() + m.w2.numel() for m in module.modules() if isinstance(m, MoE))
         return _numel(module) - experts + experts // expert_parallel
