@@ -135,6 +135,12 @@ class Compile:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: str = "none"  # none | selective | full (recompute each layer call in backward)
+    selective_ac_option: str = "op"  # selective: "op" (keep matmul/attention outputs) or N (every N-th layer)
+
+
+@dataclass
 class Float8:
     enable: bool = False  # torchao float8 training for the large linear layers
 
@@ -155,6 +161,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
 
     def to_dict(self) -> dict:
@@ -167,6 +174,7 @@ CHOICES = {
     "optimizer.name": ("adamw", "muon"),
     "lr_scheduler.decay_type": ("cosine", "wsd"),
     "checkpoint.export_dtype": ("none", "float32", "bfloat16"),
+    "activation_checkpoint.mode": ("none", "selective", "full"),
 }
 
 
@@ -344,3 +352,6 @@ def validate(cfg: JobConfig) -> None:
     _check(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree", "must be >= 1",
            p.data_parallel_replicate_degree)
 
+    ac = cfg.activation_checkpoint.selective_ac_option
+    _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",
+           'must be "op" or a layer interval N >= 1', ac)

@@ -16,10 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
-
-
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
+from elr.models.experts import grouped_experts, permute_tokens, relu2
 
 
 class FeedForward(nn.Module):
@@ -42,6 +39,12 @@ class FeedForward(nn.Module):
         if self.w3 is not None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(relu2(self.w1(x)))
+
+
+def recomputing() -> bool:
+    """True while backward re-runs a checkpointed forward in eager mode (compiled AC never re-runs
+    side effects), so the MoE load counter counts each routed token once."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor:
@@ -98,11 +101,15 @@ class MoE(nn.Module):
         indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, indices)
         weights = weights / weights.sum(-1, keepdim=True) * self.routed_scale
-        if self.training:  # evaluation must not move the balance
-            with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=len(self.expert_bias))
-            aux = sequence_balance_loss(scores, indices, batch)
-            self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
+        if self.training:  # evaluation must not move the balance, nor AC recomputation count it twice
+            aux = sequence_balance_loss(scores, indices, batch)  # recomputed too: its backward needs it
+            if not recomputing():
+                with torch.no_grad():
+                    # index_add_, not bincount: CUDA's bincount reads the max index on the host to size its output
+                    self.tokens_per_expert.index_add_(
+                        0, indices.flatten(), self.tokens_per_expert.new_ones(indices.numel())
+                    )
+                self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
         return indices, weights
 
     def forward(self, x: torch.Tensor, route: dict | None = None) -> torch.Tensor:
@@ -115,16 +122,10 @@ class MoE(nn.Module):
             if route is not None:
                 route.update(indices=indices, weights=weights)
 
-        # Group the (token, expert) pairs by expert and run each expert on its tokens.
-        flat = indices.flatten()
-        order = flat.argsort(stable=True)
-        token_of = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
-        outputs = [
-            relu2(xs @ self.w1[e].t()) @ self.w2[e].t()
-            for e, xs in enumerate(x[token_of].split(counts)) if counts[e]
-        ]
-        routed = torch.cat(outputs) * weights.flatten()[order, None].to(x.dtype)
+        # Sort the (token, expert) pairs by expert and run every expert in one grouped GEMM each way.
+        order, token_of, offsets = permute_tokens(indices, self.w1.shape[0])
+        routed = grouped_experts(x[token_of], self.w1, self.w2, offsets)
+        routed = routed * weights.flatten()[order, None].to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, routed)
         if self.shared is not None:
             out = out + self.shared(x)

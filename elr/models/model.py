@@ -114,8 +114,13 @@ class ELRModel(nn.Module):
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sequence-level balance loss of the last training forward, summed over MoE routing calls
-        (every layer, every loop that routed); None without MoE layers or outside training."""
+        (every layer, every loop that routed); None without MoE layers or outside training.
+
+        Taking it clears it, so no module keeps a piece of the autograd graph past its step.
+        """
         losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        for moe in self.moe_layers():
+            moe.aux_loss = None
         return torch.stack(losses).sum() if losses else None
 
     def num_flops_per_token(self, seq_len: int, loops: int = 1) -> int:

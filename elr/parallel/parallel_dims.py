@@ -1,8 +1,13 @@
-"""Process-group layout: dp_replicate x dp_shard = world size (HSDP when both exceed 1)."""
+"""Process-group layout: dp_replicate x dp_shard = world size (HSDP when both exceed 1).
+
+Owns the device mesh and answers which data-parallel rank this process is: the trainer reads
+`dp_rank`/`dp_world` for data and loop draws and never assumes dp_rank == global rank, so tensor,
+context or expert dimensions can join the mesh later without touching it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -14,6 +19,7 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
+    mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.dp_shard == -1:
@@ -34,7 +40,24 @@ class ParallelDims:
         """Data-parallel ranks: each one is a column of slots with its own data and loop counts."""
         return self.dp_replicate * self.dp_shard
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
-        )
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The world's mesh (None for one process), kept for dp_mesh and dp_rank."""
+        if self.world_size > 1:
+            self.mesh = init_device_mesh(
+                device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+            )
+        return self.mesh
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards (and HSDP replicates) over; None without a process group."""
+        if self.mesh is None:
+            return None
+        return self.mesh if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel index in 0..dp_world-1, from its mesh coordinates."""
+        if self.mesh is None:
+            return 0
+        return self.mesh.get_local_rank("dp_replicate") * self.dp_shard + self.mesh.get_local_rank("dp_shard")

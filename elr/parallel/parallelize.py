@@ -1,4 +1,6 @@
-"""Apply float8, torch.compile and FSDP2 to a model built on the meta device, in that order.
+"""Parallelism in one place: `parallelize(model, dims, cfg)` applies float8, activation
+checkpointing, torch.compile and FSDP2 to a model built on the meta device, in that order
+(tensor and context parallelism would slot in before AC).
 
 FSDP units: each input/output layer, the whole recurrent block (its layers together with the
 k-loop, called exactly once per microbatch so ranks running different k stay in step), and the
@@ -12,7 +14,26 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from elr.config import JobConfig
 from elr.models.model import ELRModel
+from elr.parallel.activation_checkpoint import apply_activation_checkpointing
+from elr.parallel.parallel_dims import ParallelDims
+
+
+def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type: str) -> None:
+    """float8 -> activation checkpointing -> compile -> FSDP2 (when dims has a data-parallel mesh).
+
+    AC wraps each layer before compile so the checkpoint regions are traced into the compiled
+    layer; FSDP comes last so its units hold the wrapped, compiled layers.
+    """
+    if cfg.float8.enable:
+        convert_to_float8(model, emulate=device_type != "cuda")
+    ac = cfg.activation_checkpoint
+    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
+    if cfg.compile.enable:
+        compile_layers(model)
+    if dims.dp_mesh is not None:
+        apply_fsdp(model, dims.dp_mesh, getattr(torch, cfg.training.mixed_precision_param))
 
 
 def convert_to_float8(model: ELRModel, emulate: bool) -> int:

@@ -25,7 +25,7 @@ from elr.models import build_model
 from elr.models.ffn import update_expert_biases
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.parallel.parallel_dims import ParallelDims
-from elr.parallel.parallelize import apply_fsdp, compile_layers, convert_to_float8
+from elr.parallel.parallelize import parallelize
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
 from elr.train.data import build_train_loader, val_batches
 from elr.train.loop_sampler import LoopSampler
@@ -59,8 +59,8 @@ class Trainer:
         self.dims = ParallelDims(
             cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree, self.world_size
         )
-        self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
-        self.dp_rank, self.dp_world = self.rank, self.dims.dp_world
+        self.dims.build_mesh(self.device.type)
+        self.dp_rank, self.dp_world = self.dims.dp_rank, self.dims.dp_world
 
         per_update = t.local_batch_size * self.dp_world
         global_batch = per_update if t.global_batch_size == -1 else t.global_batch_size
@@ -141,14 +141,7 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
         with torch.device("meta"):
             model = build_model(self.model_args)
-        if cfg.float8.enable:
-            convert_to_float8(model, emulate=self.device.type != "cuda")
-        if cfg.compile.enable:
-            compile_layers(model)
-        if self.mesh is not None:
-            dp_mesh = self.mesh if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
-            param_dtype = getattr(torch, cfg.training.mixed_precision_param)
-            apply_fsdp(model, dp_mesh, param_dtype)
+        parallelize(model, self.dims, cfg, self.device.type)
         model.to_empty(device=self.device)
         model.init_weights()
         model.train()
@@ -237,7 +230,7 @@ class Trainer:
         tokens_per_rank = self.n_micro * cfg.training.local_batch_size * cfg.training.seq_len
         # Row 0: summed loss per k, row 1: tokens per k (this rank), reduced over ranks below.
         per_k = torch.zeros(2, K, dtype=torch.float64, device=self.device)
-        loop_stats: dict[str, list[float]] = {}
+        loop_stats: dict[str, list[torch.Tensor]] = {}  # kept on the device until the step ends
         aux_sum = torch.zeros((), device=self.device)  # balance loss summed over microbatches
         for micro, k in enumerate(ks[self.dp_rank].tolist()):
             inputs, labels = (x.to(self.device) for x in next(self.data_iter))
@@ -254,7 +247,7 @@ class Trainer:
             if track:
                 for i, stats in enumerate(self.model.recurrent.loop_stats, start=1):
                     for name, value in stats.items():
-                        loop_stats.setdefault(f"loop{i}/{name}", []).append(value.item())
+                        loop_stats.setdefault(f"loop{i}/{name}", []).append(value)
         if dist.is_initialized():
             dist.all_reduce(per_k)
         loss = (per_k[0].sum() / per_k[1].sum()).item()
@@ -283,10 +276,12 @@ class Trainer:
         self.lr_scheduler.step()
 
         scalars = {"loss/train": loss, "grad_norm": grad_norm, "lr": lr, "loops/mean": ks.float().mean().item()}
-        for k in range(1, K + 1):
-            if per_k[1, k - 1] > 0:
-                scalars[f"loss/k{k}"] = (per_k[0, k - 1] / per_k[1, k - 1]).item()
-        scalars.update({name: sum(v) / len(v) for name, v in loop_stats.items()})
+        for k, (loss_sum, tokens) in enumerate(zip(*per_k.tolist()), start=1):
+            if tokens > 0:
+                scalars[f"loss/k{k}"] = loss_sum / tokens
+        if loop_stats:  # one host transfer for every loop statistic of every microbatch
+            means = torch.stack([torch.stack(v).float().mean() for v in loop_stats.values()]).tolist()
+            scalars.update(zip(loop_stats, means))
         scalars.update(moe_stats)
         if self.model.moe_layers():  # logged whatever the coefficient (unscaled; 1 per routing call if balanced)
             if dist.is_initialized():

@@ -1,0 +1,204 @@
+"""Per-rank GPU memory of a training job, predicted before any GPU is used.
+
+    total = parameters + gradients + optimizer state      (fp32, sharded over dp_shard by FSDP2)
+          + unsharded units                                (root always; the largest other unit with its
+                                                            gradients and fp32 reduce-scatter buffer)
+          + activations                                    (one microbatch at k = max_loops, for the AC mode)
+          + backward working set                           (max of: logits gradient; a recomputed layer)
+          + reserve                                        (CUDA context, NCCL, allocator slack: our choice)
+
+Activations are not a formula: the model is built on the meta device in the compute dtype, AC is
+applied as the trainer applies it, and one forward + loss runs with `LiveTensors` counting what stays
+alive for backward (elr/parallel/activation_memory.py). Nothing is allocated, so a 4B model at 8192
+tokens plans in seconds on a CPU, and the count follows the code rather than a hand-kept table.
+Modelled for FSDP2 units as apply_fsdp makes them; float8 is planned as bf16 (an upper bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elr.config import JobConfig
+from elr.models import build_model
+from elr.models.ffn import MoE
+from elr.models.model import ELRModel
+from elr.parallel.activation_checkpoint import apply_activation_checkpointing
+from elr.parallel.activation_memory import LiveTensors, forward_activation_bytes, storage_key
+from elr.parallel.parallel_dims import ParallelDims
+
+GiB = 2**30
+RESERVE_GIB = 3.0  # our choice: CUDA context (~0.6 GiB), NCCL buffers and allocator fragmentation
+
+
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The trainer's loss (fp32 cross entropy summed over tokens); imported lazily to avoid a cycle."""
+    from elr.train.trainer import summed_loss as loss
+
+    return loss(logits, labels)
+
+
+@dataclass
+class MemoryPlan:
+    config: str
+    layout: str
+    ac: str
+    loops: int
+    tokens_per_microbatch: int
+    n_params: int
+    params: float  # all in bytes per rank
+    grads: float
+    optimizer: float
+    unsharded: float
+    unsharded_unit: str
+    activations: float
+    backward_work: float
+    reserve: float
+    gpu: float
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.unsharded + self.activations
+                + self.backward_work + self.reserve)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu
+
+    def report(self) -> str:
+        g = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
+        lines = [
+            f"{self.config}: {self.n_params / 1e9:.3f}B parameters | layout {self.layout} | AC {self.ac} | "
+            f"k = {self.loops} | {self.tokens_per_microbatch} tokens per microbatch",
+            f"  parameters (fp32, sharded)       {g(self.params)}",
+            f"  gradients (fp32, sharded)        {g(self.grads)}",
+            f"  optimizer state (AdamW, sharded) {g(self.optimizer)}",
+            f"  unsharded FSDP units             {g(self.unsharded)}   ({self.unsharded_unit})",
+            f"  activations at k = {self.loops:<2}           {g(self.activations)}",
+            f"  backward working set             {g(self.backward_work)}",
+            f"  reserve                          {g(self.reserve)}",
+            f"  total per rank                   {g(self.total)}   of {self.gpu / GiB:.0f} GiB",
+            f"  {'FITS' if self.fits else 'DOES NOT FIT'}: margin {(self.gpu - self.total) / GiB:+.2f} GiB",
+        ]
+        return "\n".join(lines)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _flash_attention(q, k, v, is_causal=False, enable_gqa=False, **kwargs):
+    """SDPA as the GPU runs it (a fused kernel saving q, k, v, output and log-sum-exp); on the meta
+    device torch would pick the math path, which keeps the full [T, T] score matrix."""
+    if enable_gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal)[0]
+
+
+@contextmanager
+def fused_attention():
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _flash_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def meta_model(args, dtype: torch.dtype) -> ELRModel:
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to(dtype)
+    model.eval()  # no MoE load counting (a data-dependent bincount); autograd records as in training
+    return model
+
+
+def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> int:
+    """One microbatch's activations for cfg's AC mode, counted on the meta device."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    model = meta_model(args, dtype)
+    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
+    tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
+    with fused_attention():
+        return forward_activation_bytes(model, tokens, loops, summed_loss)
+
+
+def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype) -> int:
+    """The largest layer call's activations without AC: what backward recomputes at once under AC."""
+    t = cfg.training
+    model = meta_model(args, dtype)
+    h = torch.zeros(t.local_batch_size, t.seq_len, args.dim, dtype=dtype, device="meta", requires_grad=True)
+    rope = model.rope[:, : t.seq_len]
+    layers = {layer.kind: layer for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]}
+    best = 0
+    for layer in layers.values():
+        own = {storage_key(x) for x in [*layer.parameters(), *layer.buffers(), h, model.rope]}
+        with fused_attention(), LiveTensors() as live:
+            y = layer(h, rope)
+            best = max(best, live.live_bytes(own))
+        del y
+    return best
+
+
+def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> tuple[int, int]:
+    """(activations kept for backward, backward working set) of one microbatch at `loops`.
+
+    The working set is the larger of the logits' gradient (fp32 and compute dtype) and, under AC,
+    the largest layer's recomputed internals plus three hidden-state gradients.
+    """
+    t, pd = cfg.training, torch.finfo(dtype).bits // 8
+    tokens = t.local_batch_size * t.seq_len
+    logits_grad = tokens * args.vocab_size * (4 + pd)
+    recompute = largest_layer_bytes(args, cfg, dtype) if cfg.activation_checkpoint.mode != "none" else 0
+    return activation_bytes(args, cfg, dtype, loops), max(logits_grad, recompute + 3 * tokens * args.dim * pd)
+
+
+def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "",
+                expert_parallel: int = 1) -> MemoryPlan:
+    """expert_parallel > 1 plans the proposed (not yet built) expert parallelism: each rank owns
+    E / expert_parallel whole experts of every MoE layer, so a unit gathers only its own experts."""
+    p = cfg.parallelism
+    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu)
+    dtype = getattr(torch, cfg.training.mixed_precision_param)
+    pd = torch.finfo(dtype).bits // 8
+    loops = cfg.elr.max_loops if cfg.elr.enabled else 1
+    args = dataclasses.replace(model_args, max_loops=max(model_args.max_loops, loops))
+    with torch.device("meta"):
+        model = build_model(args)
+    n = _numel(model)
+    shard = dims.dp_shard if ngpu > 1 else 1
+
+    # FSDP2 units (apply_fsdp): the root (embeddings, final norm, head) stays unsharded from forward
+    # to backward; other units are gathered one at a time, with their gradients and, when compute is
+    # not fp32, an fp32 copy for the reduce-scatter.
+    root = _numel(model.tok_embeddings) + _numel(model.norm) + _numel(model.output)
+
+    def gathered(module: nn.Module) -> int:
+        experts = sum(m.w1.numel() + m.w2.numel() for m in module.modules() if isinstance(m, MoE))
+        return _numel(module) - experts + experts // expert_parallel
+
+    units = {"recurrent block": gathered(model.recurrent)}
+    for i, layer in enumerate([*model.input_layers, *model.output_layers]):
+        units[f"layer {i}"] = gathered(layer)
+    name, largest = max(units.items(), key=lambda kv: kv[1])
+    per_param = pd + pd + (4 if pd != 4 else 0)
+    unsharded = root * pd + largest * per_param if ngpu > 1 else 0
+
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    activations, backward_work = microbatch_bytes(args, cfg, dtype, loops)
+
+    ac = cfg.activation_checkpoint
+    ac_name = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
+    return MemoryPlan(
+        config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
+        + (f", expert parallel {expert_parallel} (proposed)" if expert_parallel > 1 else ""),
+        ac=ac_name, loops=loops, tokens_per_microbatch=tokens, n_params=n,
+        params=4 * n / shard, grads=4 * n / shard, optimizer=8 * n / shard,
+        unsharded=unsharded, unsharded_unit=f"root {root / 1e9:.2f}B + {name} {largest / 1e9:.2f}B",
+        activations=activations, backward_work=backward_work, reserve=RESERVE_GIB * GiB, gpu=gpu_memory_gib * GiB,
+    )
