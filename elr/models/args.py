@@ -47,6 +47,7 @@ class ModelArgs:
     max_loops: int = 4
     recurrent_input: str = "state"  # state | state_plus_input
     update: str = "adaptive_delta"  # adaptive_delta | replace | residual
+    step_input: str = "state"  # adaptive_delta's step sees: state | delta | channel
     conditioning: bool = False
     cond_dim: int = 256
 

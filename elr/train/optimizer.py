@@ -7,33 +7,43 @@ import math
 import torch
 from torch import nn
 
-from elr.config import LRScheduler, Optimizer
+from elr.config import ELR, LRScheduler, Optimizer
 from elr.models.recurrence import AdaptiveStep, LoopConditioning
 
-# Parameters of these modules never decay: embeddings and norms carry scale, and the ELR gates
-# must stay free to sit at their identity values.
-NO_DECAY_MODULES = (nn.Embedding, nn.RMSNorm, AdaptiveStep, LoopConditioning)
+# Parameters of these modules never decay: embeddings and norms carry scale, and the loop
+# conditioning must stay free to sit at its identity values. The ELR step has its own group.
+NO_DECAY_MODULES = (nn.Embedding, nn.RMSNorm, LoopConditioning)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, lr: float, step: ELR | None = None) -> list[dict]:
+    """Decayed matrices, undecayed rest, and the ELR step size with its own lr and decay."""
     no_decay_ids = {
         id(p) for m in model.modules() if isinstance(m, NO_DECAY_MODULES) for p in m.parameters()
     }
-    decay, no_decay = [], []
+    step_ids = {id(p) for m in model.modules() if isinstance(m, AdaptiveStep) for p in m.parameters()}
+    decay, no_decay, step_params = [], [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        if id(p) in step_ids:
+            step_params.append(p)
+        else:
+            (decay if p.ndim >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "lr": lr},
+        {"params": no_decay, "weight_decay": 0.0, "lr": lr},
     ]
+    if step_params:
+        step = step or ELR()
+        groups.append({"params": step_params, "weight_decay": step.step_weight_decay, "lr": lr * step.step_lr_scale})
+    return groups
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) -> torch.optim.AdamW:
     # foreach keeps the update fast on CPU and works with FSDP2's DTensor parameters.
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True
+        param_groups(model, cfg.weight_decay, cfg.lr, elr), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+        foreach=True,
     )
 
 

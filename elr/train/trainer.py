@@ -62,6 +62,7 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, conditioning: bool) 
         max_loops=e.max_loops,
         recurrent_input=e.recurrent_input,
         update=e.update,
+        step_input=e.step_input,
         conditioning=conditioning,
         moe_route_replay=cfg.moe.route_replay,
     )
@@ -169,7 +170,7 @@ class Trainer:
         model.init_weights()
         model.train()
         self.model = model
-        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.optimizer = build_optimizer(model, cfg.optimizer, cfg.elr)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
 
     def _build_and_resume(self) -> None:
