@@ -1,6 +1,7 @@
 """Micro-benchmarks, timed in one process so the ratios between variants are what count.
 
-    python scripts/bench.py gdp
+    python scripts/bench.py gdp                 # CUDA: kernel table; CPU: naive vs chunk
+    TRITON_INTERPRET=1 python scripts/bench.py gdp --tiny   # the kernel table's dry run on CPU
     python scripts/bench.py model --flavor debug --seq-len 128 --batch 16
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
@@ -36,21 +37,19 @@ def print_table(header, rows):
 
 
 def bench_gdp(args):
-    """Gated DeltaProduct forward+backward: token-loop oracle vs chunked PyTorch form."""
+    """Gated DeltaProduct: on CUDA (or with --tiny) the kernel table; on CPU naive vs chunk."""
+    if torch.cuda.is_available() or args.tiny:
+        bench_gdp_kernels(args)
+    else:
+        bench_gdp_cpu(args)
+
+
+def bench_gdp_cpu(args):
+    """Forward+backward on CPU: token-loop oracle vs chunked PyTorch form."""
     from kernels.gated_delta_product import gated_delta_product
 
     B, T, H, K, V, n_h = 1, args.seq_len, 4, 64, 64, 2
-    gen = torch.Generator().manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q = torch.nn.functional.normalize(randn(B, T, H, K), dim=-1)
-    k = torch.nn.functional.normalize(randn(B, T * n_h, H, K), dim=-1)
-    v = randn(B, T * n_h, H, V)
-    g = torch.nn.functional.logsigmoid(randn(B, T, H))
-    beta = 2 * torch.sigmoid(randn(B, T * n_h, H))
-    inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    inputs = [x.requires_grad_() for x in gdp_inputs(B, T, H, K, n_h, torch.float32, "cpu")]
 
     def step(impl):
         o, _ = gated_delta_product(*inputs, num_householder=n_h, impl=impl)
@@ -65,6 +64,112 @@ def bench_gdp(args):
     print_table(["impl", "fwd+bwd ms", "speedup"],
                 [["naive", f"{naive * 1e3:.1f}", "1.0x"],
                  ["chunk", f"{chunk * 1e3:.1f}", f"{naive / chunk:.1f}x"]])
+
+
+def gdp_inputs(B, T, H, D, n_h, dtype, device):
+    """q, k, v in dtype; g and beta in fp32, as the GDP layer passes them."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = torch.nn.functional.normalize(randn(B, T, H, D), dim=-1)
+    k = torch.nn.functional.normalize(randn(B, T * n_h, H, D), dim=-1)
+    v = randn(B, T * n_h, H, D)
+    g = torch.nn.functional.logsigmoid(randn(B, T, H) + 3)
+    beta = 2 * torch.sigmoid(randn(B, T * n_h, H))
+    return [x.to(dtype).to(device) for x in (q, k, v)] + [x.to(device) for x in (g, beta)]
+
+
+# GDP heads of GDP-Hybrid-4B and GDP-Hybrid-30B-A3B (head dims 128, n_h = 2), at two batch shapes.
+GDP_MODELS = {"4B": 24, "30B": 16}
+GDP_BATCHES = [(1, 8192), (4, 2048)]
+# Dense bf16 tensor-core FLOP/s and HBM bytes/s from the vendor's data sheets (SXM parts).
+DEVICE_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
+
+
+def gdp_flops(B, T, H, D, n_h, chunk=64):
+    """Forward FLOPs of the chunked algorithm (our count): per expanded row, the state products
+    u = U - W S, the state update and the output's q S (2 D^2 each), and the four chunk-local
+    [C x C x D] products (k k^T, Tinv (beta v), Tinv (beta k), q k^T and P u: ~4 C 2D). The
+    triangular inverse (C^3/3 per chunk) is left out. Forward + backward counts 3x."""
+    rows = B * H * -(-T * n_h // chunk) * chunk
+    return rows * (6 * D * D + 8 * chunk * D)
+
+
+def gdp_bytes(inputs, backward):
+    """Bytes the op must move at least: inputs read and output written once; the backward
+    reads the inputs and the output gradient again and writes one gradient per input."""
+    n_in = sum(x.numel() * x.element_size() for x in inputs)
+    q, v = inputs[0], inputs[2]
+    n_out = q.shape[0] * q.shape[1] * q.shape[2] * v.shape[3] * q.element_size()
+    return n_in + n_out + (2 * n_in + n_out if backward else 0)
+
+
+def bench_gdp_kernels(args):
+    """Forward and forward+backward time of each implementation at the models' shapes, with
+    TFLOP/s and bandwidth against the device's peak and, when flash-linear-attention is
+    installed, its chunk_gated_delta_product on the same inputs."""
+    from kernels.gated_delta_product import gated_delta_product
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # interpreter: fp32 only
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    peak_flops, peak_bytes = next((p for key, p in DEVICE_PEAKS.items() if key in name),
+                                  (None, None))
+    try:
+        from fla.ops.gated_delta_product import chunk_gated_delta_product as fla_op
+    except ImportError:
+        fla_op = None
+    impls = ["triton", "chunk"] + (["fla"] if fla_op is not None else [])
+    if args.tiny:  # a dry run: every code path once, at shapes the interpreter gets through
+        models, batches, D, n_h, repeats = {"tiny": 2}, [(1, 40)], 16, 2, 1
+    else:
+        models, batches, D, n_h, repeats = GDP_MODELS, GDP_BATCHES, 128, 2, args.repeats
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def call(impl, inputs):
+        if impl == "fla":  # beta in q's dtype, as flash-linear-attention's layers pass it
+            q, k, v, g, beta = inputs
+            return fla_op(q, k, v, g, beta.to(q.dtype), num_householder=n_h)[0]
+        return gated_delta_product(*inputs, num_householder=n_h, impl=impl)[0]
+
+    def timed(fn):
+        return time_call(lambda: (fn(), sync()), repeats=repeats)
+
+    def rate(work, seconds, peak, unit):
+        text = f"{work / seconds / unit:.1f}"
+        return text + (f" ({100 * work / seconds / peak:.0f}%)" if peak else "")
+
+    print(f"gated_delta_product on {name}, {str(dtype).removeprefix('torch.')} q/k/v, D={D}, "
+          f"n_h={n_h}, median of {repeats}; peaks: "
+          + (f"{peak_flops / 1e12:.0f} TFLOP/s, {peak_bytes / 1e12:.2f} TB/s" if peak_flops
+             else "unknown"))
+    rows = []
+    for model, H in models.items():
+        for B, T in batches:
+            inputs = gdp_inputs(B, T, H, D, n_h, dtype, device)
+            grads_in = [x.detach().requires_grad_() for x in inputs]
+            do = torch.randn(B, T, H, D, device=device, dtype=dtype)
+            flops = gdp_flops(B, T, H, D, n_h)
+            times = {}
+            for impl in impls:  # triton first: the other rows give their time relative to it
+                with torch.no_grad():
+                    fwd = timed(lambda: call(impl, inputs))
+                both = timed(lambda: call(impl, grads_in).backward(do))
+                times[impl] = fwd, both
+                ratio = [x / t for x, t in zip(times[impl], times["triton"])]
+                rows.append([model, f"{B}x{T}", impl, f"{fwd * 1e3:.2f}",
+                             rate(flops, fwd, peak_flops, 1e12),
+                             rate(gdp_bytes(inputs, False), fwd, peak_bytes, 1e9),
+                             f"{both * 1e3:.2f}", rate(3 * flops, both, peak_flops, 1e12),
+                             rate(gdp_bytes(inputs, True), both, peak_bytes, 1e9),
+                             f"{ratio[0]:.2f}x / {ratio[1]:.2f}x"])
+    print_table(["model", "BxT", "impl", "fwd ms", "TFLOP/s", "GB/s", "fwd+bwd ms", "TFLOP/s",
+                 "GB/s", "time / triton (fwd / both)"], rows)
 
 
 def bench_model(args):
@@ -118,6 +223,8 @@ def main():
     parser.add_argument("--naive-repeats", type=int, default=2)
     parser.add_argument("--flavor", default="debug", help="model: the flavor to time")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences per step")
+    parser.add_argument("--tiny", action="store_true",
+                        help="gdp: the kernel table at tiny shapes (a dry run; CPU interpreter)")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)
 

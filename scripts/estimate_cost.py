@@ -9,7 +9,12 @@ E[k] = f + (1 - f) sum_k w_k k in the mixed phase,
     cost / baseline = s + (1 - s) (L_in + E[k] L_rec + L_out) / L            (layers)
 
 The FLOP column weighs each layer by its analytic training FLOPs at the config's seq_len and counts
-the embedding/head once per token, as model.num_flops_per_token does.
+the embedding/head once per token, as model.num_flops_per_token does, so it depends (a little) on
+the vocabulary. That comes from the config's tokenizer without loading an encoding: a local ranks
+file is read, a tiktoken encoding name is looked up in ENCODING_VOCAB, so the figures are the same
+whether or not the encoding is cached on this machine; `--vocab-size N` overrides it (e.g. 131072,
+the Nemotron vocabulary the paper's models use). The params columns count the model the config
+trains after its late switch (conditioning included); active counts top-k of the routed experts.
 """
 
 from __future__ import annotations
@@ -33,12 +38,18 @@ FORMULA = (
 )
 
 
-def estimate(config_path: str) -> dict:
+# n_vocab (ranks + special tokens) of the tiktoken encodings, as tiktoken 0.14 builds them: the
+# estimate must not depend on whether the encoding's file can be downloaded or is cached.
+ENCODING_VOCAB = {"o200k_base": 200019, "cl100k_base": 100277}
+
+
+def estimate(config_path: str, vocab_size: int | None = None) -> dict:
     cfg = load_config(config_path)
+    vocab_size = vocab_size or config_vocab(cfg)
     e = cfg.elr
     sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights)
     mean_k = sampler.mean_loops() if e.enabled else 1.0
-    args = model_args_from_config(cfg, vocab_size=build_vocab(cfg), conditioning=e.conditioning)
+    args = model_args_from_config(cfg, vocab_size=vocab_size, conditioning=e.conditioning)
     n_in, n_rec, n_out = args.partition
     n_layers = n_in + n_rec + n_out
     s = e.switch_at
@@ -48,31 +59,43 @@ def estimate(config_path: str) -> dict:
     f1 = model.num_flops_per_token(cfg.training.seq_len, 1)
     per_loop = model.num_flops_per_token(cfg.training.seq_len, 2) - f1
     mixed_flops = (f1 + (mean_k - 1) * per_loop) / f1
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(m.w1.numel() + m.w2.numel() for m in model.moe_layers())
+    active = params - experts + experts * args.moe_top_k / max(args.moe_experts, 1)
     return {
         "config": Path(config_path).name, "partition": f"{n_in}/{n_rec}/{n_out}", "K": e.max_loops,
         "f": e.one_loop_override, "p1": sampler.p_one_loop() if e.enabled else 1.0, "E[k]": mean_k, "s": s,
         "mixed x (layers)": mixed_layers, "run x (layers)": s + (1 - s) * mixed_layers,
-        "run x (FLOPs)": s + (1 - s) * mixed_flops,
+        "run x (FLOPs)": s + (1 - s) * mixed_flops, "vocab": vocab_size,
+        "params": human(params), "active": human(active),
     }
 
 
-def build_vocab(cfg) -> int:
-    """The tokenizer's vocabulary when it can be loaded here, else the flavor's default."""
-    from elr.models.args import flavors
+def human(n: float) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def config_vocab(cfg) -> int:
+    """The config tokenizer's vocabulary, the same on every machine (see the module docstring)."""
     from elr.train.tokenizer import build_tokenizer
 
-    try:
-        return build_tokenizer(cfg.tokenizer.path).n_vocab
-    except FileNotFoundError:  # an encoding not cached offline: the estimate barely depends on it
-        return flavors[cfg.model.flavor].vocab_size
+    name = cfg.tokenizer.path
+    if Path(name).is_file():
+        return build_tokenizer(name).n_vocab
+    if name in ENCODING_VOCAB:
+        return ENCODING_VOCAB[name]
+    raise ConfigError(f"tokenizer.path: {name!r} is neither a file nor one of {', '.join(ENCODING_VOCAB)}; "
+                      "pass --vocab-size")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="+", help="TOML job configs")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="vocabulary to size the embedding/head with (default: the config tokenizer's)")
     args = parser.parse_args()
     try:
-        rows = [estimate(path) for path in args.configs]
+        rows = [estimate(path, args.vocab_size) for path in args.configs]
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

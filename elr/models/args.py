@@ -28,7 +28,7 @@ class ModelArgs:
     gdp_head_dim: int = 128  # key and value dims per head
     gdp_householder: int = 2  # n_h Householder sub-steps per token
     gdp_conv_size: int = 4
-    gdp_impl: str = "chunk"  # chunk (PyTorch, CPU) | naive (token loop, the oracle)
+    gdp_impl: str = "auto"  # auto (triton on CUDA, chunk elsewhere) | triton | chunk | naive (oracle)
 
     # dense feed-forward
     ffn_dim: int = 4096
@@ -70,10 +70,14 @@ class ModelArgs:
         return int(self.head_dim * self.rope_fraction) // 2 * 2
 
 
-# Koi-4B puts three of its six attention layers in the recurrent block; GDP-Hybrid-4B spreads them
-# two per block. Both have 23 GDP / 6 attention / 23 FF layers, partitioned 14/24/14.
-_HYBRID_4B = "GFGFAGFGFGFAGF" + "GFGFGFAGFGFGFGFGFGAFGFGF" + "GFGFGAFGFGFGAF"
-_KOI_4B = "GFGFAGFGFGFAGF" + "GFGFAFGFGFGFAGFGFGFAGFGF" + "GFGFGGFAGFGFGF"
+# Nemotron 3 Nano 30B-A3B's published hybrid_override_pattern (M = Mamba mixer, E = FF/MoE,
+# * = attention): 23 mixers, 23 FF, 6 attention. Split 14/24/14 it puts attention 2/3/1 over the
+# input/recurrent/output blocks, which is the paper's "three of six attention layers sit in the
+# recurrent block" for Koi-4B, itself "the GDP-Hybrid-4B configuration". Every hybrid flavor uses it,
+# with the GDP mixer in the Mamba slots: F (dense) for the 4B, E (MoE) for the 30B.
+NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+HYBRID_DENSE_PATTERN = NEMOTRON_3_NANO_PATTERN.translate(str.maketrans("ME*", "GFA"))
+HYBRID_MOE_PATTERN = NEMOTRON_3_NANO_PATTERN.translate(str.maketrans("ME*", "GEA"))
 
 _hybrid_4b = dict(
     dim=3072, partition=(14, 24, 14), n_heads=24, n_kv_heads=8, head_dim=128,
@@ -92,10 +96,10 @@ flavors: dict[str, ModelArgs] = {
         dim=1024, layer_pattern="AF" * 15, partition=(8, 14, 8), n_heads=16, n_kv_heads=4, head_dim=64,
         ffn_dim=3968, ffn_activation="swiglu", max_loops=5,
     ),
-    "gdp_hybrid_4b": ModelArgs(layer_pattern=_HYBRID_4B, **_hybrid_4b),
-    "koi_4b": ModelArgs(layer_pattern=_KOI_4B, **_hybrid_4b),
+    "gdp_hybrid_4b": ModelArgs(layer_pattern=HYBRID_DENSE_PATTERN, **_hybrid_4b),
+    "koi_4b": ModelArgs(layer_pattern=HYBRID_DENSE_PATTERN, **_hybrid_4b),  # Koi-4B is GDP-Hybrid-4B
     "gdp_hybrid_30b_a3b": ModelArgs(
-        dim=2688, layer_pattern=_HYBRID_4B.replace("F", "E"), partition=(14, 24, 14),
+        dim=2688, layer_pattern=HYBRID_MOE_PATTERN, partition=(14, 24, 14),
         n_heads=32, n_kv_heads=2, head_dim=128, gdp_heads=16, gdp_head_dim=128,
         moe_experts=128, moe_top_k=6, moe_expert_dim=1856, moe_shared_dim=3712, moe_routed_scale=2.5,
     ),

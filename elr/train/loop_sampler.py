@@ -2,8 +2,10 @@
 
 The unit is a slot = (data-parallel rank, microbatch); every slot of an optimizer update gets a
 loop count k in 1..K. Draws depend only on (seed, step), so a resumed or resharded run draws the
-same counts and no sampler state needs saving. A rotating fraction f of slots always runs k=1
-(the paper's one-loop override); with uniform draws p(k=1) = f + (1 - f) / K.
+same counts and no sampler state needs saving. The one-loop override is the paper's "rotating subset
+of data-parallel ranks runs one loop on every microbatch": in each update a rotating fraction f of
+the ranks runs k=1 on all of its microbatches, whatever was drawn for them. With uniform draws
+p(k=1) = f + (1 - f) / K, in either sampling mode.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ class LoopSampler:
         draws = 1 if self.sampling == "synchronized" else n
         ks = torch.multinomial(self.probs, draws, replacement=True, generator=gen) + 1
         ks = ks.expand(n).clone()
-        # Slots [start, end) modulo n run one loop; the window advances by f*n slots per step,
-        # so every slot takes its turn and the long-run fraction is exactly f.
-        start, end = math.floor((step - 1) * self.override * n), math.floor(step * self.override * n)
-        ks[torch.arange(start, end) % n] = 1
-        return ks.view(n_ranks, n_micro)
+        ks = ks.view(n_ranks, n_micro)
+        # Ranks [start, end) modulo n_ranks run one loop on every microbatch; the window advances by
+        # f * n_ranks ranks per step, so every rank takes its turn and the long-run fraction is exactly f.
+        rotation = self.override * n_ranks
+        start, end = math.floor((step - 1) * rotation), math.floor(step * rotation)
+        ks[torch.arange(start, end) % n_ranks] = 1
+        return ks
 
     def p_one_loop(self) -> float:
         """Closed-form probability that a slot runs k=1."""

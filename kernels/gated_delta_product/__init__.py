@@ -1,40 +1,106 @@
 """Gated DeltaProduct (DESIGN.md §3.2): one public op, several implementations behind `impl`.
 
-"naive" is the token loop kept as the oracle; "chunk" is the chunked PyTorch form used on CPU.
-Every implementation computes in fp32 (fp64 stays fp64) and takes the same, flash-linear-attention
-style, batch-first arguments, so the model never needs to know which one ran.
+"naive" is the token loop kept as the oracle; "chunk" is the chunked PyTorch form used on CPU;
+"triton" is the chunked Triton kernel set (GPU, or CPU under TRITON_INTERPRET=1); "auto" picks
+triton for CUDA tensors and chunk otherwise. Every implementation accumulates in fp32 (fp64 stays
+fp64 where the PyTorch forms are used) and takes the same, flash-linear-attention style,
+batch-first arguments, so the model never needs to know which one ran. `gated_delta_product_step`
+is the one-token form for decoding.
 """
+
+import torch
 
 from kernels.gated_delta_product.chunk import chunk_gated_delta_product
 from kernels.gated_delta_product.naive import naive_gated_delta_product
 
+try:
+    from kernels.gated_delta_product.triton_decode import triton_gated_delta_product_step
+    from kernels.gated_delta_product.triton_op import triton_gated_delta_product
+except ImportError as error:  # triton is a dependency, but keep the PyTorch forms usable without it
+    _TRITON_IMPORT_ERROR = error
+    triton_gated_delta_product = triton_gated_delta_product_step = None
+
 IMPLEMENTATIONS = {
     "chunk": chunk_gated_delta_product,
     "naive": naive_gated_delta_product,
+    "triton": triton_gated_delta_product,
 }
+IMPL_CHOICES = ("auto", *IMPLEMENTATIONS)
+
+
+def l2_normalize(x):
+    """x / sqrt(|x|^2 + 1e-6) over the last dim: the q/k normalisation use_qk_l2norm applies
+    (the Triton kernels compute the same inside)."""
+    x32 = x.float() if x.dtype != torch.float64 else x
+    return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _resolve(impl, q):
+    if impl == "auto":
+        impl = "triton" if q.is_cuda else "chunk"
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown gated_delta_product impl {impl!r}; "
+                         f"expected one of {list(IMPL_CHOICES)}")
+    if impl == "triton" and triton_gated_delta_product is None:
+        raise ImportError(f"impl='triton' needs triton: {_TRITON_IMPORT_ERROR}")
+    return impl
 
 
 def gated_delta_product(q, k, v, g, beta, *, num_householder, scale=None, initial_state=None,
-                        output_final_state=False, impl="chunk"):
+                        output_final_state=False, use_qk_l2norm=False, impl="chunk"):
     """Run the gated DeltaProduct recurrence over a batch of sequences.
 
     q: [B, T, H, K]; k: [B, T*n_h, H, K]; v: [B, T*n_h, H, V]; beta: [B, T*n_h, H];
     g: [B, T, H] (log decay, <= 0), with n_h = num_householder. Row t*n_h + j of k, v and beta is
-    Householder sub-step j of token t. q and k must already be L2-normalised; scale defaults to
-    K**-0.5. initial_state: [B, H, K, V] or None.
+    Householder sub-step j of token t. q and k must be L2-normalised, or use_qk_l2norm=True
+    normalises them (`l2_normalize`; in-kernel for triton). scale defaults to K**-0.5.
+    initial_state: [B, H, K, V] or None.
 
     Returns (o [B, T, H, V] in q's dtype, final_state [B, H, K, V] in fp32, or None unless
     output_final_state).
     """
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown gated_delta_product impl {impl!r}; "
-                         f"expected one of {sorted(IMPLEMENTATIONS)}")
+    impl = _resolve(impl, q)
     _check_shapes(q, k, v, g, beta, num_householder, initial_state)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o, final_state = IMPLEMENTATIONS[impl](q, k, v, g, beta, num_householder, scale,
-                                           initial_state, output_final_state)
+    if impl == "triton":
+        o, final_state = triton_gated_delta_product(q, k, v, g, beta, num_householder, scale,
+                                                    initial_state, output_final_state,
+                                                    qk_l2norm=use_qk_l2norm)
+    else:
+        if use_qk_l2norm:
+            q, k = l2_normalize(q), l2_normalize(k)
+        o, final_state = IMPLEMENTATIONS[impl](q, k, v, g, beta, num_householder, scale,
+                                               initial_state, output_final_state)
     return o.to(q.dtype), final_state
+
+
+def gated_delta_product_step(q, k, v, g, beta, state=None, *, num_householder, scale=None,
+                             use_qk_l2norm=False, impl="auto"):
+    """One decoding step: the op over a single token (T = 1) from `state`, shapes as in
+    `gated_delta_product`. Returns (o [B, 1, H, V], new state [B, H, K, V] in fp32).
+    impl: "triton" (the one-token kernel), "naive", or "auto" (triton on CUDA, naive otherwise)."""
+    if impl == "auto":
+        impl = "triton" if q.is_cuda else "naive"
+    if impl not in ("triton", "naive"):
+        raise ValueError(f"gated_delta_product_step impl must be auto, triton or naive, "
+                         f"got {impl!r}")
+    if q.shape[1] != 1:
+        raise ValueError(f"gated_delta_product_step takes one token, got q of shape "
+                         f"{tuple(q.shape)}")
+    _check_shapes(q, k, v, g, beta, num_householder, state)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if state is None:
+        state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], dtype=torch.float32)
+    if impl == "triton":
+        _resolve("triton", q)
+        return triton_gated_delta_product_step(q, k, v, g, beta, state, num_householder, scale,
+                                               qk_l2norm=use_qk_l2norm)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    o, new_state = naive_gated_delta_product(q, k, v, g, beta, num_householder, scale, state, True)
+    return o.to(q.dtype), new_state.float()
 
 
 def _check_shapes(q, k, v, g, beta, num_householder, initial_state):
