@@ -41,7 +41,7 @@ class ELR:
     step_weight_decay: float = 0.0  # decay of the step's parameters (pulls the step towards 1)
     conditioning: bool = True  # loop-index/budget embeddings + zero-initialised FiLM heads
     sampling: str = "independent"  # independent (each slot draws k) | synchronized (one k per update)
-    one_loop_override: float = 0.0  # fraction f of slots that always run k=1 (rotating)
+    one_loop_override: float = 0.0  # fraction f of data-parallel ranks that run k=1 on every microbatch (rotating)
     loop_weights: list[float] = field(default_factory=list)  # weights over k=1..K; empty: uniform
     switch_at: float = 0.0  # fraction of training.steps run at k=1 before mixed depth starts
 
@@ -50,6 +50,7 @@ class ELR:
 class MoE:
     route_replay: bool = False  # recurrent MoE layers reuse loop-1 routes on later loops
     bias_update_rate: float = 1e-3  # aux-loss-free balancing: expert bias step per optimizer update
+    aux_loss_coeff: float = 0.0  # sequence-level balance loss weight, per routing call; 0 disables
 
 
 @dataclass
@@ -66,10 +67,12 @@ class Training:
 
 @dataclass
 class Optimizer:
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest)
     lr: float = 3e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
+    muon_momentum: float = 0.95  # muon: momentum of the Muon matrices (Nesterov)
 
 
 @dataclass
@@ -161,6 +164,7 @@ CHOICES = {
     "elr.step_input": ("state", "delta", "channel"),
     "elr.sampling": ("independent", "synchronized"),
     "training.mixed_precision_param": ("float32", "bfloat16"),
+    "optimizer.name": ("adamw", "muon"),
     "lr_scheduler.decay_type": ("cosine", "wsd"),
     "checkpoint.export_dtype": ("none", "float32", "bfloat16"),
 }
@@ -288,6 +292,7 @@ def validate(cfg: JobConfig) -> None:
         _check(e.switch_at == 0.0, "elr.switch_at", "needs elr.enabled = true", e.switch_at)
 
     _check(cfg.moe.bias_update_rate >= 0, "moe.bias_update_rate", "must be >= 0", cfg.moe.bias_update_rate)
+    _check(cfg.moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", "must be >= 0", cfg.moe.aux_loss_coeff)
 
     t = cfg.training
     _check(t.steps >= 1, "training.steps", "must be >= 1", t.steps)
@@ -304,6 +309,7 @@ def validate(cfg: JobConfig) -> None:
            "must be two numbers in [0, 1)", o.betas)
     _check(o.eps > 0, "optimizer.eps", "must be > 0", o.eps)
     _check(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", o.weight_decay)
+    _check(0 <= o.muon_momentum < 1, "optimizer.muon_momentum", "must lie in [0, 1)", o.muon_momentum)
 
     s = cfg.lr_scheduler
     _check(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0", s.warmup_steps)

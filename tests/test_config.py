@@ -55,6 +55,9 @@ def test_shipped_configs_load(name):
         ("[model]\nflavor = \"gpt5\"\n", [], "model.flavor"),
         ("[lr_scheduler]\nwarmup_steps = -1\n", [], "lr_scheduler.warmup_steps"),
         ("", ["--optimizer.betas", "0.9"], "optimizer.betas"),
+        ("", ["--optimizer.name", "sgd"], "optimizer.name"),
+        ("", ["--optimizer.muon_momentum", "1.0"], "optimizer.muon_momentum"),
+        ("", ["--moe.aux_loss_coeff", "-1e-4"], "moe.aux_loss_coeff"),
         ("", ["--training.steps"], "training.steps"),  # missing value
     ],
 )

@@ -5,9 +5,13 @@ The slots line up: rank r's microbatch holds the same samples, and draws the sam
 process's microbatch r (same global batch), so every update sees the same tokens at the same depths.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from trainer_utils import copy_checkpoint, records, run, run_script
+from trainer_utils import ROOT, copy_checkpoint, records, run, run_script
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]
 FP32 = ["--training.mixed_precision_param", "float32"]
@@ -45,3 +49,13 @@ def test_hsdp_two_replicas_of_two_shards_match_one_process(tmp_path):
     one = run(tmp_path / "one", 2, *CKPT, *per_rank)
     for step in (1, 2):
         assert hsdp[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step
+
+
+def test_muon_under_fsdp_on_two_ranks_equals_one_process():
+    """A row-split matrix is gathered for Newton-Schulz, an expert-split stack is not (tests/distributed/muon_fsdp.py)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "distributed" / "muon_fsdp.py")],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import elr.models.gdp as gdp_module
 from elr.models import build_model, flavors
 from elr.models.attention import apply_partial_rope, rope_table
-from elr.models.ffn import MoE, relu2, update_expert_biases
+import elr.models.ffn as ffn_module
+from elr.models.ffn import MoE, relu2, sequence_balance_loss, update_expert_biases
 from elr.models.model import Layer
 from kernels.gated_delta_product import gated_delta_product
 
@@ -236,6 +237,47 @@ def test_route_replay_routes_once_and_counts_loop_one_only(replay):
 def test_route_replay_is_identity_at_one_loop():
     x = tokens()
     assert torch.equal(make(moe_route_replay=True)(x, loops=1), make(moe_route_replay=False)(x, loops=1))
+
+
+def test_sequence_balance_loss_closed_form():
+    # E=2, top_k=1; sequence 0: both tokens pick expert 0, sequence 1: one each.
+    scores = torch.tensor([[0.8, 0.2], [0.6, 0.4], [0.5, 0.5], [0.3, 0.1]])
+    indices = torch.tensor([[0], [0], [1], [0]])
+    # seq 0: f = 2/(1*2) * [2, 0] = [2, 0], P = [0.7, 0.3] -> 1.4
+    # seq 1: f = [1, 1], P = mean([0.5, 0.5], [0.75, 0.25]) = [0.625, 0.375] -> 1.0
+    assert sequence_balance_loss(scores, indices, batch=2).item() == pytest.approx((1.4 + 1.0) / 2)
+
+
+def test_aux_loss_trains_the_router_alone_and_only_in_training():
+    moe = MoE(DEBUG)
+    torch.manual_seed(0)
+    moe.init_weights(0.02)
+    moe(torch.randn(2, 6, DEBUG.dim))
+    moe.aux_loss.backward()
+    assert moe.router.weight.grad.abs().sum() > 0
+    assert moe.w1.grad is None and moe.w2.grad is None  # counts carry no gradient, experts none
+    moe.eval()
+    moe.aux_loss = None
+    moe(torch.randn(2, 6, DEBUG.dim))
+    assert moe.aux_loss is None
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_aux_loss_is_summed_per_routing_call_and_replayed_loops_add_none(replay, monkeypatch):
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(sequence_balance_loss(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(ffn_module, "sequence_balance_loss", counted)
+    model = make(moe_route_replay=replay)
+    for loops in (3, 2):  # the second forward starts from zero again
+        calls.clear()
+        model(tokens(), loops=loops)
+        n_outer = sum(kind == "E" for kind in DEBUG.layer_pattern) - 1  # one E in the recurrent block
+        assert len(calls) == n_outer + (1 if replay else loops)
+        torch.testing.assert_close(model.moe_aux_loss(), torch.stack(calls).sum())
 
 
 # torch's counter knows the CUDA attention kernels; teach it the CPU one with torch's own formulas.

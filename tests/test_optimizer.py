@@ -1,4 +1,4 @@
-"""AdamW parameter groups and the learning-rate schedules."""
+"""AdamW parameter groups, Muon + AdamW against torch's own optimizers, and the learning-rate schedules."""
 
 import dataclasses
 
@@ -7,7 +7,8 @@ import torch
 
 from elr.config import LRScheduler, Optimizer
 from elr.models import build_model, flavors
-from elr.train.optimizer import build_lr_scheduler, build_optimizer, lr_lambda
+from elr.train.optimizer import MuonAdamW, build_lr_scheduler, build_optimizer, lr_lambda, muon_params
+from trainer_utils import copy_checkpoint, records, run
 
 
 def test_weight_decay_only_on_matrices_outside_norms_embeddings_and_elr_gates():
@@ -49,3 +50,64 @@ def test_scheduler_drives_the_optimizer_lr():
         opt.step()
         sched.step()
     assert seen[:5] == pytest.approx([1e-2 * (s + 1) / 5 for s in range(5)])
+
+
+def test_muon_goes_to_hidden_matrices_and_adamw_to_the_rest():
+    model = build_model(dataclasses.replace(flavors["debug"], conditioning=True, max_seq_len=32))
+    opt = build_optimizer(model, Optimizer(name="muon"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}
+    assert {names[id(p)] for p in muon_params(model)} == muon
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(names)
+    for name in ("recurrent.layers.0.sublayer.q_proj.weight", "recurrent.layers.0.sublayer.g_proj.weight",
+                 "recurrent.layers.1.sublayer.w1", "recurrent.layers.1.sublayer.shared.w2.weight",
+                 "recurrent.layers.2.sublayer.wo.weight", "input_layers.1.sublayer.w3.weight"):
+        assert name in muon, name
+    for name in muon:
+        assert not any(s in name for s in ("embed", "output.", "router", "a_proj", "b_proj", "conv", "norm",
+                                           "step_size", "conditioning")), name
+
+
+def toy_pair(seed=0):
+    """The same weights twice: a 2D matrix, an expert stack [3, 6, 4] and a bias."""
+    torch.manual_seed(seed)
+    mine = [torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(3, 6, 4)),
+            torch.nn.Parameter(torch.randn(4))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in mine]
+    return mine, ref
+
+
+def test_muon_step_equals_torch_muon_per_matrix_and_torch_adamw_elsewhere():
+    (w, experts, bias), (w_ref, experts_ref, bias_ref) = toy_pair()
+    lr, wd, momentum = 0.02, 0.1, 0.9
+    opt = MuonAdamW([{"params": [w, experts], "muon": True, "momentum": momentum},
+                     {"params": [bias], "muon": False, "weight_decay": 0.0}], lr=lr, weight_decay=wd, foreach=True)
+    expert_refs = [torch.nn.Parameter(e.detach().clone()) for e in experts_ref]  # each expert its own matrix
+    ref_muon = torch.optim.Muon([w_ref, *expert_refs], lr=lr, weight_decay=wd, momentum=momentum,
+                                adjust_lr_fn="match_rms_adamw")
+    ref_adamw = torch.optim.AdamW([bias_ref], lr=lr, weight_decay=0.0)
+    torch.manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in (w, experts, bias)]
+        for p, g in zip((w, experts, bias), grads):
+            p.grad = g.clone()
+        for p, g in zip((w_ref, *expert_refs, bias_ref), (grads[0], *grads[1], grads[2])):
+            p.grad = g.clone()
+        for o in (opt, ref_muon, ref_adamw):
+            o.step()
+    assert not torch.equal(w, toy_pair()[0][0])  # it moved
+    torch.testing.assert_close(w, w_ref, rtol=0, atol=0)
+    torch.testing.assert_close(experts, torch.stack(expert_refs), rtol=0, atol=0)
+    torch.testing.assert_close(bias, bias_ref, rtol=0, atol=0)
+
+
+MUON_CKPT = ["--optimizer.name", "muon", "--moe.aux_loss_coeff", "0.01",
+             "--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]
+
+
+def test_muon_with_aux_loss_trains_and_resumes_bit_exactly(tmp_path):
+    full = run(tmp_path / "full", 4, *MUON_CKPT)
+    assert all(r["moe/aux_loss"] > 0 for r in records(tmp_path / "full"))
+    copy_checkpoint(tmp_path / "full", 2, tmp_path / "resumed")
+    resumed = run(tmp_path / "resumed", 4, *MUON_CKPT)
+    assert resumed == {s: full[s] for s in (3, 4)}  # to the last bit: step 4 needs the saved momentum

@@ -31,7 +31,7 @@ def test_debug_job_writes_every_metric(tmp_path):
         assert any(k.startswith("loss/k") for k in r)
     logged = [r for r in steps if r["step"] % 2 == 0]  # per-loop statistics on log steps
     assert all("loop1/update_norm" in r and "loop1/step_size_mean" in r and "loop1/film_gate_mean" in r for r in logged)
-    assert all("moe/max_load_over_mean" in r for r in steps)
+    assert all("moe/max_load_over_mean" in r and "moe/aux_loss" in r for r in steps)
     vals = [r for r in recs if "val/loss_k1" in r]
     assert [r["step"] for r in vals] == [0, 2, 4]
     assert all(set(r) >= {"val/loss_k1", "val/loss_k2", "val/loss_k3"} for r in vals)
@@ -180,3 +180,34 @@ def test_debug_config_learns_real_text(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     val = [r["val/loss_k1"] for r in records(dump) if "val/loss_k1" in r]
     assert val[-1] <= 0.7 * val[0], val
+
+
+@pytest.mark.parametrize("coeff", [0.0, 0.5])
+def test_aux_loss_adds_coeff_times_its_microbatch_mean_to_the_gradient(tmp_path, coeff):
+    """coeff 0 gives cross entropy's gradient alone, exactly as before the aux loss existed."""
+    trainer = Trainer(load_config(DEBUG_TOML, overrides(tmp_path, 1, "--moe.aux_loss_coeff", str(coeff),
+                                                        "--training.max_norm", "0")))
+    model, ks = trainer.model, trainer.loop_counts(1)[0].tolist()
+    loader = iter(trainer.train_loader)
+    batches = [next(loader) for _ in ks]
+    trainer.train_loader.dataset.position = 0
+    ce, aux = 0.0, []
+    for (x, y), k in zip(batches, ks):
+        ce = ce + F.cross_entropy(model(x, loops=k).flatten(0, 1), y.flatten(), reduction="sum")
+        aux.append(model.moe_aux_loss())
+    ce = ce / sum(y.numel() for _, y in batches)
+    params = list(model.parameters())
+    router = model.moe_layers()[0].router.weight
+    (ce_router,) = torch.autograd.grad(ce, router, retain_graph=True)
+    expected = torch.autograd.grad(ce + coeff * torch.stack(aux).mean() if coeff else ce, params)
+    for moe in model.moe_layers():
+        moe.tokens_per_expert.zero_()
+
+    grads = {}
+    trainer.optimizer.register_step_pre_hook(lambda *_: grads.update({id(p): p.grad.clone() for p in params}))
+    scalars, _, _ = trainer.train_step(1)
+    trainer.close()
+    for p, want in zip(params, expected):
+        torch.testing.assert_close(grads[id(p)], want, rtol=1e-5, atol=1e-8)
+    assert ((grads[id(router)] - ce_router).abs().max() > 1e-6) == (coeff > 0)  # the aux term reaches the router
+    assert scalars["moe/aux_loss"] == pytest.approx(torch.stack(aux).mean().item(), rel=1e-6)

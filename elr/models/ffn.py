@@ -2,7 +2,10 @@
 
 The MoE follows Nemotron 3 Nano's published recipe: sigmoid router scores, an aux-loss-free expert
 bias that steers top-k selection only, normalised top-k weights times a routed scale, squared-ReLU
-experts and one always-on shared expert.
+experts and one always-on shared expert. Beside the bias, a sequence-level auxiliary balance loss
+(the paper's MoE has one: route replay "removes later-loop auxiliary-loss calculations"; its form
+here, DeepSeek-V3's sequence-wise loss, is our choice) is recorded on every training forward; the
+trainer adds `moe.aux_loss_coeff` times it to the loss.
 """
 
 from __future__ import annotations
@@ -41,12 +44,31 @@ class FeedForward(nn.Module):
         return self.w2(relu2(self.w1(x)))
 
 
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, sum_e f_e P_e averaged over sequences (1 when balanced).
+
+    scores [B*T, E] (sigmoid), indices [B*T, top_k] (the chosen experts). Per sequence,
+    f_e = E / (top_k T) x (tokens routed to e) and P_e = mean over its tokens of s_e / sum_j s_j.
+    Only P carries a gradient, to the router.
+    """
+    E, top_k = scores.shape[-1], indices.shape[-1]
+    scores, indices = scores.view(batch, -1, E), indices.view(batch, -1, top_k)
+    counts = torch.zeros(batch, E, device=scores.device).scatter_add_(
+        1, indices.flatten(1), torch.ones(indices.flatten(1).shape, device=scores.device)
+    )
+    f = counts * (E / (top_k * scores.shape[1]))
+    P = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    return (f * P).sum(-1).mean()
+
+
 class MoE(nn.Module):
     """Routed squared-ReLU experts plus a shared expert.
 
     `route` is the recurrence's replay slot: None routes every call; an empty dict routes and
-    stores (indices, weights) in it; a filled dict reuses them, so later loops neither re-route
-    nor count towards the load that moves the expert bias.
+    stores (indices, weights) in it; a filled dict reuses them, so later loops neither re-route,
+    nor count towards the load that moves the expert bias, nor add a balance loss.
+    In training, `aux_loss` sums `sequence_balance_loss` over this forward's routing calls (the
+    model clears it at the start of each forward).
     """
 
     def __init__(self, args: ModelArgs):
@@ -60,6 +82,7 @@ class MoE(nn.Module):
         # The bias only shifts which experts win; it is moved by load, not by gradients.
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
 
     def init_weights(self, out_std: float):
         nn.init.trunc_normal_(self.router.weight, std=0.02)
@@ -70,7 +93,7 @@ class MoE(nn.Module):
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, x: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         scores = torch.sigmoid(self.router(x).float())
         indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, indices)
@@ -78,6 +101,8 @@ class MoE(nn.Module):
         if self.training:  # evaluation must not move the balance
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(indices.flatten(), minlength=len(self.expert_bias))
+            aux = sequence_balance_loss(scores, indices, batch)
+            self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
         return indices, weights
 
     def forward(self, x: torch.Tensor, route: dict | None = None) -> torch.Tensor:
@@ -86,7 +111,7 @@ class MoE(nn.Module):
         if route:
             indices, weights = route["indices"], route["weights"]
         else:
-            indices, weights = self._route(x)
+            indices, weights = self._route(x, B)
             if route is not None:
                 route.update(indices=indices, weights=weights)
 

@@ -86,6 +86,8 @@ class ELRModel(nn.Module):
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len={self.args.max_seq_len}")
         rope = self.rope[:, : tokens.shape[1]]
+        for moe in self.moe_layers():
+            moe.aux_loss = None
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
             h = layer(h, rope)
@@ -96,6 +98,12 @@ class ELRModel(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """Sequence-level balance loss of the last training forward, summed over MoE routing calls
+        (every layer, every loop that routed); None without MoE layers or outside training."""
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
 
     def num_flops_per_token(self, seq_len: int, loops: int = 1) -> int:
         """Training FLOPs per token (forward + backward = 3 x forward), recurrent layers counted k times.

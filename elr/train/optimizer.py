@@ -1,4 +1,16 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine / WSD schedule."""
+"""AdamW, or Muon + AdamW, with decoupled weight decay on matrices only; warmup + cosine / WSD schedule.
+
+Muon (arXiv 2610.12582, Table 5, trains the 30B with Muon + AdamW) orthogonalises the momentum of
+each hidden matrix with torch's Newton-Schulz iteration, exactly as `torch.optim.Muon` does; each
+expert of a stacked [E, out, in] MoE weight is its own matrix. AdamW keeps embeddings, the head,
+norms, biases, gates and the ELR step size / conditioning.
+
+Under FSDP2 the parameters are DTensors sharded on dim 0. An expert stack sharded on the expert
+dim holds whole matrices on every rank: each rank orthogonalises its own experts, no communication.
+A 2D matrix split by rows is all-gathered, orthogonalised in full on every rank (the same numbers
+everywhere) and each rank keeps its rows: simple and exact, at the price of one all-gather of each
+such matrix per step and the Newton-Schulz work repeated on every rank.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +18,12 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from elr.config import ELR, LRScheduler, Optimizer
+from elr.models.ffn import MoE
 from elr.models.recurrence import AdaptiveStep, LoopConditioning
 
 # Parameters of these modules never decay: embeddings and norms carry scale, and the loop
@@ -39,12 +55,104 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float, step: ELR | N
     return groups
 
 
+# Linear layers that produce per-expert or per-head gate values (the MoE router, the GDP decay and
+# beta projections) stay on AdamW with the other gates; our choice of what "gates" covers.
+GATE_LINEARS = ("router", "a_proj", "b_proj")
+
+
+def muon_params(model: nn.Module) -> list[nn.Parameter]:
+    """Hidden matrices: linear weights inside the layers and MoE expert stacks; not the head or gates."""
+    skip = {id(p) for m in model.modules() if isinstance(m, (*NO_DECAY_MODULES, AdaptiveStep)) for p in m.parameters()}
+    params = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "output" and name.rsplit(".", 1)[-1] not in GATE_LINEARS:
+            params.append(module.weight)
+        elif isinstance(module, MoE):
+            params += [module.w1, module.w2]
+    return [p for p in params if p.requires_grad and id(p) not in skip]
+
+
+def orthogonalize(update: torch.Tensor) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz step on each matrix (the last two dims) of `update`.
+
+    A DTensor whose matrices are split across ranks is gathered first and re-split after.
+    """
+    if isinstance(update, DTensor):
+        mesh, placements = update.device_mesh, update.placements
+        if any(isinstance(pl, Shard) and pl.dim >= update.ndim - 2 for pl in placements):
+            full = update.redistribute(placements=[Replicate()] * mesh.ndim).to_local()
+            out = DTensor.from_local(orthogonalize(full), mesh, [Replicate()] * mesh.ndim, run_check=False)
+            return out.redistribute(placements=placements)
+        local = orthogonalize(update.to_local())
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=update.shape, stride=update.stride())
+    matrices = update.reshape(-1, *update.shape[-2:])
+    out = torch.empty(matrices.shape, dtype=torch.bfloat16, device=update.device)
+    for i, matrix in enumerate(matrices):
+        out[i] = _zeropower_via_newtonschulz(matrix, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
+    return out.view(update.shape)
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """One optimizer, so the LR schedule and checkpoints see one: groups with `muon: True` take
+    Muon steps (Nesterov momentum, torch's defaults), the others AdamW's own step.
+
+    Muon's lr is scaled per matrix by 0.2 sqrt(max(out, in)) (torch's "match_rms_adamw"), which
+    gives its updates AdamW's RMS, so both share `optimizer.lr` and `optimizer.weight_decay`
+    (our choice, after "Muon is Scalable for LLM Training").
+    """
+
+    def __setstate__(self, state):
+        # Adam's version expects a step count in every parameter's state; Muon's hold a momentum buffer.
+        torch.optim.Optimizer.__setstate__(self, state)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self.param_groups
+        for group in groups:
+            if group["muon"]:
+                self._muon_step(group)
+        self.param_groups = [g for g in groups if not g["muon"]]  # AdamW's own step on its groups
+        try:
+            super().step()
+        finally:
+            self.param_groups = groups
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)
+            update = orthogonalize(p.grad.lerp(buf, momentum))
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-_adjust_lr(lr, "match_rms_adamw", p.shape[-2:]))
+
+
 def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) -> torch.optim.AdamW:
+    groups = param_groups(model, cfg.weight_decay, cfg.lr, elr)
     # foreach keeps the update fast on CPU and works with FSDP2's DTensor parameters.
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay, cfg.lr, elr), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-        foreach=True,
-    )
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, **kwargs)
+    decay, no_decay, *step = groups
+    muon_ids = {id(p) for p in muon_params(model)}
+    muon = [p for p in decay["params"] if id(p) in muon_ids]
+    assert len(muon) == len(muon_ids), "every Muon matrix must be a decayed matrix"
+    return MuonAdamW([
+        {**decay, "params": muon, "muon": True, "momentum": cfg.muon_momentum},
+        {**decay, "params": [p for p in decay["params"] if id(p) not in muon_ids], "muon": False},
+        {**no_decay, "muon": False},
+        *({**group, "muon": False} for group in step),
+    ], **kwargs)
 
 
 def lr_lambda(step: int, cfg: LRScheduler, total_steps: int) -> float:

@@ -255,10 +255,17 @@ class Trainer:
         # Row 0: summed loss per k, row 1: tokens per k (this rank), reduced over ranks below.
         per_k = torch.zeros(2, K, dtype=torch.float64, device=self.device)
         loop_stats: dict[str, list[float]] = {}
+        aux_sum = torch.zeros((), device=self.device)  # balance loss summed over microbatches
         for micro, k in enumerate(ks[self.dp_rank].tolist()):
             inputs, labels = (x.to(self.device) for x in next(self.data_iter))
             loss_sum = summed_loss(self.model(inputs, loops=k), labels)
-            (loss_sum / tokens_per_rank).backward()
+            micro_loss = loss_sum / tokens_per_rank
+            aux = self.model.moe_aux_loss()
+            if aux is not None:
+                aux_sum += aux.detach()
+                if cfg.moe.aux_loss_coeff > 0:  # each microbatch's term / n_micro: the update's mean
+                    micro_loss = micro_loss + cfg.moe.aux_loss_coeff * aux / self.n_micro
+            micro_loss.backward()
             per_k[0, k - 1] += loss_sum.detach().double()
             per_k[1, k - 1] += labels.numel()
             if track:
@@ -298,6 +305,10 @@ class Trainer:
                 scalars[f"loss/k{k}"] = (per_k[0, k - 1] / per_k[1, k - 1]).item()
         scalars.update({name: sum(v) / len(v) for name, v in loop_stats.items()})
         scalars.update(moe_stats)
+        if self.model.moe_layers():  # logged whatever the coefficient (unscaled; 1 per routing call if balanced)
+            if dist.is_initialized():
+                dist.all_reduce(aux_sum)
+            scalars["moe/aux_loss"] = (aux_sum / (self.n_micro * self.world_size)).item()
         return scalars, ks, per_k
 
     def _clip_gradients(self, max_norm: float) -> float:
