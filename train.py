@@ -27,18 +27,23 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s [rank {rank}] %(message)s" if "WORLD_SIZE" in os.environ else "%(asctime)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    from elr.config import ConfigError, load_config
-    from elr.train.checkpoint import CheckpointError
+    from elr.config import UserError, load_config
     from elr.train.trainer import NonFiniteLossError, Trainer
 
+    # A user's mistake (bad config, missing or mismatched files, unusable checkpoint) is one line and
+    # exit code 2; anything else is a bug and keeps its traceback.
+    user_errors = (UserError, FileNotFoundError)
     try:
         cfg = load_config(args.config, overrides)
         trainer = Trainer(cfg)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except user_errors as e:
         logging.error(f"error: {e}")
         return 2
     try:
         trainer.train()
+    except user_errors as e:
+        logging.error(f"error: {e}")
+        return 2
     except NonFiniteLossError as e:
         logging.error(f"error: {e}")
         return 1

@@ -14,7 +14,12 @@ from pathlib import Path
 import tomli
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A mistake in what the job asks for (config, data, tokenizer, checkpoint), not a bug in the code:
+    train.py prints its one-line message and exits 2. Every other exception keeps its traceback."""
+
+
+class ConfigError(UserError):
     """A bad config key or value; the message names the key."""
 
 
@@ -26,7 +31,7 @@ class Job:
 
 @dataclass
 class Model:
-    flavor: str = "debug"  # a key of elr.models.args.flavors
+    flavor: str = "debug"  # a key of elr.models.args.flavors (checked in elr/models/from_config.py)
 
 
 @dataclass
@@ -34,11 +39,13 @@ class ELR:
     enabled: bool = True  # false: the non-recurrent baseline (every layer once, no ELR parameters)
     max_loops: int = 3  # K: loop counts are drawn from 1..K; validation runs every k in 1..K
     partition: list[int] = field(default_factory=list)  # [L_in, L_rec, L_out]; empty: the flavor's
-    recurrent_input: str = "state"  # state | state_plus_input (re-injection ablation)
-    update: str = "adaptive_delta"  # adaptive_delta | replace | residual
-    step_input: str = "state"  # adaptive_delta's step sees: state (s~) | delta (r - s) | channel (no input)
+    # the option strings of these two live in elr/models/recurrence.py, next to their code
+    recurrent_input: str = "state"  # state | state_plus_input (re-injection from loop 2 on)
+    update: str = "adaptive_delta"  # adaptive_delta | replace | residual (s_i = s_{i-1} + r_i)
+    # the learned step of adaptive_delta (elr/models/recurrence.py, AdaptiveStep)
+    step_input: str = "state"  # what the step sees: state (s~) | delta (r - s) | channel (nothing: per channel)
     step_lr_scale: float = 1.0  # the step's parameters train at optimizer.lr x this
-    step_weight_decay: float = 0.0  # decay of the step's parameters (pulls the step towards 1)
+    step_weight_decay: float = 0.0  # weight decay of the step's parameters (pulls the step towards 1)
     conditioning: bool = True  # loop-index/budget embeddings + zero-initialised FiLM heads
     sampling: str = "independent"  # independent (each slot draws k) | synchronized (one k per update)
     one_loop_override: float = 0.0  # fraction f of data-parallel ranks that run k=1 on every microbatch (rotating)
@@ -159,9 +166,6 @@ class JobConfig:
 
 
 CHOICES = {
-    "elr.recurrent_input": ("state", "state_plus_input"),
-    "elr.update": ("adaptive_delta", "replace", "residual"),
-    "elr.step_input": ("state", "delta", "channel"),
     "elr.sampling": ("independent", "synchronized"),
     "training.mixed_precision_param": ("float32", "bfloat16"),
     "optimizer.name": ("adamw", "muon"),
@@ -242,15 +246,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raw = tomli.load(f)
         except tomli.TOMLDecodeError as e:
             raise ConfigError(f"--config: {path} is not valid TOML ({e})") from None
-        for section_name, section in raw.items():
-            if not isinstance(section, dict):
-                raise ConfigError(f"{section_name}: expected a [{section_name}] table")
-            for name, value in section.items():
-                _set(cfg, f"{section_name}.{name}", value)
+        _apply(cfg, raw)
     for key, value in _parse_overrides(overrides or []):
         _set(cfg, key, value)
     validate(cfg)
     return cfg
+
+
+def config_from_dict(raw: dict) -> JobConfig:
+    """A JobConfig from `JobConfig.to_dict()` output, e.g. a run's config.json; validated."""
+    cfg = JobConfig()
+    _apply(cfg, raw)
+    validate(cfg)
+    return cfg
+
+
+def _apply(cfg: JobConfig, raw: dict) -> None:
+    for section_name, section in raw.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"{section_name}: expected a [{section_name}] table")
+        for name, value in section.items():
+            _set(cfg, f"{section_name}.{name}", value)
 
 
 def _check(ok: bool, key: str, message: str, value) -> None:
@@ -259,23 +275,21 @@ def _check(ok: bool, key: str, message: str, value) -> None:
 
 
 def validate(cfg: JobConfig) -> None:
-    """Reject impossible settings before any work starts; one error naming the key."""
-    from elr.models.args import flavors
+    """Reject impossible settings before any work starts; one error naming the key.
 
+    The checks that need the model code (flavor, update rule, recurrent input, partition vs the
+    flavor's layers) are in elr/models/from_config.py, which the trainer runs first.
+    """
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         _check(value in allowed, key, f"must be one of {', '.join(allowed)}", value)
 
-    _check(cfg.model.flavor in flavors, "model.flavor", f"must be one of {', '.join(flavors)}", cfg.model.flavor)
-    args = flavors[cfg.model.flavor]
     e = cfg.elr
     _check(e.max_loops >= 1, "elr.max_loops", "must be >= 1", e.max_loops)
     if e.partition:
         _check(len(e.partition) == 3 and all(n >= 0 for n in e.partition), "elr.partition",
                "must be three non-negative layer counts [L_in, L_rec, L_out]", e.partition)
-        _check(sum(e.partition) == len(args.layer_pattern), "elr.partition",
-               f"must add up to the {len(args.layer_pattern)} layers of flavor {cfg.model.flavor}", e.partition)
         _check(e.partition[1] >= 1, "elr.partition", "the recurrent block needs at least one layer", e.partition)
     _check(0.0 <= e.one_loop_override <= 1.0, "elr.one_loop_override", "must lie in [0, 1]", e.one_loop_override)
     if e.loop_weights:

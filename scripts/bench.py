@@ -197,12 +197,13 @@ def bench_model(args):
         F.cross_entropy(model(tokens, loops=loops).flatten(0, 1), tokens.flatten()).backward()
         model.zero_grad(set_to_none=True)
 
-    baseline, elr = make(elr=False, max_loops=1), make(conditioning=True)
+    K = args.max_loops
+    baseline, elr = make(), make(max_loops=K, update="adaptive_delta", conditioning=True)
     t_base = time_call(lambda: step(baseline, 1), repeats=args.repeats)
     rows = [["baseline", "1", f"{t_base * 1e3:.1f}", "1.00x", "-",
              f"{baseline.num_flops_per_token(args.seq_len, 1) / 1e6:.2f}"]]
     t_one = None
-    for k in range(1, base.max_loops + 1):
+    for k in range(1, K + 1):
         t = time_call(lambda: step(elr, k), repeats=args.repeats)
         t_one = t_one or t
         rows.append(["ELR", str(k), f"{t * 1e3:.1f}", f"{t / t_base:.2f}x", f"{t / t_one:.2f}x",
@@ -225,6 +226,7 @@ def main():
     parser.add_argument("--batch", type=int, default=16, help="model: sequences per step")
     parser.add_argument("--tiny", action="store_true",
                         help="gdp: the kernel table at tiny shapes (a dry run; CPU interpreter)")
+    parser.add_argument("--max-loops", type=int, default=3, help="model: time ELR at k = 1..this")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elr.config import ConfigError, load_config  # noqa: E402
 from elr.models import build_model  # noqa: E402
+from elr.models.from_config import check_model_config, model_args_from_config  # noqa: E402
 from elr.train.loop_sampler import LoopSampler  # noqa: E402
-from elr.train.trainer import model_args_from_config  # noqa: E402
 
 FORMULA = (
     "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L,   "
@@ -45,11 +45,12 @@ ENCODING_VOCAB = {"o200k_base": 200019, "cl100k_base": 100277}
 
 def estimate(config_path: str, vocab_size: int | None = None) -> dict:
     cfg = load_config(config_path)
+    check_model_config(cfg)
     vocab_size = vocab_size or config_vocab(cfg)
     e = cfg.elr
     sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights)
     mean_k = sampler.mean_loops() if e.enabled else 1.0
-    args = model_args_from_config(cfg, vocab_size=vocab_size, conditioning=e.conditioning)
+    args = model_args_from_config(cfg, vocab_size=vocab_size)
     n_in, n_rec, n_out = args.partition
     n_layers = n_in + n_rec + n_out
     s = e.switch_at
@@ -77,7 +78,7 @@ def human(n: float) -> str:
 
 def config_vocab(cfg) -> int:
     """The config tokenizer's vocabulary, the same on every machine (see the module docstring)."""
-    from elr.train.tokenizer import build_tokenizer
+    from elr.tokenizer import build_tokenizer
 
     name = cfg.tokenizer.path
     if Path(name).is_file():

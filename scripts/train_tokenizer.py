@@ -3,7 +3,7 @@
 
 Inputs are read as in prepare_data.py (.txt = one document, .jsonl = one document per line,
 directories searched recursively). The BPE splits text with the GPT-4 regex
-(`elr.train.tokenizer.SPLIT_PATTERN`) and learns `--vocab-size` ranks: 256 single bytes plus
+(`elr.tokenizer.SPLIT_PATTERN`) and learns `--vocab-size` ranks: 256 single bytes plus
 merges. `build_tokenizer` adds `<|endoftext|>` with id = vocab size, so a model needs an
 embedding of at least vocab size + 1 rows.
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-from elr.train.tokenizer import SPLIT_PATTERN, build_tokenizer  # noqa: E402
+from elr.tokenizer import SPLIT_PATTERN, build_tokenizer  # noqa: E402
 from prepare_data import InputError, iter_all_documents, list_input_files  # noqa: E402
 
 CHECK_DOCS = 64  # documents re-encoded with tiktoken to prove the written file is equivalent

@@ -13,7 +13,8 @@ from elr.parallel.parallelize import compile_layers, convert_to_float8
 
 def make():
     torch.manual_seed(0)
-    model = build_model(dataclasses.replace(flavors["debug"], max_seq_len=32, conditioning=True))
+    args = dataclasses.replace(flavors["debug"], max_seq_len=32, max_loops=3, update="adaptive_delta", conditioning=True)
+    model = build_model(args)
     model.init_weights()
     return model
 

@@ -1,5 +1,6 @@
 """Config: TOML + CLI precedence, and one clear error naming the key for every kind of bad input."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from elr.config import ConfigError, JobConfig, load_config
+from elr.models.from_config import check_model_config, model_args_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,13 +48,10 @@ def test_shipped_configs_load(name):
         ("[elr]\nmax_loops = 0\n", [], "elr.max_loops"),
         ("[elr]\none_loop_override = 1.5\n", [], "elr.one_loop_override"),
         ("[elr]\none_loop_override = -0.1\n", [], "elr.one_loop_override"),
-        ("[elr]\npartition = [2, 2, 2]\n", [], "elr.partition"),  # 6 != 8 layers of debug
         ("[elr]\npartition = [4, 0, 4]\n", [], "elr.partition"),  # no recurrent layer
-        ("[elr]\nupdate = \"gated\"\n", [], "elr.update"),
         ("[elr]\nmax_loops = 3\nloop_weights = [1.0, 1.0]\n", [], "elr.loop_weights"),
         ("[elr]\nenabled = false\n", [], "elr.max_loops"),  # the baseline runs one loop
         ("[elr]\nswitch_at = 0.5\n", [], "checkpoint.enable"),  # the switch goes through a checkpoint
-        ("[model]\nflavor = \"gpt5\"\n", [], "model.flavor"),
         ("[lr_scheduler]\nwarmup_steps = -1\n", [], "lr_scheduler.warmup_steps"),
         ("", ["--optimizer.betas", "0.9"], "optimizer.betas"),
         ("", ["--optimizer.name", "sgd"], "optimizer.name"),
@@ -67,6 +66,38 @@ def test_bad_input_names_the_key(tmp_path, toml, overrides, key):
     assert str(err.value).startswith(key)
 
 
+@pytest.mark.parametrize(
+    "toml, key",
+    [
+        ("[elr]\npartition = [2, 2, 2]\n", "elr.partition"),  # 6 != 8 layers of debug
+        ("[elr]\nupdate = \"gated\"\n", "elr.update"),
+        ("[elr]\nrecurrent_input = \"input\"\n", "elr.recurrent_input"),
+        ("[model]\nflavor = \"gpt5\"\n", "model.flavor"),
+    ],
+)
+def test_bad_model_settings_name_the_key(tmp_path, toml, key):
+    """Checked next to the model code (config is plain data), with the same one-line error."""
+    cfg = load_config(write(tmp_path, toml))
+    with pytest.raises(ConfigError) as err:
+        check_model_config(cfg)
+    assert str(err.value).startswith(key)
+    with pytest.raises(ConfigError):
+        model_args_from_config(cfg, vocab_size=256)
+
+
+def test_elr_settings_come_from_the_config_alone():
+    """The flavor is a backbone: every recurrence setting of the model is the job's [elr] value."""
+    cfg = load_config(None, ["--elr.max_loops", "2", "--elr.update", "residual", "--elr.recurrent_input",
+                             "state_plus_input", "--elr.conditioning", "true"])
+    args = model_args_from_config(cfg, vocab_size=256)
+    assert (args.max_loops, args.update, args.recurrent_input, args.conditioning) == (
+        2, "residual", "state_plus_input", True)
+    assert not model_args_from_config(cfg, vocab_size=256, before_switch=True).conditioning
+    baseline = load_config(None, ["--elr.enabled", "false", "--elr.max_loops", "1", "--elr.conditioning", "false"])
+    args = model_args_from_config(baseline, vocab_size=256)
+    assert (args.max_loops, args.update, args.conditioning) == (1, "replace", False)  # no ELR parameter
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "nope.toml")
@@ -74,13 +105,32 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(write(tmp_path, "[training\n"))
 
 
-def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize(
+    "key, value", [("elr.max_loops", "0"), ("elr.update", "bogus"), ("model.flavor", "bogus")]
+)
+def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, key, value):
     dump = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "train.py", "--elr.max_loops", "0", "--job.dump_folder", str(dump)],
+        [sys.executable, "train.py", f"--{key}", value, "--job.dump_folder", str(dump)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "elr.max_loops" in lines[0], result.stderr
+    assert len(lines) == 1 and key in lines[0], result.stderr
     assert not dump.exists()
+
+
+def test_train_py_lets_an_internal_error_keep_its_traceback(monkeypatch):
+    """Only user errors become one line: a bug (here a ValueError from inside setup) propagates."""
+    import elr.train.trainer
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+
+    def broken_setup(cfg):
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(elr.train.trainer, "Trainer", broken_setup)
+    with pytest.raises(ValueError, match="an internal bug"):
+        train_script.main(["--training.steps", "1"])

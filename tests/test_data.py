@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from elr.train.data import WindowPermutation, build_train_loader, load_tokens, val_batches
-from elr.train.tokenizer import build_tokenizer, file_sha256
+from elr.tokenizer import build_tokenizer, file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizer" / "elr8k.tiktoken"

@@ -9,10 +9,12 @@ import torch.nn.functional as F
 
 from elr.config import ELR, ConfigError, Optimizer, load_config
 from elr.models import build_model, flavors
+from elr.models.from_config import check_model_config
 from elr.models.recurrence import STEP_INPUTS
 from elr.train.optimizer import build_optimizer
 
-DEBUG = flavors["debug"]
+BASELINE = flavors["debug"]
+DEBUG = dataclasses.replace(BASELINE, max_loops=3, update="adaptive_delta")
 
 
 def make(seed=0, **overrides):
@@ -29,7 +31,9 @@ def tokens(B=2, T=24):
 @pytest.mark.parametrize("step_input", STEP_INPUTS)
 def test_every_step_form_is_the_plain_stack_at_init_and_gets_gradients(step_input):
     elr = make(step_input=step_input)
-    baseline = make(seed=7, elr=False, max_loops=1)
+    torch.manual_seed(7)
+    baseline = build_model(dataclasses.replace(BASELINE, max_seq_len=64))
+    baseline.init_weights()
     keys = set(baseline.state_dict())
     baseline.load_state_dict({k: v for k, v in elr.state_dict().items() if k in keys})
     x = tokens()
@@ -67,4 +71,4 @@ def test_step_has_its_own_lr_and_weight_decay_group():
                                         ("elr.step_weight_decay", "-1")])
 def test_bad_step_settings_are_refused(key, value):
     with pytest.raises(ConfigError, match=key):
-        load_config(None, [f"--{key}", value])
+        check_model_config(load_config(None, [f"--{key}", value]))

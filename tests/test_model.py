@@ -16,12 +16,14 @@ from elr.models.ffn import MoE, relu2, sequence_balance_loss, update_expert_bias
 from elr.models.model import Layer
 from kernels.gated_delta_product import gated_delta_product
 
-DEBUG = flavors["debug"]
+# A flavor is a backbone; ModelArgs' ELR defaults make it the non-recurrent baseline.
+BASELINE = flavors["debug"]
+DEBUG = dataclasses.replace(BASELINE, max_loops=3, update="adaptive_delta")  # ELR, unconditioned
 
 
-def make(seed=0, **overrides) -> torch.nn.Module:
+def make(seed=0, base=DEBUG, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = build_model(dataclasses.replace(DEBUG, max_seq_len=64, **overrides))
+    model = build_model(dataclasses.replace(base, max_seq_len=64, **overrides))
     model.init_weights()
     return model
 
@@ -101,10 +103,11 @@ def test_each_unique_layer_runs_once_at_k1_and_recurrent_layers_k_times(loops):
         assert n == (loops if name.startswith("recurrent.") else 1), name
 
 
-@pytest.mark.parametrize("update", ["adaptive_delta", "replace", "residual"])
-def test_one_loop_elr_equals_non_recurrent_baseline_at_init(update):
-    elr = make(update=update)
-    baseline = make(seed=7, elr=False, max_loops=1)
+@pytest.mark.parametrize("recurrent_input", ["state", "state_plus_input"])
+@pytest.mark.parametrize("update", ["adaptive_delta", "replace"])
+def test_one_loop_elr_equals_non_recurrent_baseline_at_init(update, recurrent_input):
+    elr = make(update=update, recurrent_input=recurrent_input)
+    baseline = make(seed=7, base=BASELINE)
     copy_shared_weights(elr, baseline)
     x = tokens()
     assert torch.equal(elr(x, loops=1), baseline(x, loops=1))
@@ -113,9 +116,67 @@ def test_one_loop_elr_equals_non_recurrent_baseline_at_init(update):
     assert bool(extra) == (update == "adaptive_delta")
 
 
-def test_baseline_refuses_more_than_one_loop():
-    with pytest.raises(ValueError, match="exactly one loop"):
-        make(elr=False, max_loops=1)(tokens(), loops=2)
+def reference_logits(model, x, loops):
+    """The loop of DESIGN.md §3.3 written out from the model's own layers (no conditioning)."""
+    a = model.args
+    rope = model.rope[:, : x.shape[1]]
+    h = model.tok_embeddings(x)
+    for layer in model.input_layers:
+        h = layer(h, rope)
+    s = h_in = h
+    for i in range(1, loops + 1):
+        s_in = s + h_in if a.recurrent_input == "state_plus_input" and i >= 2 else s
+        r = s_in
+        for layer in model.recurrent.layers:
+            r = layer(r, rope)
+        if a.update == "replace":
+            s = r
+        elif a.update == "residual":
+            s = s + r
+        else:
+            s = s + model.recurrent.step_size(s_in) * (r - s)
+    for layer in model.output_layers:
+        s = layer(s, rope)
+    return model.output(model.norm(s))
+
+
+@pytest.mark.parametrize("recurrent_input", ["state", "state_plus_input"])
+@pytest.mark.parametrize("update", ["adaptive_delta", "replace", "residual"])
+def test_update_rules_and_reinjection_follow_their_formulas(update, recurrent_input):
+    model = make(update=update, recurrent_input=recurrent_input)
+    if update == "adaptive_delta":  # move the step off its initial 1 so the rule is really tested
+        torch.nn.init.normal_(model.recurrent.step_size.proj.weight, std=0.05)
+    x = tokens()
+    with torch.no_grad():
+        for k in (1, 2, 3):
+            torch.testing.assert_close(model(x, loops=k), reference_logits(model, x, k), rtol=1e-5, atol=1e-5)
+
+
+def test_residual_addition_is_not_replacement():
+    """Figure 4a's two parameter-free rules are two networks: same weights, other logits at k >= 2
+    (and at k = 1, where residual's s_1 = h_in + r_1 is not the plain stack)."""
+    x = tokens()
+    replace, residual = make(update="replace"), make(update="residual")
+    assert set(replace.state_dict()) == set(residual.state_dict())
+    copy_shared_weights(replace, residual)
+    for k in (1, 2, 3):
+        assert not torch.allclose(replace(x, loops=k), residual(x, loops=k), rtol=1e-3, atol=1e-3), k
+
+
+def test_reinjection_leaves_one_loop_alone_and_changes_later_loops():
+    x = tokens()
+    state, reinjected = make(), make(recurrent_input="state_plus_input")
+    assert torch.equal(state(x, loops=1), reinjected(x, loops=1))
+    for k in (2, 3):
+        assert not torch.allclose(state(x, loops=k), reinjected(x, loops=k)), k
+
+
+@pytest.mark.parametrize("conditioning", [False, True])
+def test_model_refuses_loop_counts_beyond_max_loops(conditioning):
+    with pytest.raises(ValueError, match="outside 1..1"):
+        make(base=BASELINE)(tokens(), loops=2)
+    with pytest.raises(ValueError, match="outside 1..3"):
+        make(conditioning=conditioning)(tokens(), loops=4)
 
 
 @pytest.mark.parametrize("recurrent_input", ["state", "state_plus_input"])
@@ -136,17 +197,10 @@ def test_conditioning_heads_get_gradients_at_init():
         assert head.weight.grad.abs().sum() > 0 and head.bias.grad.abs().sum() > 0
 
 
-def test_conditioned_model_rejects_unconditioned_budget():
-    with pytest.raises(ValueError, match="outside 1..3"):
-        make(conditioning=True)(tokens(), loops=4)
-
-
-def test_loops_change_the_output_and_state_plus_input_differs():
+def test_loops_change_the_output():
     x = tokens()
     model = make()
     assert not torch.allclose(model(x, loops=1), model(x, loops=2))
-    reinjected = make(recurrent_input="state_plus_input")
-    assert not torch.allclose(model(x, loops=2), reinjected(x, loops=2))
 
 
 def test_model_is_causal():

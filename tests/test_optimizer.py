@@ -12,7 +12,8 @@ from trainer_utils import copy_checkpoint, records, run
 
 
 def test_weight_decay_only_on_matrices_outside_norms_embeddings_and_elr_gates():
-    model = build_model(dataclasses.replace(flavors["debug"], conditioning=True, max_seq_len=32))
+    args = dataclasses.replace(flavors["debug"], max_loops=3, update="adaptive_delta", conditioning=True, max_seq_len=32)
+    model = build_model(args)
     opt = build_optimizer(model, Optimizer(weight_decay=0.1))
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}

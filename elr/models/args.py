@@ -42,12 +42,13 @@ class ModelArgs:
     moe_routed_scale: float = 1.0
     moe_route_replay: bool = False
 
-    # Elastic Latent Recurrence
-    elr: bool = True  # False builds the non-recurrent baseline
-    max_loops: int = 4
-    recurrent_input: str = "state"  # state | state_plus_input
-    update: str = "adaptive_delta"  # adaptive_delta | replace | residual
-    step_input: str = "state"  # adaptive_delta's step sees: state | delta | channel
+    # Elastic Latent Recurrence (elr/models/recurrence.py). The defaults build the non-recurrent
+    # baseline: one loop, no ELR parameters. The job's [elr] section is the one source of the recipe
+    # (elr/models/from_config.py maps it here), so the flavors below describe backbones only.
+    max_loops: int = 1  # the largest loop count k the model runs (and is conditioned on)
+    recurrent_input: str = "state"  # one of recurrence.RECURRENT_INPUTS
+    update: str = "replace"  # one of recurrence.UPDATE_RULES
+    step_input: str = "state"  # what adaptive_delta's step sees: one of recurrence.STEP_INPUTS
     conditioning: bool = False
     cond_dim: int = 256
 
@@ -57,8 +58,8 @@ class ModelArgs:
             raise ValueError(f"layer_pattern has unknown layer kinds {sorted(unknown)}; use G, A, F, E")
         if sum(self.partition) != len(self.layer_pattern):
             raise ValueError(f"partition {self.partition} does not add up to {len(self.layer_pattern)} layers")
-        if not self.elr and (self.max_loops != 1 or self.conditioning):
-            raise ValueError("the non-recurrent baseline (elr=False) runs one loop and has no conditioning")
+        if self.max_loops < 1:
+            raise ValueError(f"max_loops must be >= 1, got {self.max_loops}")
 
     @property
     def n_layers(self) -> int:
@@ -90,11 +91,10 @@ flavors: dict[str, ModelArgs] = {
         dim=128, layer_pattern="GF" + "GEAF" + "AF", partition=(2, 4, 2), vocab_size=8192, max_seq_len=1024,
         n_heads=4, n_kv_heads=2, head_dim=32, gdp_heads=4, gdp_head_dim=32, ffn_dim=384,
         moe_experts=8, moe_top_k=2, moe_expert_dim=128, moe_shared_dim=128, moe_routed_scale=1.0,
-        max_loops=3,
     ),
     "gpt_0p5b": ModelArgs(
         dim=1024, layer_pattern="AF" * 15, partition=(8, 14, 8), n_heads=16, n_kv_heads=4, head_dim=64,
-        ffn_dim=3968, ffn_activation="swiglu", max_loops=5,
+        ffn_dim=3968, ffn_activation="swiglu",
     ),
     "gdp_hybrid_4b": ModelArgs(layer_pattern=HYBRID_DENSE_PATTERN, **_hybrid_4b),
     "koi_4b": ModelArgs(layer_pattern=HYBRID_DENSE_PATTERN, **_hybrid_4b),  # Koi-4B is GDP-Hybrid-4B

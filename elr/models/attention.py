@@ -19,10 +19,11 @@ def rope_table(rope_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
 def apply_partial_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate the leading rope_dim dims of each head (half-split pairs); pass the rest through.
 
-    x: [B, T, H, D]; rope: [2, T, rope_dim // 2].
+    x: [B, T, H, D]; rope: [2, T, rope_dim // 2], or [2, B, T, rope_dim // 2] when each row has its
+    own positions (left-padded inference batches).
     """
     half = rope.shape[-1]
-    cos, sin = (t[None, :, None, :].to(x.dtype) for t in rope)
+    cos, sin = (t[..., None, :].to(x.dtype) for t in rope)
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
@@ -41,13 +42,17 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(w.weight, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, std=out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
+        """`cache` (inference only, elr/infer/cache.py) stores this chunk's keys and values and
+        hands back every cached one with the mask that hides padding and the future."""
         B, T, _ = x.shape
-        q = apply_partial_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope)
-        k = apply_partial_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q = apply_partial_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope).transpose(1, 2)
+        k = apply_partial_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.update(k, v)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads,
         )
         return self.wo(o.transpose(1, 2).reshape(B, T, -1))

@@ -18,7 +18,11 @@ from kernels.gated_delta_product import gated_delta_product
 
 
 class ShortConv(nn.Module):
-    """Causal depthwise convolution over time followed by SiLU."""
+    """Causal depthwise convolution over time followed by SiLU.
+
+    `state` holds the previous kernel_size - 1 inputs [B, kernel_size - 1, C] (zeros at the start
+    of a sequence); forward also returns the last kernel_size - 1 inputs, the next chunk's state.
+    """
 
     def __init__(self, channels: int, kernel_size: int):
         super().__init__()
@@ -27,10 +31,14 @@ class ShortConv(nn.Module):
     def init_weights(self):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, C]
-        T, C = x.shape[1], x.shape[2]
-        y = F.conv1d(x.transpose(1, 2), self.weight, padding=self.weight.shape[-1] - 1, groups=C)
-        return F.silu(y[..., :T]).transpose(1, 2)
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, C = x.shape
+        width = self.weight.shape[-1] - 1
+        if state is None:
+            state = x.new_zeros(B, width, C)
+        x = torch.cat([state.to(x.dtype), x], dim=1)
+        y = F.conv1d(x.transpose(1, 2), self.weight, groups=C)
+        return F.silu(y).transpose(1, 2), x[:, x.shape[1] - width:]
 
 
 class GatedDeltaProduct(nn.Module):
@@ -64,14 +72,33 @@ class GatedDeltaProduct(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.o_norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """`cache` (inference only, elr/infer/cache.py) carries the recurrent and short-conv state
+        from the previous chunk in and this chunk's out; padding positions leave both untouched."""
         B, T, _ = x.shape
         H, D, n_h = self.n_heads, self.head_dim, self.n_householder
-        q = F.normalize(self.q_conv(self.q_proj(x)).reshape(B, T, H, D), dim=-1, eps=1e-6)
-        k = F.normalize(self.k_conv(self.k_proj(x)).reshape(B, T * n_h, H, D), dim=-1, eps=1e-6)
-        v = self.v_conv(self.v_proj(x)).reshape(B, T * n_h, H, D)
-        beta = 2 * torch.sigmoid(self.b_proj(x).float()).view(B, T * n_h, H)
+        conv_states = cache.conv_states if cache is not None else (None, None, None)
+        if cache is not None:  # padding: zero conv inputs, no decay (g = 0), no update (beta = 0)
+            valid = cache.valid[..., None]
+            x = x * valid.to(x.dtype)
+        q, q_tail = self.q_conv(self.q_proj(x), conv_states[0])
+        k, k_tail = self.k_conv(self.k_proj(x), conv_states[1])
+        v, v_tail = self.v_conv(self.v_proj(x), conv_states[2])
+        q = F.normalize(q.reshape(B, T, H, D), dim=-1, eps=1e-6)
+        k = F.normalize(k.reshape(B, T * n_h, H, D), dim=-1, eps=1e-6)
+        v = v.reshape(B, T * n_h, H, D)
+        beta = 2 * torch.sigmoid(self.b_proj(x).float())
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
-        o, _ = gated_delta_product(q, k, v, g, beta, num_householder=n_h, impl=self.impl)
+        if cache is not None:
+            beta, g = beta * valid, g * valid
+        beta = beta.view(B, T * n_h, H)
+        # One token at a time the token loop is the cheapest form (our choice: no decode kernel yet).
+        impl = "naive" if cache is not None and T == 1 else self.impl
+        o, state = gated_delta_product(
+            q, k, v, g, beta, num_householder=n_h, impl=impl,
+            initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
+        )
+        if cache is not None:
+            cache.write(state, (q_tail, k_tail, v_tail))
         o = self.o_norm(o) * F.silu(self.g_proj(x)).view(B, T, H, D)
         return self.o_proj(o.reshape(B, T, H * D))

@@ -36,13 +36,16 @@ class Layer(nn.Module):
         self.norm.reset_parameters()
         self.sublayer.init_weights(out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route: dict | None = None,
+                cache=None) -> torch.Tensor:
         h = self.norm(x)
         if film is not None:
             scale, shift, gate = film
             h = h * (1 + scale) + shift
         if self.kind == "A":
-            y = self.sublayer(h, rope)
+            y = self.sublayer(h, rope, cache)
+        elif self.kind == "G":
+            y = self.sublayer(h, cache)
         elif self.kind == "E":
             y = self.sublayer(h, route)
         else:
@@ -81,19 +84,29 @@ class ELRModel(nn.Module):
         cutoff = 3 * a.dim ** -0.5
         nn.init.trunc_normal_(self.output.weight, std=a.dim ** -0.5, a=-cutoff, b=cutoff)
 
-    def forward(self, tokens: torch.Tensor, loops: int = 1) -> torch.Tensor:
-        """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times."""
-        if tokens.shape[1] > self.args.max_seq_len:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len={self.args.max_seq_len}")
-        rope = self.rope[:, : tokens.shape[1]]
+    def forward(self, tokens: torch.Tensor, loops: int = 1, cache=None) -> torch.Tensor:
+        """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times.
+
+        With `cache` (inference, elr/infer/cache.py) `tokens` continue the cached sequences: each
+        row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
+        """
+        if cache is None:
+            if tokens.shape[1] > self.args.max_seq_len:
+                raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len={self.args.max_seq_len}")
+            rope = self.rope[:, : tokens.shape[1]]
+        else:
+            rope = self.rope[:, cache.begin(tokens.shape[1], loops)]  # [2, B, T, rope_dim // 2]
         for moe in self.moe_layers():
             moe.aux_loss = None
+        slot = (lambda layer: cache.slot(layer, 1)) if cache is not None else (lambda layer: None)
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
-            h = layer(h, rope)
-        h = self.recurrent(h, rope, loops)
+            h = layer(h, rope, cache=slot(layer))
+        h = self.recurrent(h, rope, loops, cache)
         for layer in self.output_layers:
-            h = layer(h, rope)
+            h = layer(h, rope, cache=slot(layer))
+        if cache is not None:
+            cache.advance()
         return self.output(self.norm(h))
 
     def moe_layers(self) -> list[MoE]:

@@ -2,14 +2,26 @@
 
     s_0 = h_in
     for i in 1..k:
-        s~_i = s_{i-1}                 (or s_{i-1} + h_in: the re-injection ablation)
+        s~_i = s_{i-1}                 (state_plus_input: s_{i-1} + h_in from loop 2 on)
         r_i  = R(s~_i ; c_{i,k})       c_{i,k} = E_loop[i] + E_budget[k] drives per-layer FiLM heads
         s_i  = update(s_{i-1}, s~_i, r_i)
+
+r_i is the recurrent block's full output: its layers are pre-norm residual, so r_i = s~_i + (what
+the layers add). The update rules (the paper's Figure 4a compares a learned step with parameter-free
+residual addition or replacement; the formulas are our reading, docs/LOG.md):
+
+    replace         s_i = r_i                             k=1 is the plain stack
+    residual        s_i = s_{i-1} + r_i                   k=1 is NOT: s_1 = h_in + r_1
+    adaptive_delta  s_i = s_{i-1} + a_i (r_i - s_{i-1})   k=1 is the plain stack at init (a_i = 1)
+
+Re-injection starts at loop 2 because s_0 is already h_in: adding it at loop 1 too would feed the
+block 2 h_in. So k=1 is the plain stack with either input (Table 14 has them nearly equal at k=1).
 
 The block and its loop are one module, so FSDP can make it one unit that is called exactly once
 per microbatch whatever k is (a unit called a different number of times on different ranks
 desynchronises the collectives). At initialisation every ELR-specific path is an identity: the
-adaptive step is exactly 1 and the FiLM heads are exactly zero, so k=1 equals the plain stack.
+adaptive step is exactly 1 and the FiLM heads are exactly zero, so k=1 equals the plain stack
+(except under `residual`, which is another network at every k).
 """
 
 from __future__ import annotations
@@ -18,6 +30,11 @@ import torch
 from torch import nn
 
 from elr.models.args import ModelArgs
+
+# The option strings of ModelArgs.update and ModelArgs.recurrent_input (config elr.update and
+# elr.recurrent_input, checked in elr/models/from_config.py).
+UPDATE_RULES = ("adaptive_delta", "replace", "residual")
+RECURRENT_INPUTS = ("state", "state_plus_input")
 
 
 # What the learned step sees (our choice; the paper gives no equation for it): the block's input
@@ -85,16 +102,21 @@ class LoopConditioning(nn.Module):
 
 
 class RecurrentBlock(nn.Module):
+    """The recurrent layers and their k-loop. With max_loops = 1, update = replace and no
+    conditioning (ModelArgs' defaults) it is the middle of the non-recurrent baseline."""
+
     def __init__(self, args: ModelArgs, layers: list[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.elr, self.max_loops = args.elr, args.max_loops
+        self.max_loops = args.max_loops
         self.update, self.recurrent_input = args.update, args.recurrent_input
-        if args.update not in ("adaptive_delta", "replace", "residual"):
-            raise ValueError(f"unknown ELR update rule {args.update!r}")
-        if args.recurrent_input not in ("state", "state_plus_input"):
-            raise ValueError(f"unknown ELR recurrent input {args.recurrent_input!r}")
-        self.step_size = AdaptiveStep(args.dim, args.norm_eps, args.step_input) if args.elr and args.update == "adaptive_delta" else None
+        if args.update not in UPDATE_RULES:
+            raise ValueError(f"unknown ELR update rule {args.update!r}; use one of {', '.join(UPDATE_RULES)}")
+        if args.recurrent_input not in RECURRENT_INPUTS:
+            raise ValueError(
+                f"unknown ELR recurrent input {args.recurrent_input!r}; use one of {', '.join(RECURRENT_INPUTS)}"
+            )
+        self.step_size = AdaptiveStep(args.dim, args.norm_eps, args.step_input) if args.update == "adaptive_delta" else None
         self.conditioning = (
             LoopConditioning(len(layers), args.max_loops, args.dim, args.cond_dim) if args.conditioning else None
         )
@@ -103,34 +125,34 @@ class RecurrentBlock(nn.Module):
         self.track_stats = False
         self.loop_stats: list[dict[str, torch.Tensor]] = []
 
-    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int) -> torch.Tensor:
-        if not self.elr and loops != 1:
-            raise ValueError(f"the non-recurrent baseline runs exactly one loop, not {loops}")
-        if loops < 1 or (self.conditioning is not None and loops > self.max_loops):
-            raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the budgets this model is conditioned on")
+    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None) -> torch.Tensor:
+        """`cache` (inference only) hands each layer its key/value or state slot for loop i."""
+        if not 1 <= loops <= self.max_loops:
+            raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model was built for")
         routes = [{} if self.route_replay and layer.kind == "E" else None for layer in self.layers]
         no_film = [None] * len(self.layers)
         self.loop_stats = []
         s = h_in
         for i in range(1, loops + 1):
-            s_in = s + h_in if self.recurrent_input == "state_plus_input" else s
+            s_in = s + h_in if self.recurrent_input == "state_plus_input" and i > 1 else s
             films = self.conditioning(i, loops) if self.conditioning is not None else no_film
             r = s_in
             for layer, film, route in zip(self.layers, films, routes):
-                r = layer(r, rope, film=film, route=route)
+                slot = cache.slot(layer, i) if cache is not None else None
+                r = layer(r, rope, film=film, route=route, cache=slot)
             step = self.step_size(s, s_in, r) if self.step_size is not None else None
-            s_next = self._update(s, s_in, r, step)
+            s_next = self._update(s, r, step)
             if self.track_stats:
                 self._record(s, s_next, step, films)
             s = s_next
         return s
 
-    def _update(self, s, s_in, r, step):
-        if step is not None:
+    def _update(self, s, r, step):
+        if self.update == "adaptive_delta":
             # lerp(s, r, 1) is exactly r, so the initial model is the plain stack bit for bit.
             return torch.lerp(s, r, step.to(r.dtype))
-        if self.update == "residual" and self.elr:
-            return r + (s - s_in)  # = s + (r - s~); this order is exactly r when s~ = s
+        if self.update == "residual":
+            return s + r
         return r
 
     @torch.no_grad()

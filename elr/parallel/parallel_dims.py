@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from elr.config import ConfigError
+
 
 @dataclass
 class ParallelDims:
@@ -16,13 +18,13 @@ class ParallelDims:
     def __post_init__(self):
         if self.dp_shard == -1:
             if self.world_size % self.dp_replicate:
-                raise ValueError(
-                    f"parallelism.data_parallel_replicate_degree={self.dp_replicate} does not divide "
+                raise ConfigError(
+                    f"parallelism.data_parallel_replicate_degree: {self.dp_replicate} does not divide "
                     f"the world size {self.world_size}"
                 )
             self.dp_shard = self.world_size // self.dp_replicate
         if self.dp_replicate * self.dp_shard != self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x "
                 f"data_parallel_shard_degree ({self.dp_shard}) must equal the world size ({self.world_size})"
             )

@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from elr.config import UserError
+
 logger = logging.getLogger(__name__)
 
 MARKER = "commit.json"
@@ -51,7 +53,7 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint cannot be used as asked: keys or shapes differ, or the requested step is bad."""
 
 

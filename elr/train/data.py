@@ -26,10 +26,18 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from elr.config import UserError
+
 # torchdata 0.11 warns on every loader that it calls a deprecated torch API; nothing for us to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs [local_bs, seq_len], labels [local_bs, seq_len]
+
+
+
+class DataError(UserError, ValueError):
+    """A token file or its meta.json cannot serve this job (wrong dtype or size, too few tokens)."""
+
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _MASK64 = (1 << 64) - 1
@@ -45,15 +53,15 @@ def load_tokens(path: str | Path) -> np.memmap:
         raise FileNotFoundError(f"{meta_path} is missing: it gives the dtype of {path}")
     meta = json.loads(meta_path.read_text())
     if meta.get("dtype") not in _DTYPES:
-        raise ValueError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {list(_DTYPES)}")
+        raise DataError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {list(_DTYPES)}")
     dtype = np.dtype(_DTYPES[meta["dtype"]])
     size = path.stat().st_size
     if size == 0 or size % dtype.itemsize:
-        raise ValueError(f"{path}: size {size} bytes is not a positive multiple of {dtype.name}")
+        raise DataError(f"{path}: size {size} bytes is not a positive multiple of {dtype.name}")
     n_tokens = size // dtype.itemsize
     expected = meta.get("splits", {}).get(path.stem, {}).get("tokens")
     if expected is not None and expected != n_tokens:
-        raise ValueError(f"{path}: holds {n_tokens} tokens but {meta_path} says {expected}")
+        raise DataError(f"{path}: holds {n_tokens} tokens but {meta_path} says {expected}")
     return np.memmap(path, dtype=dtype, mode="r")
 
 
@@ -62,7 +70,7 @@ def num_windows(tokens: np.ndarray, seq_len: int, path: str | Path) -> int:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     count = (len(tokens) - 1) // seq_len
     if count < 1:
-        raise ValueError(
+        raise DataError(
             f"{path}: {len(tokens)} tokens are too few for one window of {seq_len + 1} tokens"
         )
     return count
@@ -155,7 +163,7 @@ class TokenWindowDataset(IterableDataset):
     @position.setter
     def position(self, value: int) -> None:
         if value < 0 or value % self.global_batch_size:
-            raise ValueError(
+            raise DataError(
                 f"data position {value} is not a non-negative multiple of the global microbatch "
                 f"dp_world * local_batch_size = {self.dp_world} * {self.local_batch_size}; "
                 "resume with the same global batch"
@@ -219,7 +227,7 @@ def val_batches(
     available = num_windows(tokens, seq_len, path)
     global_batch = dp_world * local_batch_size
     if num_batches * global_batch > available:
-        raise ValueError(
+        raise DataError(
             f"{path}: {num_batches} validation batches of {dp_world} x {local_batch_size} windows "
             f"need {num_batches * global_batch} windows of {seq_len + 1} tokens; the file has "
             f"{available}. Lower the number of validation batches or add validation data."

@@ -7,7 +7,6 @@ the mean over all of its tokens, whatever depth produced them.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -21,9 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from elr.config import JobConfig
-from elr.models import ModelArgs, build_model, flavors
+from elr.config import ConfigError, JobConfig
+from elr.models import build_model
 from elr.models.ffn import update_expert_biases
+from elr.models.from_config import check_model_config, model_args_from_config
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import apply_fsdp, compile_layers, convert_to_float8
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
@@ -31,7 +31,7 @@ from elr.train.data import build_train_loader, val_batches
 from elr.train.loop_sampler import LoopSampler
 from elr.train.metrics import MetricsLogger, console_line, memory_gib
 from elr.train.optimizer import build_lr_scheduler, build_optimizer
-from elr.train.tokenizer import build_tokenizer
+from elr.tokenizer import build_tokenizer
 
 logger = logging.getLogger("elr")
 
@@ -50,26 +50,9 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
 
-def model_args_from_config(cfg: JobConfig, vocab_size: int, conditioning: bool) -> ModelArgs:
-    e = cfg.elr
-    args = flavors[cfg.model.flavor]
-    return dataclasses.replace(
-        args,
-        vocab_size=vocab_size,
-        max_seq_len=cfg.training.seq_len,
-        partition=tuple(e.partition) if e.partition else args.partition,
-        elr=e.enabled,
-        max_loops=e.max_loops,
-        recurrent_input=e.recurrent_input,
-        update=e.update,
-        step_input=e.step_input,
-        conditioning=conditioning,
-        moe_route_replay=cfg.moe.route_replay,
-    )
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig):
+        check_model_config(cfg)  # the config checks that need the model code, before any work
         self.cfg = cfg
         t = cfg.training
         self.rank, self.world_size, self.device = self._init_distributed()
@@ -82,8 +65,8 @@ class Trainer:
         per_update = t.local_batch_size * self.dp_world
         global_batch = per_update if t.global_batch_size == -1 else t.global_batch_size
         if global_batch % per_update:
-            raise ValueError(
-                f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x "
+            raise ConfigError(
+                f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size x "
                 f"data-parallel ranks = {t.local_batch_size} x {self.dp_world}"
             )
         self.n_micro = global_batch // per_update
@@ -141,7 +124,7 @@ class Trainer:
             raise FileNotFoundError(f"data.path: {meta_path} not found (make it with scripts/prepare_data.py)")
         vocab = json.loads(meta_path.read_text())["vocab_size"]
         if vocab != self.tokenizer.n_vocab:
-            raise ValueError(
+            raise ConfigError(
                 f"data.path: {data_dir} was tokenized with a vocabulary of {vocab}, but tokenizer.path "
                 f"{self.cfg.tokenizer.path} has {self.tokenizer.n_vocab}"
             )
@@ -154,7 +137,7 @@ class Trainer:
         """
         cfg = self.cfg
         self.mixed = mixed
-        self.model_args = model_args_from_config(cfg, self.tokenizer.n_vocab, cfg.elr.conditioning and mixed)
+        self.model_args = model_args_from_config(cfg, self.tokenizer.n_vocab, before_switch=not mixed)
         torch.manual_seed(cfg.training.seed)
         with torch.device("meta"):
             model = build_model(self.model_args)
@@ -227,7 +210,7 @@ class Trainer:
         n_in, n_rec, n_out = a.partition
         logger.info(
             f"model {self.cfg.model.flavor}: {n_params:,} parameters | layers {a.layer_pattern} "
-            f"(input {n_in}, recurrent {n_rec}, output {n_out}) | ELR {'on' if a.elr else 'off (baseline)'}, "
+            f"(input {n_in}, recurrent {n_rec}, output {n_out}) | ELR {'on' if self.cfg.elr.enabled else 'off (baseline)'}, "
             f"update {a.update}, conditioning {'on' if a.conditioning else 'off'}, K={a.max_loops}"
         )
         logger.info(
@@ -366,9 +349,9 @@ class Trainer:
 
     def create_seed_checkpoint(self) -> None:
         if self.world_size > 1:
-            raise ValueError("checkpoint.create_seed: run it in one process (python train.py ...)")
+            raise ConfigError("checkpoint.create_seed: run it in one process (python train.py ...)")
         if self.step:
-            raise ValueError(f"checkpoint.create_seed: {self.checkpointer.folder} already holds step {self.step}")
+            raise ConfigError(f"checkpoint.create_seed: {self.checkpointer.folder} already holds step {self.step}")
         self.checkpointer.save(0, self.states())
         self.checkpointer.wait()
         logger.info(f"saved the initial weights to {self.checkpointer.folder}/step-0")

@@ -1,4 +1,4 @@
-"""Tokenizer: a thin wrapper over `tiktoken.Encoding`.
+"""Tokenizer: a thin wrapper over `tiktoken.Encoding`, shared by training and inference.
 
 Two sources are accepted, so that the same trainer runs offline with the bundled BPE and at
 scale with a production vocabulary:
@@ -20,6 +20,8 @@ from pathlib import Path
 import tiktoken
 import tiktoken.load
 
+from elr.config import UserError
+
 # The GPT-4 (cl100k_base) pre-tokenization regex, character for character, written out because a
 # ranks file does not carry it: the BPE is trained on the pieces this regex cuts, so encoding must
 # cut the same way. Alternatives, in order: contractions; letters with at most one leading
@@ -33,13 +35,17 @@ SPLIT_PATTERN = (
 EOT = "<|endoftext|>"
 
 
+class TokenizerError(UserError, ValueError):
+    """A ranks file or encoding that cannot be this project's tokenizer."""
+
+
 class Tokenizer:
     """Text <-> token ids. `encode` never emits special tokens, even if the text spells one:
     document boundaries are added by the data preparation, not by the text itself."""
 
     def __init__(self, encoding: tiktoken.Encoding, source: str):
         if EOT not in encoding.special_tokens_set:
-            raise ValueError(f"tokenizer {source!r} has no {EOT} special token")
+            raise TokenizerError(f"tokenizer {source!r} has no {EOT} special token")
         self.encoding = encoding
         self.source = source
         self.eot_id: int = encoding.encode_single_token(EOT)
@@ -70,7 +76,7 @@ def load_ranks(path: str | Path) -> dict[bytes, int]:
     # was rebuilt in place would come back stale; passing the current hash makes it re-read.
     ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=file_sha256(path))
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: ranks are not the contiguous range 0..{len(ranks) - 1}")
+        raise TokenizerError(f"{path}: ranks are not the contiguous range 0..{len(ranks) - 1}")
     return ranks
 
 

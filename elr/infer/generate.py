@@ -1,0 +1,82 @@
+"""Prefill then token-by-token decoding at a per-request loop count k, with sampling.
+
+A batch of prompts of different lengths is left-padded into one tensor; the cache gives each row
+its own positions, so a row decodes exactly as it would alone. Rows stop at `<|endoftext|>` or
+after `max_new_tokens`; finished rows keep stepping (their tokens are dropped) until all are done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elr.infer.cache import InferenceCache
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0  # 1 = no nucleus cut
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B, vocab] -> next token ids [B]."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already hold top_p; the first always stays.
+        drop = probs.cumsum(-1) - probs >= sampling.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows right-aligned in one [B, L] tensor, and each row's count of padding columns."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        tokens[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+    pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
+    return tokens.to(device), pad.to(device)
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], loops: int, max_new_tokens: int, eot_id: int,
+             kv_mode: str = "per_loop", sampling: Sampling = Sampling(),
+             generator: torch.Generator | None = None) -> list[list[int]]:
+    """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
+    (without the end-of-text token)."""
+    device = model.output.weight.device
+    tokens, pad = left_pad(prompts, eot_id, device)
+    cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, loops, kv_mode, pad)
+    logits = model(tokens, loops, cache)[:, -1]
+    out = [[] for _ in prompts]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        nxt = sample(logits, sampling, generator)
+        done |= nxt == eot_id
+        for row, tok in enumerate(nxt.tolist()):
+            if not done[row]:
+                out[row].append(tok)
+        if done.all() or step == max_new_tokens - 1:
+            break
+        logits = model(nxt[:, None], loops, cache)[:, -1]
+    return out

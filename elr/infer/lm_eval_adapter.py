@@ -1,0 +1,65 @@
+"""lm-evaluation-harness adapter: evaluate an ELR checkpoint at loop count k on the harness's tasks.
+
+    pip install -e ".[eval]"        # lm-eval; not needed by anything else here
+    python -c "import elr.infer.lm_eval_adapter, lm_eval; print(lm_eval.simple_evaluate(
+        model='elr', model_args='checkpoint=outputs/debug/checkpoint/step-150,loops=3', tasks=['piqa']))"
+
+Importing this module registers the model name "elr". Log-likelihoods come from the same scoring as
+scripts/evaluate.py; generation uses the KV-cached decoder (`kv` = per_loop | last_loop). Tested
+against lm-eval 0.4.13's `LM` API (requests, rolling windows, generation)."""
+
+from __future__ import annotations
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from elr.infer.evaluate import continuation_logprobs
+from elr.infer.generate import Sampling, generate
+from elr.infer.load import load_model, load_tokenizer
+
+
+@register_model("elr")
+class ELRHarnessModel(LM):
+    def __init__(self, checkpoint: str, loops: int = 1, kv: str = "per_loop", device: str = "cpu",
+                 dtype: str = "float32", batch_size: int = 16, max_gen_toks: int = 256, tokenizer: str | None = None):
+        super().__init__()
+        self.model, cfg = load_model(checkpoint, device, getattr(torch, dtype))
+        self.tokenizer = load_tokenizer(cfg, tokenizer)
+        self.loops, self.kv, self.batch_size, self.max_gen_toks = int(loops), kv, int(batch_size), int(max_gen_toks)
+
+    def _context(self, text: str) -> list[int]:
+        """Every context starts with <|endoftext|>, as a training document does (so "" works too)."""
+        return [self.tokenizer.eot_id] + self.tokenizer.encode(text)
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        pairs = [(self._context(context), self.tokenizer.encode(continuation)) for context, continuation in
+                 (r.args for r in requests)]
+        return continuation_logprobs(self.model, pairs, self.loops, self.batch_size)
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        """Each token scored once, with as much context as fits (chunks of max_seq_len tokens)."""
+        window = self.model.args.max_seq_len
+        results = []
+        for (text,) in (r.args for r in requests):
+            tokens = self.tokenizer.encode(text)
+            chunks = [(self._context("") + tokens[:start], tokens[start:start + window])
+                      for start in range(0, len(tokens), window)]
+            results.append(sum(score for score, _ in continuation_logprobs(self.model, chunks, self.loops, self.batch_size)))
+        return results
+
+    def generate_until(self, requests) -> list[str]:
+        outputs = []
+        for context, gen_kwargs in (r.args for r in requests):
+            kwargs = dict(gen_kwargs)
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            sampling = Sampling(temperature=float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0)
+            prompt = self._context(context)[-(self.model.args.max_seq_len - max_new):]
+            tokens = generate(self.model, [prompt], self.loops, max_new, self.tokenizer.eot_id, self.kv, sampling)[0]
+            text = self.tokenizer.decode(tokens)
+            for stop in until:
+                text = text.split(stop)[0]
+            outputs.append(text)
+        return outputs

@@ -1,0 +1,64 @@
+"""Job config -> ModelArgs: the one place where [model], [elr] and [moe] become a model's shape.
+
+elr/config.py is plain data and knows no model; the checks that need the model code (flavor names,
+the option strings of the recurrence, the partition against the flavor's layer count) live here and
+raise the same one-line ConfigError naming the key. The trainer runs them before any other work, and
+scripts/estimate_cost.py uses this module without importing the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from elr.config import ConfigError, JobConfig
+from elr.models.args import ModelArgs, flavors
+from elr.models.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES
+
+
+def _check(ok: bool, key: str, message: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message} (got {value!r})")
+
+
+def check_model_config(cfg: JobConfig) -> None:
+    """Reject model settings that no model can be built from; one ConfigError naming the key."""
+    _check(cfg.model.flavor in flavors, "model.flavor", f"must be one of {', '.join(flavors)}", cfg.model.flavor)
+    e = cfg.elr
+    _check(e.update in UPDATE_RULES, "elr.update", f"must be one of {', '.join(UPDATE_RULES)}", e.update)
+    _check(e.recurrent_input in RECURRENT_INPUTS, "elr.recurrent_input",
+           f"must be one of {', '.join(RECURRENT_INPUTS)}", e.recurrent_input)
+    _check(e.step_input in STEP_INPUTS, "elr.step_input", f"must be one of {', '.join(STEP_INPUTS)}", e.step_input)
+    n_layers = len(flavors[cfg.model.flavor].layer_pattern)
+    if e.partition:
+        _check(sum(e.partition) == n_layers, "elr.partition",
+               f"must add up to the {n_layers} layers of flavor {cfg.model.flavor}", e.partition)
+
+
+def model_args_from_config(cfg: JobConfig, vocab_size: int, before_switch: bool = False) -> ModelArgs:
+    """The flavor's backbone with the job's recurrence settings.
+
+    `elr.enabled = false` builds the baseline: ModelArgs' ELR defaults (one loop, `replace`, state
+    input, no conditioning), so the baseline has no ELR parameter and elr.update / elr.recurrent_input
+    do not apply to it. `before_switch`: the one-loop phase of a late switch, built without the loop
+    conditioning that the switch adds.
+    """
+    check_model_config(cfg)
+    e = cfg.elr
+    flavor = flavors[cfg.model.flavor]
+    args = dataclasses.replace(
+        flavor,
+        vocab_size=vocab_size,
+        max_seq_len=cfg.training.seq_len,
+        partition=tuple(e.partition) if e.partition else flavor.partition,
+        moe_route_replay=cfg.moe.route_replay,
+    )
+    if not e.enabled:
+        return args
+    return dataclasses.replace(
+        args,
+        max_loops=e.max_loops,
+        recurrent_input=e.recurrent_input,
+        update=e.update,
+        step_input=e.step_input,
+        conditioning=e.conditioning and not before_switch,
+    )

@@ -1,0 +1,130 @@
+"""Evaluate one checkpoint at several loop counts k: validation loss, multiple-choice accuracy, latency.
+
+    python scripts/evaluate.py --checkpoint outputs/debug/checkpoint/step-150 --loops 1,2,3 \\
+        --tasks data/tasks/piqa.jsonl data/tasks/openbookqa.jsonl --limit 200 --out outputs/debug/eval.json
+    python scripts/evaluate.py ... --baseline outputs/base/checkpoint/step-150   # adds a baseline column
+
+Validation loss uses the run's prepared data folder (or --data); tasks are JSONL files (see
+elr/infer/evaluate.py and scripts/convert_mc_tasks.py). Latency: time to first token of a fixed
+prompt and per-token decode, each also relative to k=1. Prints a Markdown table and writes it, with
+the JSON, next to --out; scripts/plot_loops.py draws figures from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elr.infer.cache import MODES  # noqa: E402
+from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, validation_loss  # noqa: E402
+from elr.infer.load import load_model, load_tokenizer  # noqa: E402
+
+LATENCY_TEXT = "The old king walked slowly through the quiet garden, thinking of the years behind him. "
+
+
+def parse_loops(text: str) -> list[int]:
+    try:
+        return [int(k) for k in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--loops takes loop counts like 1,2,3, not {text!r}") from None
+
+
+def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict[str, dict[int, float]]]:
+    """Run config and {metric: {k: value}} for one checkpoint (loops None: every k in 1..K)."""
+    model, cfg = load_model(checkpoint, args.device, getattr(torch, args.dtype))
+    if args.route_replay:
+        model.recurrent.route_replay = True
+    tokenizer = load_tokenizer(cfg, args.tokenizer)
+    loops = loops or list(range(1, model.args.max_loops + 1))
+    rows: dict[str, dict[int, float]] = {}
+    data = args.data or cfg["data"]["path"]
+    val_path = Path(data) / "val.bin"
+    if not val_path.is_file():
+        val_path = Path(__file__).resolve().parents[1] / data / "val.bin"
+    tokens = read_tokens(val_path) if args.val_batches else None
+    tasks = {Path(path).stem: load_task(path)[:args.limit or None] for path in args.tasks}
+    prompt = ([tokenizer.eot_id] + tokenizer.encode(LATENCY_TEXT * 64))[:args.latency_prompt_tokens]
+    for k in loops:
+        if tokens is not None:
+            rows.setdefault("val_loss", {})[k] = validation_loss(
+                model, tokens, cfg["training"]["seq_len"], k, args.val_batches, args.batch_size)
+        for name, items in tasks.items():
+            result = score_multiple_choice(model, tokenizer, items, k, args.batch_size)
+            rows.setdefault(f"{name}/acc", {})[k] = result["acc"]
+            rows.setdefault(f"{name}/acc_norm", {})[k] = result["acc_norm"]
+        if args.latency_new_tokens:
+            for name, seconds in measure_latency(model, prompt, k, args.kv, args.latency_new_tokens).items():
+                rows.setdefault(f"latency/{name}", {})[k] = seconds
+        print(f"k={k}: " + ", ".join(f"{m} {v[k]:.4g}" for m, v in rows.items()), file=sys.stderr)
+    return cfg, rows
+
+
+def with_relative_latency(rows: dict[str, dict[int, float]], reference: dict[str, dict[int, float]]) -> None:
+    """Add latency rows relative to the reference's k=1 (the same run, or the ELR run for a baseline)."""
+    for name in ("ttft_s", "decode_s_per_token"):
+        if f"latency/{name}" in rows:
+            one = reference[f"latency/{name}"][1]
+            rows[f"latency/{name}_rel"] = {k: v / one for k, v in rows[f"latency/{name}"].items()}
+
+
+def markdown(loops: list[int], rows: dict, baseline: dict | None) -> str:
+    head = "| metric | " + " | ".join(f"k={k}" for k in loops) + (" | baseline |" if baseline else " |")
+    lines = [head, "|---" * (len(loops) + 1 + bool(baseline)) + "|"]
+    for metric, values in rows.items():
+        cells = [f"{values[k]:.4g}" for k in loops]
+        if baseline:
+            cells.append(f"{baseline[metric][1]:.4g}" if metric in baseline else "")
+        lines.append(f"| {metric} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="step-N (DCP) or step-N-model (export) folder")
+    p.add_argument("--loops", type=parse_loops, help="loop counts, e.g. 1,2,3 (default: every k in 1..K)")
+    p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode for latency (default per_loop)")
+    p.add_argument("--tasks", nargs="*", default=[], help="multiple-choice JSONL files")
+    p.add_argument("--limit", type=int, default=0, help="first N questions of each task (0: all)")
+    p.add_argument("--data", help="prepared data folder with val.bin (default: the run config's)")
+    p.add_argument("--val-batches", type=int, default=4, help="validation batches (0: skip the loss)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--latency-prompt-tokens", type=int, default=64)
+    p.add_argument("--latency-new-tokens", type=int, default=16, help="decode steps timed (0: skip latency)")
+    p.add_argument("--baseline", help="checkpoint of a non-recurrent baseline, evaluated at k=1")
+    p.add_argument("--route-replay", action="store_true", help="force MoE route replay on at inference")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
+    p.add_argument("--out", type=Path, help="write the results JSON here and the table beside it (.md)")
+    args = p.parse_args(argv)
+
+    try:
+        _, rows = evaluate(args.checkpoint, args.loops, args)
+        loops = sorted(next(iter(rows.values()))) if rows else (args.loops or [])
+        baseline = None
+        if args.baseline:
+            _, baseline = evaluate(args.baseline, [1], args)
+            with_relative_latency(baseline, rows)
+        with_relative_latency(rows, rows)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"evaluate: error: {e}", file=sys.stderr)
+        return 2
+    table = markdown(loops, rows, baseline)
+    print(table)
+    if args.out:
+        result = {"checkpoint": args.checkpoint, "kv": args.kv, "loops": loops, "rows": rows,
+                  "baseline": {"checkpoint": args.baseline, "rows": baseline} if baseline else None}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        args.out.with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

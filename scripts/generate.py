@@ -1,0 +1,105 @@
+"""Generate text from a trained ELR checkpoint at one or several loop counts k.
+
+    python scripts/generate.py --checkpoint outputs/debug/checkpoint/step-150 --loops 3 \\
+        --kv last_loop --prompt "Once upon a time" --max-new-tokens 64 --temperature 0
+    python scripts/generate.py --checkpoint ... --loops 1,2,3 --prompt "..."   # the same prompt at each depth
+    python scripts/generate.py --checkpoint ... --memory 131072                # KV/state bytes per request
+    python scripts/generate.py --flavor koi_4b --loops 4 --memory 131072 --dtype bfloat16
+
+For each k it prints a header line with tokens/s, then the generated text; the last line printed is
+the text generated at the last k. Several --prompt flags decode as one left-padded batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elr.infer.cache import MODES  # noqa: E402
+from elr.infer.generate import Sampling, generate  # noqa: E402
+from elr.infer.load import load_model, load_tokenizer, run_config  # noqa: E402
+from elr.infer.memory import memory_table  # noqa: E402
+from elr.models import flavors  # noqa: E402
+
+
+def parse_loops(text: str) -> list[int]:
+    try:
+        return [int(k) for k in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--loops takes loop counts like 3 or 1,2,3, not {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", help="step-N (DCP) or step-N-model (export) folder")
+    p.add_argument("--loops", type=parse_loops, default=[1], help="k, or several as 1,2,3 (default 1)")
+    p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
+    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--route-replay", action="store_true",
+                   help="force MoE route replay on (on anyway when the model was trained with it)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
+    p.add_argument("--memory", type=int, metavar="TOKENS",
+                   help="print KV-cache and GDP-state bytes per request of TOKENS tokens and exit")
+    p.add_argument("--flavor", choices=sorted(flavors), help="with --memory: a named flavor instead of a checkpoint")
+    args = p.parse_args(argv)
+    if args.memory is not None and args.flavor:
+        dtype = getattr(torch, args.dtype)
+        print(memory_table(flavors[args.flavor], max(args.loops), args.memory, dtype))
+        return 0
+    if not args.checkpoint:
+        p.error("--checkpoint is required (or --memory with --flavor)")
+
+    dtype = getattr(torch, args.dtype)
+    try:
+        if args.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be at least 1")
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        tokenizer = None
+        if args.memory is None:
+            if not args.prompt:
+                raise ValueError("give at least one --prompt")
+            tokenizer = load_tokenizer(run_config(args.checkpoint), args.tokenizer)
+            prompts = [tokenizer.encode(text) for text in args.prompt]
+            longest = max(len(t) for t in prompts) + args.max_new_tokens
+        model, _ = load_model(args.checkpoint, args.device, dtype,
+                              max_seq_len=None if args.memory is not None else longest)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"generate: error: {e}", file=sys.stderr)
+        return 2
+    if args.memory is not None:
+        print(memory_table(model.args, max(args.loops + [model.args.max_loops]), args.memory, dtype))
+        return 0
+    if args.route_replay:
+        model.recurrent.route_replay = True
+
+    for k in args.loops:
+        generator = torch.Generator(args.device).manual_seed(args.seed)
+        start = time.perf_counter()
+        try:
+            outputs = generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id, args.kv, sampling, generator)
+        except ValueError as e:
+            print(f"generate: error: {e}", file=sys.stderr)
+            return 2
+        elapsed = time.perf_counter() - start
+        n_tokens = sum(len(o) for o in outputs)
+        print(f"--- k={k} kv={args.kv}: {n_tokens} tokens in {elapsed:.2f} s, {n_tokens / elapsed:.1f} tokens/s")
+        for out in outputs:
+            print(tokenizer.decode(out).replace("\n", " "))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

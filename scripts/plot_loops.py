@@ -1,0 +1,95 @@
+"""Figures from evaluate.py's JSON: score against loop count k, and score against relative latency.
+
+    python scripts/plot_loops.py outputs/debug/eval.json --out-dir docs/figures
+
+Writes `<name>_vs_k.png` (one panel per metric, the baseline as a dashed line; like the paper's
+Figure 2) and `<name>_vs_latency.png` (each metric against decode time relative to k=1; like its
+Figure 7). Needs matplotlib (`pip install -e ".[plot]"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def score_metrics(rows: dict) -> list[str]:
+    return [m for m in rows if not m.startswith("latency/")]
+
+
+def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, loops = result["rows"], result["loops"]
+    baseline = (result.get("baseline") or {}).get("rows") or {}
+    metrics = score_metrics(rows)
+    if not metrics:
+        raise ValueError("the results hold no score rows to plot")
+    cols = min(3, len(metrics))
+    shape = (math.ceil(len(metrics) / cols), cols)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, axes = plt.subplots(*shape, figsize=(4 * cols, 3 * shape[0]), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics):
+        ax.plot(loops, [rows[metric][str(k)] for k in loops], marker="o", label="ELR")
+        if metric in baseline:
+            ax.axhline(baseline[metric]["1"], linestyle="--", color="gray", label="baseline")
+        ax.set(title=metric, xlabel="loops k", xticks=loops)
+        ax.legend()
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.axis("off")
+    fig.tight_layout()
+    written.append(out_dir / f"{name}_vs_k.png")
+    fig.savefig(written[-1], dpi=80)
+    plt.close(fig)
+
+    latency = rows.get("latency/decode_s_per_token_rel")
+    if latency:
+        fig, axes = plt.subplots(*shape, figsize=(4 * cols, 3 * shape[0]), squeeze=False)
+        for ax, metric in zip(axes.flat, metrics):
+            xs, ys = [latency[str(k)] for k in loops], [rows[metric][str(k)] for k in loops]
+            ax.plot(xs, ys, marker="o", label="ELR")
+            for k, x, y in zip(loops, xs, ys):
+                ax.annotate(f"k={k}", (x, y), textcoords="offset points", xytext=(4, 4))
+            if metric in baseline and "latency/decode_s_per_token_rel" in baseline:
+                ax.plot([baseline["latency/decode_s_per_token_rel"]["1"]], [baseline[metric]["1"]],
+                        marker="s", linestyle="none", color="gray", label="baseline")
+            ax.set(title=metric, xlabel="decode time per token, relative to k=1")
+            ax.legend()
+        for ax in list(axes.flat)[len(metrics):]:
+            ax.axis("off")
+        fig.tight_layout()
+        written.append(out_dir / f"{name}_vs_latency.png")
+        fig.savefig(written[-1], dpi=80)
+        plt.close(fig)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", type=Path, help="JSON written by scripts/evaluate.py --out")
+    p.add_argument("--out-dir", type=Path, help="folder for the PNGs (default: beside the JSON)")
+    args = p.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print('plot_loops: error: needs matplotlib (pip install -e ".[plot]")', file=sys.stderr)
+        return 2
+    try:
+        written = plot(json.loads(args.results.read_text()), args.out_dir or args.results.parent, args.results.stem)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"plot_loops: error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
