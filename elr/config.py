@@ -42,6 +42,10 @@ class ELR:
     # the option strings of these two live in elr/models/recurrence.py, next to their code
     recurrent_input: str = "state"  # state | state_plus_input (re-injection from loop 2 on)
     update: str = "adaptive_delta"  # adaptive_delta | replace | residual (s_i = s_{i-1} + r_i)
+    # the learned step of adaptive_delta (elr/models/recurrence.py, AdaptiveStep)
+    step_input: str = "state"  # what the step sees: state (s~) | delta (r - s) | channel (nothing: per channel)
+    step_lr_scale: float = 1.0  # the step's parameters train at optimizer.lr x this
+    step_weight_decay: float = 0.0  # weight decay of the step's parameters (pulls the step towards 1)
     conditioning: bool = True  # loop-index/budget embeddings + zero-initialised FiLM heads
     sampling: str = "independent"  # independent (each slot draws k) | synchronized (one k per update)
     one_loop_override: float = 0.0  # fraction f of data-parallel ranks that run k=1 on every microbatch (rotating)
@@ -301,6 +305,8 @@ def validate(cfg: JobConfig) -> None:
                f"needs one weight per k in 1..{e.max_loops}", e.loop_weights)
         _check(all(w >= 0 for w in e.loop_weights) and sum(e.loop_weights) > 0, "elr.loop_weights",
                "must be non-negative with a positive sum", e.loop_weights)
+    _check(e.step_lr_scale > 0, "elr.step_lr_scale", "must be > 0", e.step_lr_scale)
+    _check(e.step_weight_decay >= 0, "elr.step_weight_decay", "must be >= 0", e.step_weight_decay)
     _check(0.0 <= e.switch_at < 1.0, "elr.switch_at", "must lie in [0, 1)", e.switch_at)
     if not e.enabled:
         _check(e.max_loops == 1, "elr.max_loops", "must be 1 when elr.enabled = false (the baseline)", e.max_loops)

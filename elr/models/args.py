@@ -48,6 +48,7 @@ class ModelArgs:
     max_loops: int = 1  # the largest loop count k the model runs (and is conditioned on)
     recurrent_input: str = "state"  # one of recurrence.RECURRENT_INPUTS
     update: str = "replace"  # one of recurrence.UPDATE_RULES
+    step_input: str = "state"  # what adaptive_delta's step sees: one of recurrence.STEP_INPUTS
     conditioning: bool = False
     cond_dim: int = 256
 

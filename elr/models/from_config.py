@@ -12,7 +12,7 @@ import dataclasses
 
 from elr.config import ConfigError, JobConfig
 from elr.models.args import ModelArgs, flavors
-from elr.models.recurrence import RECURRENT_INPUTS, UPDATE_RULES
+from elr.models.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES
 
 
 def _check(ok: bool, key: str, message: str, value) -> None:
@@ -27,6 +27,7 @@ def check_model_config(cfg: JobConfig) -> None:
     _check(e.update in UPDATE_RULES, "elr.update", f"must be one of {', '.join(UPDATE_RULES)}", e.update)
     _check(e.recurrent_input in RECURRENT_INPUTS, "elr.recurrent_input",
            f"must be one of {', '.join(RECURRENT_INPUTS)}", e.recurrent_input)
+    _check(e.step_input in STEP_INPUTS, "elr.step_input", f"must be one of {', '.join(STEP_INPUTS)}", e.step_input)
     n_layers = len(flavors[cfg.model.flavor].layer_pattern)
     if e.partition:
         _check(sum(e.partition) == n_layers, "elr.partition",
@@ -58,5 +59,6 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, before_switch: bool 
         max_loops=e.max_loops,
         recurrent_input=e.recurrent_input,
         update=e.update,
+        step_input=e.step_input,
         conditioning=e.conditioning and not before_switch,
     )

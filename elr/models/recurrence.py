@@ -37,21 +37,43 @@ UPDATE_RULES = ("adaptive_delta", "replace", "residual")
 RECURRENT_INPUTS = ("state", "state_plus_input")
 
 
-class AdaptiveStep(nn.Module):
-    """Per-token, per-channel step size a = 2 sigmoid(W norm(s~)), in (0, 2); a = 1 at init."""
+# What the learned step sees (our choice; the paper gives no equation for it): the block's input
+# s~ ("state"), the change the block proposes r - s ("delta"), or nothing, a per-channel step shared
+# by every token ("channel").
+STEP_INPUTS = ("state", "delta", "channel")
 
-    def __init__(self, dim: int, eps: float):
+
+class AdaptiveStep(nn.Module):
+    """Step size a = 2 sigmoid(z) in (0, 2), a = 1 exactly at init (z = 0).
+
+    z = W norm(x) + b per token and channel, x chosen by `step_input`; or z = b, one step per
+    channel. W and b start at zero, so the initial model is the plain stack bit for bit.
+    """
+
+    def __init__(self, dim: int, eps: float, step_input: str = "state"):
         super().__init__()
-        self.norm = nn.RMSNorm(dim, eps=eps)
-        self.proj = nn.Linear(dim, dim)
+        if step_input not in STEP_INPUTS:
+            raise ValueError(f"unknown ELR step input {step_input!r}; use one of {', '.join(STEP_INPUTS)}")
+        self.step_input = step_input
+        if step_input == "channel":
+            self.bias = nn.Parameter(torch.empty(dim))
+        else:
+            self.norm = nn.RMSNorm(dim, eps=eps)
+            self.proj = nn.Linear(dim, dim)
 
     def init_weights(self):
+        if self.step_input == "channel":
+            nn.init.zeros_(self.bias)
+            return
         self.norm.reset_parameters()
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
 
-    def forward(self, s_in: torch.Tensor) -> torch.Tensor:
-        return 2 * torch.sigmoid(self.proj(self.norm(s_in)))
+    def forward(self, s: torch.Tensor, s_in: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        if self.step_input == "channel":
+            return 2 * torch.sigmoid(self.bias)
+        x = s_in if self.step_input == "state" else r - s
+        return 2 * torch.sigmoid(self.proj(self.norm(x)))
 
 
 class LoopConditioning(nn.Module):
@@ -94,7 +116,7 @@ class RecurrentBlock(nn.Module):
             raise ValueError(
                 f"unknown ELR recurrent input {args.recurrent_input!r}; use one of {', '.join(RECURRENT_INPUTS)}"
             )
-        self.step_size = AdaptiveStep(args.dim, args.norm_eps) if args.update == "adaptive_delta" else None
+        self.step_size = AdaptiveStep(args.dim, args.norm_eps, args.step_input) if args.update == "adaptive_delta" else None
         self.conditioning = (
             LoopConditioning(len(layers), args.max_loops, args.dim, args.cond_dim) if args.conditioning else None
         )
@@ -118,7 +140,7 @@ class RecurrentBlock(nn.Module):
             for layer, film, route in zip(self.layers, films, routes):
                 slot = cache.slot(layer, i) if cache is not None else None
                 r = layer(r, rope, film=film, route=route, cache=slot)
-            step = self.step_size(s_in) if self.step_size is not None else None
+            step = self.step_size(s, s_in, r) if self.step_size is not None else None
             s_next = self._update(s, r, step)
             if self.track_stats:
                 self._record(s, s_next, step, films)

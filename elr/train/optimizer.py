@@ -22,28 +22,37 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from elr.config import LRScheduler, Optimizer
+from elr.config import ELR, LRScheduler, Optimizer
 from elr.models.ffn import MoE
 from elr.models.recurrence import AdaptiveStep, LoopConditioning
 
-# Parameters of these modules never decay: embeddings and norms carry scale, and the ELR gates
-# must stay free to sit at their identity values.
-NO_DECAY_MODULES = (nn.Embedding, nn.RMSNorm, AdaptiveStep, LoopConditioning)
+# Parameters of these modules never decay: embeddings and norms carry scale, and the loop
+# conditioning must stay free to sit at its identity values. The ELR step has its own group.
+NO_DECAY_MODULES = (nn.Embedding, nn.RMSNorm, LoopConditioning)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, lr: float, step: ELR | None = None) -> list[dict]:
+    """Decayed matrices, undecayed rest, and the ELR step size with its own lr and decay."""
     no_decay_ids = {
         id(p) for m in model.modules() if isinstance(m, NO_DECAY_MODULES) for p in m.parameters()
     }
-    decay, no_decay = [], []
+    step_ids = {id(p) for m in model.modules() if isinstance(m, AdaptiveStep) for p in m.parameters()}
+    decay, no_decay, step_params = [], [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        if id(p) in step_ids:
+            step_params.append(p)
+        else:
+            (decay if p.ndim >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "lr": lr},
+        {"params": no_decay, "weight_decay": 0.0, "lr": lr},
     ]
+    if step_params:
+        step = step or ELR()
+        groups.append({"params": step_params, "weight_decay": step.step_weight_decay, "lr": lr * step.step_lr_scale})
+    return groups
 
 
 # Linear layers that produce per-expert or per-head gate values (the MoE router, the GDP decay and
@@ -53,7 +62,7 @@ GATE_LINEARS = ("router", "a_proj", "b_proj")
 
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
     """Hidden matrices: linear weights inside the layers and MoE expert stacks; not the head or gates."""
-    skip = {id(p) for m in model.modules() if isinstance(m, NO_DECAY_MODULES) for p in m.parameters()}
+    skip = {id(p) for m in model.modules() if isinstance(m, (*NO_DECAY_MODULES, AdaptiveStep)) for p in m.parameters()}
     params = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and name != "output" and name.rsplit(".", 1)[-1] not in GATE_LINEARS:
@@ -128,13 +137,13 @@ class MuonAdamW(torch.optim.AdamW):
             p.add_(update, alpha=-_adjust_lr(lr, "match_rms_adamw", p.shape[-2:]))
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.AdamW:
-    groups = param_groups(model, cfg.weight_decay)
+def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) -> torch.optim.AdamW:
+    groups = param_groups(model, cfg.weight_decay, cfg.lr, elr)
     # foreach keeps the update fast on CPU and works with FSDP2's DTensor parameters.
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, **kwargs)
-    decay, no_decay = groups
+    decay, no_decay, *step = groups
     muon_ids = {id(p) for p in muon_params(model)}
     muon = [p for p in decay["params"] if id(p) in muon_ids]
     assert len(muon) == len(muon_ids), "every Muon matrix must be a decayed matrix"
@@ -142,6 +151,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.AdamW:
         {**decay, "params": muon, "muon": True, "momentum": cfg.muon_momentum},
         {**decay, "params": [p for p in decay["params"] if id(p) not in muon_ids], "muon": False},
         {**no_decay, "muon": False},
+        *({**group, "muon": False} for group in step),
     ], **kwargs)
 
 

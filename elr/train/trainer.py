@@ -146,7 +146,7 @@ class Trainer:
         model.init_weights()
         model.train()
         self.model = model
-        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.optimizer = build_optimizer(model, cfg.optimizer, cfg.elr)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
 
     def _build_and_resume(self) -> None:
