@@ -134,7 +134,9 @@ def reference_logits(model, x, loops):
         elif a.update == "residual":
             s = s + r
         else:
-            s = s + model.recurrent.step_size(s_in) * (r - s)
+            step = model.recurrent.step_size
+            a_i = 2 * torch.sigmoid(step.proj(step.norm(s_in)))  # the default step_input = "state"
+            s = s + a_i * (r - s)
     for layer in model.output_layers:
         s = layer(s, rope)
     return model.output(model.norm(s))
