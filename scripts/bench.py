@@ -2,12 +2,13 @@
 
     python scripts/bench.py gdp                 # CUDA: kernel table; CPU: naive vs chunk
     TRITON_INTERPRET=1 python scripts/bench.py gdp --tiny   # the kernel table's dry run on CPU
-    python scripts/bench.py model --flavor debug --seq-len 128 --batch 16
+    python scripts/bench.py model --flavor debug --seq-len 128 --batch 16 --json bench.json
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -199,18 +200,31 @@ def bench_model(args):
 
     K = args.max_loops
     baseline, elr = make(), make(max_loops=K, update="adaptive_delta", conditioning=True)
+    n_in, n_rec, n_out = base.partition
     t_base = time_call(lambda: step(baseline, 1), repeats=args.repeats)
-    rows = [["baseline", "1", f"{t_base * 1e3:.1f}", "1.00x", "-",
-             f"{baseline.num_flops_per_token(args.seq_len, 1) / 1e6:.2f}"]]
+    results = [{"model": "baseline", "k": 1, "ms": t_base * 1e3, "mflop_per_token":
+                baseline.num_flops_per_token(args.seq_len, 1) / 1e6}]
     t_one = None
     for k in range(1, K + 1):
         t = time_call(lambda: step(elr, k), repeats=args.repeats)
         t_one = t_one or t
-        rows.append(["ELR", str(k), f"{t * 1e3:.1f}", f"{t / t_base:.2f}x", f"{t / t_one:.2f}x",
-                     f"{elr.num_flops_per_token(args.seq_len, k) / 1e6:.2f}"])
+        results.append({"model": "ELR", "k": k, "ms": t * 1e3, "vs_baseline": t / t_base, "vs_k1": t / t_one,
+                        # what the time should grow by if every layer cost the same
+                        "layer_ratio": (n_in + k * n_rec + n_out) / (n_in + n_rec + n_out),
+                        "mflop_per_token": elr.num_flops_per_token(args.seq_len, k) / 1e6})
     print(f"{args.flavor}: fwd+bwd, batch {args.batch} x {args.seq_len} tokens, fp32, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print_table(["model", "k", "ms", "vs baseline", "vs k=1", "MFLOP/token"], rows)
+    print_table(["model", "k", "ms", "vs baseline", "vs k=1", "layer ratio", "MFLOP/token"], [
+        [r["model"], r["k"], f"{r['ms']:.1f}", f"{r.get('vs_baseline', 1.0):.2f}x",
+         f"{r['vs_k1']:.2f}x" if "vs_k1" in r else "-", f"{r['layer_ratio']:.2f}x" if "layer_ratio" in r else "-",
+         f"{r['mflop_per_token']:.2f}"] for r in results])
+    print(f"headline: ELR k=1 / baseline = {results[1]['vs_baseline']:.3f}; time(k)/time(1) against the layer "
+          "ratio: " + ", ".join(f"k={r['k']} {r['vs_k1']:.2f} vs {r['layer_ratio']:.2f}" for r in results[2:]))
+    if args.json:
+        meta = {"flavor": args.flavor, "batch": args.batch, "seq_len": args.seq_len, "repeats": args.repeats,
+                "threads": torch.get_num_threads(), "torch": torch.__version__}
+        Path(args.json).write_text(json.dumps({**meta, "results": results}, indent=2))
+        print(f"wrote {args.json}")
 
 
 BENCHMARKS = {"gdp": bench_gdp, "model": bench_model}
@@ -227,6 +241,7 @@ def main():
     parser.add_argument("--tiny", action="store_true",
                         help="gdp: the kernel table at tiny shapes (a dry run; CPU interpreter)")
     parser.add_argument("--max-loops", type=int, default=3, help="model: time ELR at k = 1..this")
+    parser.add_argument("--json", help="model: also write the results to this JSON file (to compare commits)")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)
 
