@@ -35,23 +35,29 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
 
-    fig, axes = plt.subplots(*shape, figsize=(4 * cols, 3 * shape[0]), squeeze=False)
+    def grid():
+        return plt.subplots(*shape, figsize=(4 * cols, 3 * shape[0]), squeeze=False)
+
+    def save(fig, axes, path: Path) -> None:
+        for ax in list(axes.flat)[len(metrics):]:
+            ax.axis("off")
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+
+    fig, axes = grid()
     for ax, metric in zip(axes.flat, metrics):
         ax.plot(loops, [rows[metric][str(k)] for k in loops], marker="o", label="ELR")
         if metric in baseline:
             ax.axhline(baseline[metric]["1"], linestyle="--", color="gray", label="baseline")
         ax.set(title=metric, xlabel="loops k", xticks=loops)
         ax.legend()
-    for ax in list(axes.flat)[len(metrics):]:
-        ax.axis("off")
-    fig.tight_layout()
-    written.append(out_dir / f"{name}_vs_k.png")
-    fig.savefig(written[-1], dpi=80)
-    plt.close(fig)
+    save(fig, axes, out_dir / f"{name}_vs_k.png")
 
     latency = rows.get("latency/decode_s_per_token_rel")
     if latency:
-        fig, axes = plt.subplots(*shape, figsize=(4 * cols, 3 * shape[0]), squeeze=False)
+        fig, axes = grid()
         for ax, metric in zip(axes.flat, metrics):
             xs, ys = [latency[str(k)] for k in loops], [rows[metric][str(k)] for k in loops]
             ax.plot(xs, ys, marker="o", label="ELR")
@@ -62,12 +68,7 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
                         marker="s", linestyle="none", color="gray", label="baseline")
             ax.set(title=metric, xlabel="decode time per token, relative to k=1")
             ax.legend()
-        for ax in list(axes.flat)[len(metrics):]:
-            ax.axis("off")
-        fig.tight_layout()
-        written.append(out_dir / f"{name}_vs_latency.png")
-        fig.savefig(written[-1], dpi=80)
-        plt.close(fig)
+        save(fig, axes, out_dir / f"{name}_vs_latency.png")
     return written
 
 
