@@ -65,3 +65,13 @@ def test_bad_arguments():
         LoopSampler(3, "lockstep")
     with pytest.raises(ValueError):
         LoopSampler(3, loop_weights=[1.0, 1.0])
+
+
+@pytest.mark.parametrize("sampling", ["independent", "synchronized"])
+def test_one_process_rotates_the_override_over_its_microbatches_as_ranks_would(sampling):
+    sampler = LoopSampler(4, sampling, one_loop_override=0.25, seed=3)
+    for step in range(1, 41):
+        one_rank = sampler.sample(step, n_ranks=1, n_micro=4)
+        assert torch.equal(one_rank, sampler.sample(step, n_ranks=4, n_micro=1).t()), step
+    overridden = sum((sampler.sample(s, 1, 4) == 1).sum().item() for s in range(1, 41))
+    assert overridden >= 0.25 * 4 * 40  # every step overrides exactly one of the four slots, at least

@@ -92,6 +92,18 @@ flavors: dict[str, ModelArgs] = {
         n_heads=4, n_kv_heads=2, head_dim=32, gdp_heads=4, gdp_head_dim=32, ffn_dim=384,
         moe_experts=8, moe_top_k=2, moe_expert_dim=128, moe_shared_dim=128, moe_routed_scale=1.0,
     ),
+    # the evidence study (scripts/study.py): GPT-0.5B's layer kinds and I/R/O shape (25/50/25% here,
+    # 27/47/27% there), byte-level, small enough that a 2-core CPU trains a seed grid in an hour or two
+    "study_gpt": ModelArgs(
+        dim=128, layer_pattern="AF" * 4, partition=(2, 4, 2), vocab_size=257, max_seq_len=1024,
+        n_heads=4, n_kv_heads=4, head_dim=32, ffn_dim=384, ffn_activation="swiglu",
+    ),
+    # the same with routed experts in every FF slot, for the route-replay measurements
+    "study_moe": ModelArgs(
+        dim=128, layer_pattern="AE" * 4, partition=(2, 4, 2), vocab_size=257, max_seq_len=1024,
+        n_heads=4, n_kv_heads=4, head_dim=32, moe_experts=8, moe_top_k=2, moe_expert_dim=128,
+        moe_shared_dim=128,
+    ),
     "gpt_0p5b": ModelArgs(
         dim=1024, layer_pattern="AF" * 15, partition=(8, 14, 8), n_heads=16, n_kv_heads=4, head_dim=64,
         ffn_dim=3968, ffn_activation="swiglu",

@@ -43,9 +43,12 @@ class LoopSampler:
         ks = ks.view(n_ranks, n_micro)
         # Ranks [start, end) modulo n_ranks run one loop on every microbatch; the window advances by
         # f * n_ranks ranks per step, so every rank takes its turn and the long-run fraction is exactly f.
-        rotation = self.override * n_ranks
+        # One process rotates over its microbatch slots instead, drawing what n_micro ranks of one
+        # microbatch each would (our choice: otherwise a lone rank's override is all-or-nothing).
+        units = ks if n_ranks > 1 else ks.t()
+        rotation = self.override * units.shape[0]
         start, end = math.floor((step - 1) * rotation), math.floor(step * rotation)
-        ks[torch.arange(start, end) % n_ranks] = 1
+        units[torch.arange(start, end) % units.shape[0]] = 1
         return ks
 
     def p_one_loop(self) -> float:
