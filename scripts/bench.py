@@ -31,6 +31,20 @@ def time_call(fn, repeats, warmup=1):
     return statistics.median(times)
 
 
+def interleaved_medians(fns, repeats, warmup=1):
+    """Median wall time of each fn, timed in rounds that call every fn once, after warm-up rounds."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - start)
+    return [statistics.median(ts) for ts in times]
+
+
 def print_table(header, rows):
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for row in (header, *rows):
@@ -201,13 +215,13 @@ def bench_model(args):
     K = args.max_loops
     baseline, elr = make(), make(max_loops=K, update="adaptive_delta", conditioning=True)
     n_in, n_rec, n_out = base.partition
-    t_base = time_call(lambda: step(baseline, 1), repeats=args.repeats)
+    # Interleaved rounds: a burst of load from other processes hits every variant alike.
+    times = interleaved_medians([lambda: step(baseline, 1)] + [lambda k=k: step(elr, k) for k in range(1, K + 1)],
+                                repeats=args.repeats)
+    t_base, t_one = times[0], times[1]
     results = [{"model": "baseline", "k": 1, "ms": t_base * 1e3, "mflop_per_token":
                 baseline.num_flops_per_token(args.seq_len, 1) / 1e6}]
-    t_one = None
-    for k in range(1, K + 1):
-        t = time_call(lambda: step(elr, k), repeats=args.repeats)
-        t_one = t_one or t
+    for k, t in enumerate(times[1:], start=1):
         results.append({"model": "ELR", "k": k, "ms": t * 1e3, "vs_baseline": t / t_base, "vs_k1": t / t_one,
                         # what the time should grow by if every layer cost the same
                         "layer_ratio": (n_in + k * n_rec + n_out) / (n_in + n_rec + n_out),

@@ -1,0 +1,54 @@
+"""scripts/study.py: the byte-level copy keeps the text and split, and the driver trains, skips
+finished runs and reports exactly what the runs measured."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from trainer_utils import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from study import byte_level_copy, final_validation  # noqa: E402
+
+from elr.tokenizer import build_tokenizer  # noqa: E402
+
+
+def documents(ids: np.ndarray, eot: int) -> list[np.ndarray]:
+    """The parts of a token stream, each followed by its end marker (prepare_data.py's layout)."""
+    ends = np.flatnonzero(ids == eot)
+    assert len(ends) and ends[-1] == len(ids) - 1
+    return [ids[a + 1:b] for a, b in zip(np.r_[-1, ends[:-1]], ends)]
+
+
+def test_byte_level_copy_keeps_text_documents_and_split(tmp_path):
+    src, out = ROOT / "data/tinyprose", tmp_path / "bytes"
+    byte_level_copy(src, out, ROOT / "data/tokenizer/elr8k.tiktoken")
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["eot_id"]) == (257, 256)
+    bpe = build_tokenizer(str(ROOT / "data/tokenizer/elr8k.tiktoken"))
+    for split in ("train", "val"):
+        tokens = np.fromfile(src / f"{split}.bin", dtype=np.uint16)
+        data = np.fromfile(out / f"{split}.bin", dtype=np.uint16)
+        assert meta["splits"][split]["tokens"] == len(data)
+        texts = [bpe.encoding.decode_bytes(d.tolist()) for d in documents(tokens, bpe.eot_id)]
+        assert texts == [d.astype(np.uint8).tobytes() for d in documents(data, 256)]
+
+
+def test_quick_study_trains_reports_and_skips_finished_runs(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts/study.py"), "--quick", "--variants", "baseline_matched", "default",
+           "--steps", "3", "--val-steps", "1", "--stats-batches", "1",
+           "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    results = json.loads((tmp_path / "out/results.json").read_text())["results"]
+    for variant, k in (("baseline_matched", 1), ("default", 4)):
+        measured = final_validation(tmp_path / "runs" / variant / "seed0", 3)
+        assert len(measured) == k and results[variant]["loss"] == measured
+    assert len(results["default"]["loop_stats"]["update_norm"]) == 4
+    table = (tmp_path / "out/results.md").read_text()
+    assert f"{results['default']['loss'][3]:.4f}" in table
+    assert (tmp_path / "out/loss_vs_k_figure_4a.png").stat().st_size > 0
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "2 of 2 runs already finished; training 0" in again.stdout
