@@ -3,6 +3,7 @@
     python scripts/bench.py gdp                 # CUDA: kernel table; CPU: naive vs chunk
     TRITON_INTERPRET=1 python scripts/bench.py gdp --tiny   # the kernel table's dry run on CPU
     python scripts/bench.py model --flavor debug --seq-len 128 --batch 16 --json bench.json
+    python scripts/bench.py replay --flavor study_moe --seq-len 128 --batch 8 --max-loops 4
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """
@@ -241,7 +242,47 @@ def bench_model(args):
         print(f"wrote {args.json}")
 
 
-BENCHMARKS = {"gdp": bench_gdp, "model": bench_model}
+def bench_replay(args):
+    """Update time (fwd+bwd) with cross-loop route replay vs dynamic routing, one model, interleaved:
+    at fixed k = K and over a mixed-depth draw (the study's synchronized sampling with 15% override)."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from elr.models import build_model, flavors
+    from elr.train.loop_sampler import LoopSampler
+
+    args_ = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len, max_loops=args.max_loops,
+                                update="adaptive_delta", conditioning=True)
+    if not args_.moe_experts or "E" not in args_.layer_pattern[args_.partition[0]:sum(args_.partition[:2])]:
+        raise SystemExit(f"bench replay: flavor {args.flavor} has no MoE layer in its recurrent block")
+    torch.manual_seed(0)
+    model = build_model(args_)
+    model.init_weights()
+    tokens = torch.randint(0, args_.vocab_size, (args.batch, args.seq_len))
+    sampler = LoopSampler(args.max_loops, "synchronized", one_loop_override=0.15, seed=0)
+    mixed = [k for step in range(1, 5) for k in sampler.sample(step, 1, 2).flatten().tolist()]
+
+    def update(replay, loops):
+        def run():
+            model.recurrent.route_replay = replay
+            for k in loops:
+                F.cross_entropy(model(tokens, loops=k).flatten(0, 1), tokens.flatten()).backward()
+            model.zero_grad(set_to_none=True)
+        return run
+
+    K = args.max_loops
+    names = [("dynamic", f"k={K}"), ("replay", f"k={K}"), ("dynamic", "mixed"), ("replay", "mixed")]
+    times = interleaved_medians([update(False, [K]), update(True, [K]), update(False, mixed), update(True, mixed)],
+                                repeats=args.repeats)
+    print(f"{args.flavor}: fwd+bwd, batch {args.batch} x {args.seq_len} tokens, mixed depth = {len(mixed)} "
+          f"microbatches of mean k {sum(mixed) / len(mixed):.2f}, median of {args.repeats}")
+    print_table(["routing", "loops", "ms"], [[n, k, f"{t * 1e3:.1f}"] for (n, k), t in zip(names, times)])
+    print(f"headline: replay / dynamic update time: k={K} {times[1] / times[0] - 1:+.1%}, "
+          f"mixed depth {times[3] / times[2] - 1:+.1%} (paper, 30B-A3B on GPUs: -19.6%, -11.7%)")
+
+
+BENCHMARKS = {"gdp": bench_gdp, "model": bench_model, "replay": bench_replay}
 
 
 def main():
