@@ -239,9 +239,10 @@ def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batch
             val_steps: int | None) -> dict:
     results = {}
     for variant, spec in variants.items():
-        mine = [r for r in runs if r.variant == variant]
+        # every finished seed counts: a grid cut short reports each variant over the seeds it has
+        mine = [r for r in runs if r.variant == variant and final_validation(r.folder, steps) is not None]
         losses = [final_validation(r.folder, steps) for r in mine]
-        if not mine or any(v is None for v in losses):
+        if not mine:
             continue
         K = len(losses[0])
         per_k = [summarise([run_losses[k] for run_losses in losses]) for k in range(K)]
@@ -272,10 +273,9 @@ def rank_of(values: dict[str, float]) -> dict[str, int]:
 def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> None:
     K = max(len(r["loss"]) for r in results.values())
     base = results.get("baseline_matched") or results.get("baseline")
-    lines = [f"# ELR study results ({len(seeds)} seed{'s' * (len(seeds) > 1)}: {', '.join(map(str, seeds))}; "
-             f"{steps} updates each)", "",
-             "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over seeds. "
-             "Δ is k = K against the matched baseline. Paper: arXiv 2610.12582, GPT-0.5B, K = 5 "
+    lines = [f"# ELR study results (seeds {', '.join(map(str, seeds))}; {steps} updates each)", "",
+             "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over the finished "
+             "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, GPT-0.5B, K = 5 "
              f"(its baseline {PAPER_BASELINE}); its k = 1..{K} are shown. Made by `python scripts/study.py`.", ""]
     for group, (title, claim) in GROUPS.items():
         members = [v for v, r in results.items() if group in r["groups"]]
@@ -286,7 +286,8 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> No
             continue
         paper = PAPER.get(group, {})
         lines += [f"## {title}", "", f"Paper: {claim}", ""]
-        header = "| variant | " + " | ".join(f"k={k}" for k in range(1, K + 1)) + " | Δ k=K vs matched baseline |"
+        header = ("| variant | seeds | " + " | ".join(f"k={k}" for k in range(1, K + 1))
+                  + " | Δ k=1 / best k vs matched baseline |")
         if paper:
             header += " paper k=1..K | paper rank k=1 / k=K | our rank k=1 / k=K |"
         lines += [header, "|" + "---|" * (header.count("|") - 1)]
@@ -297,8 +298,9 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> No
         for v in members:
             r = results[v]
             cells = [fmt(m, s, len(r["seeds"])) for m, s in zip(r["loss"], r["std"])] + ["–"] * (K - len(r["loss"]))
-            delta = f"{100 * (r['loss'][-1] / base['loss'][0] - 1):+.2f}%" if base else "–"
-            row = f"| {r['label']} | " + " | ".join(cells) + f" | {delta} |"
+            delta = (f"{100 * (r['loss'][0] / base['loss'][0] - 1):+.2f}% / {100 * (min(r['loss']) / base['loss'][0] - 1):+.2f}%"
+                     if base else "–")
+            row = f"| {r['label']} | {len(r['seeds'])} | " + " | ".join(cells) + f" | {delta} |"
             if paper:
                 if v in paper:
                     row += (f" {' / '.join(f'{x:.4f}' for x in paper[v][:len(r['loss'])])} |"
