@@ -131,6 +131,7 @@ class Validation:
 class Parallelism:
     data_parallel_shard_degree: int = -1  # FSDP; -1: every rank not used by other dimensions
     data_parallel_replicate_degree: int = 1  # HSDP replicas
+    expert_parallel_degree: int = 1  # ranks per expert group (each owns E / ep whole experts); 1: off
 
 
 @dataclass
@@ -357,6 +358,8 @@ def validate(cfg: JobConfig) -> None:
            "parallelism.data_parallel_shard_degree", "must be -1 or >= 1", p.data_parallel_shard_degree)
     _check(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree", "must be >= 1",
            p.data_parallel_replicate_degree)
+    _check(p.expert_parallel_degree >= 1, "parallelism.expert_parallel_degree", "must be >= 1",
+           p.expert_parallel_degree)
 
     ac = cfg.activation_checkpoint.selective_ac_option
     _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",
