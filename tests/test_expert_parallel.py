@@ -56,6 +56,7 @@ def test_dispatch_combine_and_a_unit_called_k_times_on_two_ranks():
     assert result.stdout.count("==") == 4, result.stdout
 
 
+@pytest.mark.slow  # ~25 s: one torchrun launch and three in-process runs
 def test_ep2_matches_one_process_and_its_checkpoint_loads_in_one_process(tmp_path):
     run(tmp_path / "seed", 4, *CKPT, "--checkpoint.create_seed", "true")
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "ep")
