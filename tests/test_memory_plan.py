@@ -57,14 +57,14 @@ def test_full_ac_grows_with_k_by_about_one_layer_input_per_recurrent_call():
     assert n_rec * hidden <= per_loop <= (n_rec + 8) * hidden  # + the adaptive step and update per loop
 
 
-@pytest.mark.slow  # ~40 s each: a 4.7B model traced at 8192 tokens on the meta device
+@pytest.mark.slow  # 40-90 s each: a 4.7B or 32B model traced at 8192 tokens on the meta device
 @pytest.mark.parametrize("config,overrides,fits", [
     ("koi4b.toml", [], True),
     ("koi4b.toml", ["--activation_checkpoint.mode", "none"], False),
     ("gdp_hybrid_30b_a3b.toml", [], True),  # expert parallel 8, Muon, per-layer recurrent units
     ("gdp_hybrid_30b_a3b.toml", ["--parallelism.expert_parallel_degree", "1"], False),
 ])
-def test_plan_verdicts_for_koi4b(config, overrides, fits):
+def test_plan_verdicts_of_shipped_configs(config, overrides, fits):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--config", str(ROOT / "train_configs" / config),
          "--ngpu", "8", "--gpu-memory-gib", "80", *overrides], capture_output=True, text=True, timeout=600,
