@@ -48,7 +48,8 @@ class ELR:
     step_weight_decay: float = 0.0  # weight decay of the step's parameters (pulls the step towards 1)
     conditioning: bool = True  # loop-index/budget embeddings + zero-initialised FiLM heads
     sampling: str = "independent"  # independent (each slot draws k) | synchronized (one k per update)
-    one_loop_override: float = 0.0  # fraction f of data-parallel ranks that run k=1 on every microbatch (rotating)
+    one_loop_override: float = 0.0  # fraction f of data-parallel ranks that run k=1 on every microbatch (rotating;
+    # whole expert groups under expert parallelism, microbatch slots when one group spans every rank)
     loop_weights: list[float] = field(default_factory=list)  # weights over k=1..K; empty: uniform
     switch_at: float = 0.0  # fraction of training.steps run at k=1 before mixed depth starts
 
