@@ -48,7 +48,8 @@ class ELR:
     step_weight_decay: float = 0.0  # weight decay of the step's parameters (pulls the step towards 1)
     conditioning: bool = True  # loop-index/budget embeddings + zero-initialised FiLM heads
     sampling: str = "independent"  # independent (each slot draws k) | synchronized (one k per update)
-    one_loop_override: float = 0.0  # fraction f of data-parallel ranks that run k=1 on every microbatch (rotating)
+    one_loop_override: float = 0.0  # fraction f of data-parallel ranks that run k=1 on every microbatch (rotating;
+    # whole expert groups under expert parallelism, microbatch slots when one group spans every rank)
     loop_weights: list[float] = field(default_factory=list)  # weights over k=1..K; empty: uniform
     switch_at: float = 0.0  # fraction of training.steps run at k=1 before mixed depth starts
 
@@ -131,6 +132,7 @@ class Validation:
 class Parallelism:
     data_parallel_shard_degree: int = -1  # FSDP; -1: every rank not used by other dimensions
     data_parallel_replicate_degree: int = 1  # HSDP replicas
+    expert_parallel_degree: int = 1  # ranks per expert group (each owns E / ep whole experts); 1: off
 
 
 @dataclass
@@ -357,6 +359,8 @@ def validate(cfg: JobConfig) -> None:
            "parallelism.data_parallel_shard_degree", "must be -1 or >= 1", p.data_parallel_shard_degree)
     _check(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree", "must be >= 1",
            p.data_parallel_replicate_degree)
+    _check(p.expert_parallel_degree >= 1, "parallelism.expert_parallel_degree", "must be >= 1",
+           p.expert_parallel_degree)
 
     ac = cfg.activation_checkpoint.selective_ac_option
     _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",

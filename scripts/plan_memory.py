@@ -3,7 +3,8 @@
     python scripts/plan_memory.py --config train_configs/koi4b.toml --ngpu 8 --gpu-memory-gib 80 \\
         [--activation_checkpoint.mode full --parallelism.data_parallel_shard_degree 8 ...]
 
-Any `--section.key value` override the trainer takes is accepted (layout, AC mode, batch, seq_len).
+Any `--section.key value` override the trainer takes is accepted (layout, expert parallelism, AC
+mode, optimizer, batch, seq_len).
 The model is built on the meta device; see elr/parallel/memory_plan.py for what is counted.
 Exit code 0 when it fits, 1 when it does not, 2 for a config error.
 """
@@ -27,19 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--ngpu", type=int, default=8)
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    parser.add_argument("--expert-parallel-degree", type=int, default=1,
-                        help="plan the proposed expert parallelism (not in the trainer yet): ranks per expert group")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the config tokenizer's")
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
         vocab = args.vocab_size or config_vocab(cfg)
+        model_args = model_args_from_config(cfg, vocab)
+        plan = plan_memory(cfg, model_args, args.ngpu, args.gpu_memory_gib, Path(args.config).name)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    model_args = model_args_from_config(cfg, vocab)
-    plan = plan_memory(cfg, model_args, args.ngpu, args.gpu_memory_gib, Path(args.config).name,
-                       args.expert_parallel_degree)
     print(plan.report())
     return 0 if plan.fits else 1
 

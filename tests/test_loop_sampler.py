@@ -75,3 +75,36 @@ def test_one_process_rotates_the_override_over_its_microbatches_as_ranks_would(s
         assert torch.equal(one_rank, sampler.sample(step, n_ranks=4, n_micro=1).t()), step
     overridden = sum((sampler.sample(s, 1, 4) == 1).sum().item() for s in range(1, 41))
     assert overridden >= 0.25 * 4 * 40  # every step overrides exactly one of the four slots, at least
+
+
+def test_expert_groups_share_one_row_of_draws():
+    """Ranks of an expert-parallel group run the same k; the groups draw as ranks would without EP."""
+    sampler = LoopSampler(4, "independent", seed=5)
+    for step in range(1, 30):
+        grouped = sampler.sample(step, 8, 3, group_size=2)
+        assert torch.equal(grouped, sampler.sample(step, 4, 3).repeat_interleave(2, dim=0))
+
+
+@pytest.mark.parametrize("f", [0.25, 0.5])
+def test_override_rotates_whole_expert_groups(f):
+    n_ranks, group, n_micro, steps = 8, 2, 3, 400
+    sampler = LoopSampler(4, "synchronized", one_loop_override=f, loop_weights=[0, 1, 1, 1], seed=0)
+    ks = torch.stack([sampler.sample(s, n_ranks, n_micro, group_size=group) for s in range(1, steps + 1)])
+    overridden = (ks == 1).all(-1)  # [steps, n_ranks]
+    assert torch.equal(overridden, (ks == 1).any(-1))
+    assert torch.equal(overridden[:, 0::2], overridden[:, 1::2])  # whole groups
+    assert overridden.sum().item() == pytest.approx(f * steps * n_ranks, abs=group)
+    assert overridden.any(0).all()
+
+
+@pytest.mark.parametrize("sampling", ["synchronized", "independent"])
+def test_one_group_over_every_rank_rotates_the_override_over_microbatch_slots(sampling):
+    """ep = the whole data-parallel world: no group may differ, so a fraction f of the microbatch
+    slots of every update runs k=1 on every rank (rather than whole updates at k=1)."""
+    f, n_ranks, n_micro, steps = 0.1, 4, 20, 200
+    sampler = LoopSampler(4, sampling, one_loop_override=f, loop_weights=[0, 1, 1, 1], seed=0)
+    ks = torch.stack([sampler.sample(s, n_ranks, n_micro, group_size=n_ranks) for s in range(1, steps + 1)])
+    assert torch.equal(ks, ks[:, :1].expand_as(ks))  # every rank the same k
+    ones = (ks[:, 0] == 1)  # [steps, n_micro]
+    assert torch.equal(ones.sum(-1), torch.full((steps,), round(f * n_micro)))  # every update mixes depths
+    assert ones.any(0).all()  # every slot takes its turn

@@ -1,17 +1,25 @@
 """The memory plan's activation count (meta device, no allocation) equals what a real CPU forward
-keeps for backward, for every AC mode and loop count; and the shipped configs' verdicts hold."""
+keeps for backward, for every AC mode and loop count; its parameter and optimizer bytes equal what
+the trainer really builds (FSDP2 and expert parallelism applied on 8 fake ranks; a real optimizer
+step); and the shipped configs' verdicts hold."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from elr.config import load_config
 from elr.models import build_model
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.activation_memory import forward_activation_bytes, saved_tensor_bytes
-from elr.parallel.memory_plan import activation_bytes
+from elr.parallel.memory_plan import activation_bytes, meta_model, plan_memory
+from elr.parallel.parallel_dims import ParallelDims
+from elr.parallel.parallelize import parallelize
+from elr.train.optimizer import build_optimizer
 from elr.models.from_config import model_args_from_config
 from elr.train.trainer import summed_loss
 from trainer_utils import DEBUG_TOML, ROOT
@@ -49,15 +57,55 @@ def test_full_ac_grows_with_k_by_about_one_layer_input_per_recurrent_call():
     assert n_rec * hidden <= per_loop <= (n_rec + 8) * hidden  # + the adaptive step and update per loop
 
 
-@pytest.mark.slow  # ~40 s each: a 4.7B model traced at 8192 tokens on the meta device
+@pytest.mark.slow  # 40-90 s each: a 4.7B or 32B model traced at 8192 tokens on the meta device
 @pytest.mark.parametrize("config,overrides,fits", [
     ("koi4b.toml", [], True),
     ("koi4b.toml", ["--activation_checkpoint.mode", "none"], False),
+    ("gdp_hybrid_30b_a3b.toml", [], True),  # expert parallel 8, Muon, per-layer recurrent units
+    ("gdp_hybrid_30b_a3b.toml", ["--parallelism.expert_parallel_degree", "1"], False),
 ])
-def test_plan_verdicts_for_koi4b(config, overrides, fits):
+def test_plan_verdicts_of_shipped_configs(config, overrides, fits):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--config", str(ROOT / "train_configs" / config),
          "--ngpu", "8", "--gpu-memory-gib", "80", *overrides], capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == (0 if fits else 1), result.stdout + result.stderr
     assert ("FITS: margin" in result.stdout) == fits and ("DOES NOT FIT" in result.stdout) != fits
+
+
+@pytest.mark.parametrize("shard,ep", [(8, 1), (8, 2), (8, 8), (4, 4)])
+def test_planned_parameter_bytes_are_what_each_rank_holds(shard, ep):
+    """Built as the trainer builds it (parallelize on the meta device) on rank 0 of 8 fake ranks:
+    FSDP shards dense weights over dp_shard, expert parallelism splits expert stacks over ep."""
+    cfg = load_config(DEBUG_TOML, ["--parallelism.data_parallel_shard_degree", str(shard),
+                                   "--parallelism.data_parallel_replicate_degree", str(8 // shard),
+                                   "--parallelism.expert_parallel_degree", str(ep)])
+    args = model_args_from_config(cfg, 8192)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        dims = ParallelDims(8 // shard, shard, 8, ep=ep)
+        dims.build_mesh("cpu")
+        model = meta_model(args, torch.float32)
+        parallelize(model, dims, cfg, "cpu")
+        held = 4 * sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+        recurrent_units = [type(layer).__name__.startswith("FSDP") for layer in model.recurrent.layers]
+    finally:
+        dist.destroy_process_group()
+    plan = plan_memory(cfg, args, 8, 80)
+    assert plan.params == pytest.approx(held, rel=0.01)  # FSDP pads rank 0's shards a little
+    assert recurrent_units == [dims.loops_shared_by_all] * len(recurrent_units)  # own units only with one k
+    assert ("recurrent block" in plan.unsharded_unit) != dims.loops_shared_by_all
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_planned_optimizer_bytes_are_what_a_step_allocates(name):
+    cfg = load_config(DEBUG_TOML, ["--optimizer.name", name])
+    args = model_args_from_config(cfg, 8192)
+    model = build_model(args)
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.elr)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    allocated = sum(v.numel() * v.element_size() for state in optimizer.state.values()
+                    for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+    assert plan_memory(cfg, args, 1, 80).optimizer == allocated

@@ -64,14 +64,38 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: in
     return (f * P).sum(-1).mean()
 
 
+class Route:
+    """A route-replay slot (MoE.forward's `route`): empty until loop 1 routes, then (indices, weights).
+
+    Not a dict: wrappers that map over a layer's inputs (FSDP2 casting them when each recurrent layer
+    is its own unit) rebuild dicts, and routes stored in the copy would be lost. It keeps the dict
+    calls MoE and the activation-checkpoint wrapper make (truth, update, item access).
+    """
+
+    def __init__(self):
+        self.indices: torch.Tensor | None = None
+        self.weights: torch.Tensor | None = None
+
+    def __bool__(self) -> bool:
+        return self.indices is not None
+
+    def update(self, indices: torch.Tensor, weights: torch.Tensor) -> None:
+        self.indices, self.weights = indices, weights
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return {"indices": self.indices, "weights": self.weights}[key]
+
+
 class MoE(nn.Module):
     """Routed squared-ReLU experts plus a shared expert.
 
-    `route` is the recurrence's replay slot: None routes every call; an empty dict routes and
-    stores (indices, weights) in it; a filled dict reuses them, so later loops neither re-route,
+    `route` is the recurrence's replay slot: None routes every call; an empty `Route` routes and
+    stores (indices, weights) in it; a filled one reuses them, so later loops neither re-route,
     nor count towards the load that moves the expert bias, nor add a balance loss.
     In training, `aux_loss` sums `sequence_balance_loss` over this forward's routing calls (the
     model clears it at the start of each forward).
+    `expert_parallel` is set by elr/parallel/expert_parallel.py when this rank owns only some experts:
+    it then runs the expert-sorted rows on their owners' ranks instead of the local grouped GEMM.
     """
 
     def __init__(self, args: ModelArgs):
@@ -86,6 +110,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        self.expert_parallel = None
 
     def init_weights(self, out_std: float):
         nn.init.trunc_normal_(self.router.weight, std=0.02)
@@ -112,7 +137,7 @@ class MoE(nn.Module):
                 self.aux_loss = aux if self.aux_loss is None else self.aux_loss + aux
         return indices, weights
 
-    def forward(self, x: torch.Tensor, route: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route: Route | None = None) -> torch.Tensor:
         B, T, dim = x.shape
         x = x.reshape(-1, dim)
         if route:
@@ -124,12 +149,18 @@ class MoE(nn.Module):
 
         # Sort the (token, expert) pairs by expert and run every expert in one grouped GEMM each way.
         order, token_of, offsets = permute_tokens(indices, self.w1.shape[0])
-        routed = grouped_experts(x[token_of], self.w1, self.w2, offsets)
+        routed = self.run_experts(x[token_of], offsets)
         routed = routed * weights.flatten()[order, None].to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, routed)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(B, T, dim)
+
+    def run_experts(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Every routed expert on expert-sorted rows (group ends `offsets`), outputs in the same order."""
+        if self.expert_parallel is not None:
+            return self.expert_parallel(rows, offsets, self.w1, self.w2)
+        return grouped_experts(rows, self.w1, self.w2, offsets)
 
 
 @torch.no_grad()

@@ -28,7 +28,13 @@ def check_model_config(cfg: JobConfig) -> None:
     _check(e.recurrent_input in RECURRENT_INPUTS, "elr.recurrent_input",
            f"must be one of {', '.join(RECURRENT_INPUTS)}", e.recurrent_input)
     _check(e.step_input in STEP_INPUTS, "elr.step_input", f"must be one of {', '.join(STEP_INPUTS)}", e.step_input)
-    n_layers = len(flavors[cfg.model.flavor].layer_pattern)
+    ep, flavor = cfg.parallelism.expert_parallel_degree, flavors[cfg.model.flavor]
+    if ep > 1:
+        _check("E" in flavor.layer_pattern, "parallelism.expert_parallel_degree",
+               f"needs MoE layers; flavor {cfg.model.flavor} is dense", ep)
+        _check(flavor.moe_experts % ep == 0, "parallelism.expert_parallel_degree",
+               f"must divide the {flavor.moe_experts} experts of flavor {cfg.model.flavor}", ep)
+    n_layers = len(flavor.layer_pattern)
     if e.partition:
         _check(sum(e.partition) == n_layers, "elr.partition",
                f"must add up to the {n_layers} layers of flavor {cfg.model.flavor}", e.partition)

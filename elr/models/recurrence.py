@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from elr.models.args import ModelArgs
+from elr.models.ffn import Route
 
 # The option strings of ModelArgs.update and ModelArgs.recurrent_input (config elr.update and
 # elr.recurrent_input, checked in elr/models/from_config.py).
@@ -129,7 +130,7 @@ class RecurrentBlock(nn.Module):
         """`cache` (inference only) hands each layer its key/value or state slot for loop i."""
         if not 1 <= loops <= self.max_loops:
             raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model was built for")
-        routes = [{} if self.route_replay and layer.kind == "E" else None for layer in self.layers]
+        routes = [Route() if self.route_replay and layer.kind == "E" else None for layer in self.layers]
         no_film = [None] * len(self.layers)
         self.loop_stats = []
         s = h_in

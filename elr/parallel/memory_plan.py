@@ -1,8 +1,12 @@
 """Per-rank GPU memory of a training job, predicted before any GPU is used.
 
-    total = parameters + gradients + optimizer state      (fp32, sharded over dp_shard by FSDP2)
+    total = parameters + gradients + optimizer state      (fp32; dense sharded over dp_shard by FSDP2,
+                                                            experts split over ep by expert parallelism;
+                                                            AdamW keeps 2 moments, Muon's matrices 1)
           + unsharded units                                (root always; the largest other unit with its
-                                                            gradients and fp32 reduce-scatter buffer)
+                                                            gradients and fp32 reduce-scatter buffer;
+                                                            under EP a MoE layer's local experts in the
+                                                            compute dtype with their gradient)
           + activations                                    (one microbatch at k = max_loops, for the AC mode)
           + backward working set                           (max of: logits gradient; a recomputed layer)
           + reserve                                        (CUDA context, NCCL, allocator slack: our choice)
@@ -11,7 +15,10 @@ Activations are not a formula: the model is built on the meta device in the comp
 applied as the trainer applies it, and one forward + loss runs with `LiveTensors` counting what stays
 alive for backward (elr/parallel/activation_memory.py). Nothing is allocated, so a 4B model at 8192
 tokens plans in seconds on a CPU, and the count follows the code rather than a hand-kept table.
-Modelled for FSDP2 units as apply_fsdp makes them; float8 is planned as bf16 (an upper bound).
+Modelled for FSDP2 units as apply_fsdp makes them (each recurrent layer its own unit when one
+expert group spans every rank); float8 is planned as bf16 (an upper bound). Not counted: Muon's
+transient Newton-Schulz buffers (one matrix or one layer's local expert stack at a time, after
+backward has freed the activations).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.activation_memory import LiveTensors, forward_activation_bytes, storage_key
 from elr.parallel.parallel_dims import ParallelDims
+from elr.train.optimizer import muon_params
 
 GiB = 2**30
 RESERVE_GIB = 3.0  # our choice: CUDA context (~0.6 GiB), NCCL buffers and allocator fragmentation
@@ -54,6 +62,7 @@ class MemoryPlan:
     params: float  # all in bytes per rank
     grads: float
     optimizer: float
+    optimizer_name: str
     unsharded: float
     unsharded_unit: str
     activations: float
@@ -77,7 +86,7 @@ class MemoryPlan:
             f"k = {self.loops} | {self.tokens_per_microbatch} tokens per microbatch",
             f"  parameters (fp32, sharded)       {g(self.params)}",
             f"  gradients (fp32, sharded)        {g(self.grads)}",
-            f"  optimizer state (AdamW, sharded) {g(self.optimizer)}",
+            f"  optimizer state (sharded)        {g(self.optimizer)}   ({self.optimizer_name})",
             f"  unsharded FSDP units             {g(self.unsharded)}   ({self.unsharded_unit})",
             f"  activations at k = {self.loops:<2}           {g(self.activations)}",
             f"  backward working set             {g(self.backward_work)}",
@@ -158,12 +167,11 @@ def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> tu
     return activation_bytes(args, cfg, dtype, loops), max(logits_grad, recompute + 3 * tokens * args.dim * pd)
 
 
-def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "",
-                expert_parallel: int = 1) -> MemoryPlan:
-    """expert_parallel > 1 plans the proposed (not yet built) expert parallelism: each rank owns
-    E / expert_parallel whole experts of every MoE layer, so a unit gathers only its own experts."""
+def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "") -> MemoryPlan:
+    """The plan of cfg's job on `ngpu` GPUs (the layout, expert parallelism included, from cfg)."""
     p = cfg.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu)
+    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu,
+                        ep=p.expert_parallel_degree)
     dtype = getattr(torch, cfg.training.mixed_precision_param)
     pd = torch.finfo(dtype).bits // 8
     loops = cfg.elr.max_loops if cfg.elr.enabled else 1
@@ -172,22 +180,38 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
         model = build_model(args)
     n = _numel(model)
     shard = dims.dp_shard if ngpu > 1 else 1
+    ep = dims.ep if ngpu > 1 else 1
+
+    # Expert stacks under EP are split by expert over the ep ranks and never gathered; everything
+    # else is FSDP-sharded over dp_shard.
+    def experts_in(module: nn.Module) -> int:
+        return sum(m.w1.numel() + m.w2.numel() for m in module.modules() if isinstance(m, MoE)) if ep > 1 else 0
+
+    n_experts = experts_in(model)
+    per_rank = (n - n_experts) / shard + n_experts / ep
+    # AdamW: two fp32 moments per parameter; Muon: one momentum per hidden matrix (AdamW for the rest).
+    n_muon = sum(p.numel() for p in muon_params(model)) if cfg.optimizer.name == "muon" else 0
+    muon_experts = n_experts  # every expert stack is a Muon matrix
+    optimizer = (8 * (n - n_muon) + 4 * (n_muon - muon_experts)) / shard + 4 * muon_experts / ep
+    optimizer_name = "AdamW, 2 moments" if not n_muon else f"Muon 1 moment on {n_muon / 1e9:.2f}B, AdamW 2 on the rest"
 
     # FSDP2 units (apply_fsdp): the root (embeddings, final norm, head) stays unsharded from forward
     # to backward; other units are gathered one at a time, with their gradients and, when compute is
     # not fp32, an fp32 copy for the reduce-scatter.
     root = _numel(model.tok_embeddings) + _numel(model.norm) + _numel(model.output)
-
-    def gathered(module: nn.Module) -> int:
-        experts = sum(m.w1.numel() + m.w2.numel() for m in module.modules() if isinstance(m, MoE))
-        return _numel(module) - experts + experts // expert_parallel
-
-    units = {"recurrent block": gathered(model.recurrent)}
-    for i, layer in enumerate([*model.input_layers, *model.output_layers]):
-        units[f"layer {i}"] = gathered(layer)
+    recurrent_units = list(model.recurrent.layers) if ngpu > 1 and dims.loops_shared_by_all else [model.recurrent]
+    units = {}
+    for i, layer in enumerate([*model.input_layers, *recurrent_units, *model.output_layers]):
+        name = "recurrent block" if layer is model.recurrent else f"{layer.kind} layer {i}"
+        units[name] = _numel(layer) - experts_in(layer)
     name, largest = max(units.items(), key=lambda kv: kv[1])
     per_param = pd + pd + (4 if pd != 4 else 0)
     unsharded = root * pd + largest * per_param if ngpu > 1 else 0
+    unit_text = f"root {root / 1e9:.2f}B + {name} {largest / 1e9:.2f}B"
+    if ep > 1 and pd != 4:  # ExpertParallel casts a layer's local experts to the compute dtype
+        local = max(experts_in(m) for m in model.moe_layers()) / ep
+        unsharded += local * 2 * pd
+        unit_text += f" + one MoE layer's local experts {local / 1e9:.2f}B in {dtype}".replace("torch.", "")
 
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     activations, backward_work = microbatch_bytes(args, cfg, dtype, loops)
@@ -196,9 +220,9 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     ac_name = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
     return MemoryPlan(
         config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
-        + (f", expert parallel {expert_parallel} (proposed)" if expert_parallel > 1 else ""),
+        + (f", expert parallel {ep}" if ep > 1 else ""),
         ac=ac_name, loops=loops, tokens_per_microbatch=tokens, n_params=n,
-        params=4 * n / shard, grads=4 * n / shard, optimizer=8 * n / shard,
-        unsharded=unsharded, unsharded_unit=f"root {root / 1e9:.2f}B + {name} {largest / 1e9:.2f}B",
+        params=4 * per_rank, grads=4 * per_rank, optimizer=optimizer, optimizer_name=optimizer_name,
+        unsharded=unsharded, unsharded_unit=unit_text,
         activations=activations, backward_work=backward_work, reserve=RESERVE_GIB * GiB, gpu=gpu_memory_gib * GiB,
     )

@@ -3,6 +3,10 @@
 Owns the device mesh and answers which data-parallel rank this process is: the trainer reads
 `dp_rank`/`dp_world` for data and loop draws and never assumes dp_rank == global rank, so tensor,
 context or expert dimensions can join the mesh later without touching it.
+
+Expert parallelism (`ep`) splits the dp_shard dimension into groups of ep consecutive ranks: each
+group owns one copy of every expert, E / ep whole experts per rank (elr/parallel/expert_parallel.py).
+`ep_mesh` is (ep_replicate, ep): the groups, and the ranks within one.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
+    ep: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.dp_shard == -1:
@@ -34,6 +40,11 @@ class ParallelDims:
                 f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x "
                 f"data_parallel_shard_degree ({self.dp_shard}) must equal the world size ({self.world_size})"
             )
+        if self.dp_shard % self.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree: {self.ep} does not divide the data-parallel shard degree "
+                f"{self.dp_shard}"
+            )
 
     @property
     def dp_world(self) -> int:
@@ -46,7 +57,21 @@ class ParallelDims:
             self.mesh = init_device_mesh(
                 device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
             )
+            if self.ep > 1:  # consecutive dp_shard ranks form a group: rows of the rank grid, ep wide
+                ranks = self.mesh.mesh.reshape(-1, self.ep)
+                self.ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_replicate", "ep"))
         return self.mesh
+
+    @property
+    def ep_groups(self) -> int:
+        """Expert-parallel groups: ranks of one group run the same k (their all-to-alls run inside
+        each MoE layer); only whole groups may differ. Without EP every rank is its own group."""
+        return self.dp_world // self.ep
+
+    @property
+    def loops_shared_by_all(self) -> bool:
+        """Every data-parallel rank runs the same k on every microbatch (one expert group spans them)."""
+        return self.ep > 1 and self.ep == self.dp_world
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:

@@ -1,10 +1,15 @@
-"""Parallelism in one place: `parallelize(model, dims, cfg)` applies float8, activation
-checkpointing, torch.compile and FSDP2 to a model built on the meta device, in that order
-(tensor and context parallelism would slot in before AC).
+"""Parallelism in one place: `parallelize(model, dims, cfg)` applies expert parallelism, float8,
+activation checkpointing, torch.compile and FSDP2 to a model built on the meta device, in that
+order (tensor and context parallelism would slot in before AC).
 
 FSDP units: each input/output layer, the whole recurrent block (its layers together with the
 k-loop, called exactly once per microbatch so ranks running different k stay in step), and the
 root (embeddings, final norm, head). Recurrent layers are compiled once and reused on every loop.
+When one expert group spans every data-parallel rank, all ranks run the same k, and each recurrent
+layer becomes its own unit instead, gathered k times per microbatch (tests/distributed/
+expert_parallel_ops.py checks a unit called k times against one process): the unsharded peak is one
+layer, not the whole block (2.35B dense parameters at 30B-A3B). Expert weights split by expert
+parallelism stay out of FSDP.
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from elr.config import JobConfig
 from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
+from elr.parallel.expert_parallel import apply_expert_parallel
 from elr.parallel.parallel_dims import ParallelDims
 
 
 def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type: str) -> None:
-    """float8 -> activation checkpointing -> compile -> FSDP2 (when dims has a data-parallel mesh).
+    """EP -> float8 -> activation checkpointing -> compile -> FSDP2 (when dims has a data-parallel mesh).
 
     AC wraps each layer before compile so the checkpoint regions are traced into the compiled
     layer; FSDP comes last so its units hold the wrapped, compiled layers.
     """
+    expert_weights = apply_expert_parallel(model, dims.ep_mesh) if dims.ep_mesh is not None else []
     if cfg.float8.enable:
         convert_to_float8(model, emulate=device_type != "cuda")
     ac = cfg.activation_checkpoint
@@ -33,7 +40,8 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
     if cfg.compile.enable:
         compile_layers(model)
     if dims.dp_mesh is not None:
-        apply_fsdp(model, dims.dp_mesh, getattr(torch, cfg.training.mixed_precision_param))
+        apply_fsdp(model, dims.dp_mesh, getattr(torch, cfg.training.mixed_precision_param),
+                   ignored=set(expert_weights), recurrent_per_layer=dims.loops_shared_by_all)
 
 
 def convert_to_float8(model: ELRModel, emulate: bool) -> int:
@@ -65,9 +73,13 @@ def compile_layers(model: ELRModel) -> None:
         layer.compile()
 
 
-def apply_fsdp(model: ELRModel, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
+def apply_fsdp(model: ELRModel, mesh: DeviceMesh, param_dtype: torch.dtype, ignored: set[nn.Parameter] = frozenset(),
+               recurrent_per_layer: bool = False) -> None:
+    """recurrent_per_layer: only when every rank runs the same k (a unit must be called equally often
+    on every rank of its mesh)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in [*model.input_layers, *model.output_layers]:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model.recurrent, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    kwargs = dict(mesh=mesh, mp_policy=policy, ignored_params=set(ignored) or None)
+    recurrent = list(model.recurrent.layers) if recurrent_per_layer else [model.recurrent]
+    for unit in [*model.input_layers, *recurrent, *model.output_layers]:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)

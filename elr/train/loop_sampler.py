@@ -6,6 +6,14 @@ same counts and no sampler state needs saving. The one-loop override is the pape
 of data-parallel ranks runs one loop on every microbatch": in each update a rotating fraction f of
 the ranks runs k=1 on all of its microbatches, whatever was drawn for them. With uniform draws
 p(k=1) = f + (1 - f) / K, in either sampling mode.
+
+Expert parallelism: the ranks of one expert-parallel group exchange tokens inside every MoE layer,
+so they must run the same k on every microbatch. Draws are then made per group (one row of draws
+shared by the group's ranks) and the override rotates whole groups. When one group spans every
+rank, rotating it would set whole updates to k=1; the override then rotates over the group's
+microbatch slots instead (our choice, keeping depths mixed within each update). A single process
+is one group too, and rotates over its slots in the same way: one process with n microbatches draws
+what n ranks of one microbatch each would.
 """
 
 from __future__ import annotations
@@ -33,23 +41,31 @@ class LoopSampler:
         self.max_loops, self.sampling, self.override, self.seed = max_loops, sampling, one_loop_override, seed
         self.probs = weights / weights.sum()
 
-    def sample(self, step: int, n_ranks: int, n_micro: int) -> torch.Tensor:
-        """Loop counts [n_ranks, n_micro] for optimizer step `step` (1-based)."""
-        n = n_ranks * n_micro
+    def sample(self, step: int, n_ranks: int, n_micro: int, group_size: int = 1) -> torch.Tensor:
+        """Loop counts [n_ranks, n_micro] for optimizer step `step` (1-based); each run of `group_size`
+        consecutive ranks (an expert-parallel group) shares one row."""
+        n_groups = n_ranks // group_size
+        n = n_groups * n_micro
         gen = torch.Generator().manual_seed(_mix(self.seed, step))
         draws = 1 if self.sampling == "synchronized" else n
         ks = torch.multinomial(self.probs, draws, replacement=True, generator=gen) + 1
         ks = ks.expand(n).clone()
-        ks = ks.view(n_ranks, n_micro)
-        # Ranks [start, end) modulo n_ranks run one loop on every microbatch; the window advances by
-        # f * n_ranks ranks per step, so every rank takes its turn and the long-run fraction is exactly f.
-        # One process rotates over its microbatch slots instead, drawing what n_micro ranks of one
-        # microbatch each would (our choice: otherwise a lone rank's override is all-or-nothing).
-        units = ks if n_ranks > 1 else ks.t()
-        rotation = self.override * units.shape[0]
+        ks = ks.view(n_groups, n_micro)
+        # Columns [start, end) modulo n_columns run one loop; the window advances by f * n_columns per
+        # step, so every column takes its turn and the long-run fraction is exactly f. A column is a
+        # group with all its microbatches, or, when there is one group (one process, or one expert
+        # group spanning every rank), one microbatch slot: n_micro slots then draw what n_micro
+        # one-microbatch groups would, and the override is not all-or-nothing per update (our choice).
+        slots = n_groups == 1
+        n_columns = n_micro if slots else n_groups
+        rotation = self.override * n_columns
         start, end = math.floor((step - 1) * rotation), math.floor(step * rotation)
-        units[torch.arange(start, end) % units.shape[0]] = 1
-        return ks
+        overridden = torch.arange(start, end) % n_columns
+        if slots:
+            ks[:, overridden] = 1
+        else:
+            ks[overridden] = 1
+        return ks.repeat_interleave(group_size, dim=0)
 
     def p_one_loop(self) -> float:
         """Closed-form probability that a slot runs k=1."""

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from elr.config import ConfigError, JobConfig
 from elr.models import build_model
 from elr.models.ffn import update_expert_biases
 from elr.models.from_config import check_model_config, model_args_from_config
+from elr.parallel.expert_parallel import grad_norm_by_mesh, reduce_expert_gradients
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
@@ -57,7 +57,8 @@ class Trainer:
         t = cfg.training
         self.rank, self.world_size, self.device = self._init_distributed()
         self.dims = ParallelDims(
-            cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree, self.world_size
+            cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree, self.world_size,
+            ep=cfg.parallelism.expert_parallel_degree,
         )
         self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_world = self.dims.dp_rank, self.dims.dp_world
@@ -217,10 +218,11 @@ class Trainer:
     # ---- training ----------------------------------------------------------------------------
 
     def loop_counts(self, step: int) -> torch.Tensor:
-        """k for every slot [dp_world, n_micro] of update `step`: one loop before the switch."""
+        """k for every slot [dp_world, n_micro] of update `step`: one loop before the switch. The ranks
+        of an expert-parallel group share their k (their all-to-alls run inside the layers)."""
         if step <= self.switch_step:
             return torch.ones(self.dp_world, self.n_micro, dtype=torch.long)
-        return self.sampler.sample(step, self.dp_world, self.n_micro)
+        return self.sampler.sample(step, self.dp_world, self.n_micro, group_size=self.dims.ep)
 
     def train_step(self, step: int) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         cfg, K = self.cfg, self.cfg.elr.max_loops
@@ -251,6 +253,8 @@ class Trainer:
         if dist.is_initialized():
             dist.all_reduce(per_k)
         loss = (per_k[0].sum() / per_k[1].sum()).item()
+        if self.dims.ep_mesh is not None:
+            reduce_expert_gradients(self.model, self.dims.ep_mesh, self.dp_world)
         grad_norm = self._clip_gradients(cfg.training.max_norm)
 
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -291,10 +295,7 @@ class Trainer:
 
     def _clip_gradients(self, max_norm: float) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        total = total.item()
+        total = grad_norm_by_mesh(grads).item()
         if max_norm > 0 and math.isfinite(total) and total > max_norm:
             torch._foreach_mul_(grads, max_norm / (total + 1e-6))
         return total

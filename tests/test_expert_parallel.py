@@ -1,0 +1,96 @@
+"""Expert parallelism: its config checks, its pieces on 2 ranks, and whole training runs under EP that
+equal one process, with checkpoints moving from EP 2 to one process.
+
+Slots line up as in tests/test_distributed.py: under EP 2 (one group, 2 microbatches of 2 sequences
+per rank) microbatch m of the group holds the samples of the single process's microbatch m (4
+sequences), and draws the same k, so every update sees the same tokens at the same depths.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elr.config import ConfigError, load_config
+from elr.models.from_config import check_model_config
+from elr.parallel.parallel_dims import ParallelDims
+from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, records, run, run_script
+
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]
+FP32 = ["--training.mixed_precision_param", "float32"]
+# Independent draws without the override: k differs across microbatches (and across EP groups); the
+# route replay, the balance loss and the bias update all run through the expert-parallel path.
+MOE = ["--elr.one_loop_override", "0", "--moe.route_replay", "true", "--moe.aux_loss_coeff", "0.01",
+       "--moe.bias_update_rate", "0.01"]
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["--parallelism.expert_parallel_degree", "0"], "parallelism.expert_parallel_degree"),
+    (["--parallelism.expert_parallel_degree", "3"], "parallelism.expert_parallel_degree"),  # 8 experts
+    (["--parallelism.expert_parallel_degree", "2", "--model.flavor", "gpt_0p5b"], "parallelism.expert_parallel_degree"),
+])
+def test_impossible_expert_parallel_degrees_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key) as err:
+        check_model_config(load_config(DEBUG_TOML, overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_expert_parallel_degree_must_divide_the_shard_degree():
+    with pytest.raises(ConfigError, match="parallelism.expert_parallel_degree"):
+        ParallelDims(1, -1, 6, ep=4)
+    dims = ParallelDims(2, -1, 8, ep=2)
+    assert (dims.dp_shard, dims.ep_groups, dims.loops_shared_by_all) == (4, 4, False)
+    assert ParallelDims(1, -1, 8, ep=8).loops_shared_by_all
+
+
+def test_dispatch_combine_and_a_unit_called_k_times_on_two_ranks():
+    """tests/distributed/expert_parallel_ops.py: all-to-all dispatch/combine vs the one-process grouped
+    GEMM (forward and backward), and FSDP2 units called k times per forward vs one process."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "distributed" / "expert_parallel_ops.py")],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("==") == 4, result.stdout
+
+
+@pytest.mark.slow  # ~25 s: one torchrun launch and three in-process runs
+def test_ep2_matches_one_process_and_its_checkpoint_loads_in_one_process(tmp_path):
+    run(tmp_path / "seed", 4, *CKPT, "--checkpoint.create_seed", "true")
+    copy_checkpoint(tmp_path / "seed", 0, tmp_path / "ep")
+    copy_checkpoint(tmp_path / "seed", 0, tmp_path / "one")
+    batch = ["--training.global_batch_size", "8"]
+    ep = run_script(tmp_path / "ep", 4, *CKPT, *FP32, *MOE, *batch, "--training.local_batch_size", "2",
+                    "--parallelism.expert_parallel_degree", "2", nproc=2)
+    one = run(tmp_path / "one", 4, *CKPT, *MOE, *batch, "--training.local_batch_size", "4")
+    ep_loops = [r["loops"] for r in records(tmp_path / "ep")]
+    assert all(ks[0] == ks[1] for ks in ep_loops), "both ranks of the expert group run the same k"
+    assert any(len(set(ks[0])) > 1 for ks in ep_loops), "microbatches should run different k in some update"
+    assert [ks[0] for ks in ep_loops] == [r["loops"][0] for r in records(tmp_path / "one")]
+    for step in range(1, 5):
+        assert ep[step] == pytest.approx(one[step], rel=1e-5, abs=1e-5), step
+
+    # Expert weights were saved as the full [E, ...] stacks: the one-process run continues from step 2.
+    copy_checkpoint(tmp_path / "ep", 2, tmp_path / "ep_to_one")
+    ep_to_one = run(tmp_path / "ep_to_one", 4, *CKPT, *MOE, *batch, "--training.local_batch_size", "4")
+    for step in (3, 4):
+        assert ep_to_one[step] == pytest.approx(ep[step], rel=1e-5, abs=1e-5), step
+
+
+@pytest.mark.slow  # 4 processes on 2 cores
+def test_two_expert_groups_with_different_k_match_one_process(tmp_path):
+    """EP 2 x 2 groups (dp_shard 4): the block stays one FSDP unit, the groups draw their own k."""
+    run(tmp_path / "seed", 2, *CKPT, "--checkpoint.create_seed", "true")
+    copy_checkpoint(tmp_path / "seed", 0, tmp_path / "ep")
+    copy_checkpoint(tmp_path / "seed", 0, tmp_path / "one")
+    ep = run_script(tmp_path / "ep", 3, *CKPT, *FP32, *MOE, "--training.local_batch_size", "1",
+                    "--parallelism.expert_parallel_degree", "2", nproc=4)
+    one = run(tmp_path / "one", 3, *CKPT, *MOE)  # 2 microbatches of 2 sequences: one per group
+    ep_loops = [r["loops"] for r in records(tmp_path / "ep")]
+    assert [[[ks[0][0], ks[2][0]]] for ks in ep_loops] == [r["loops"] for r in records(tmp_path / "one")]
+    assert all(ks[0] == ks[1] and ks[2] == ks[3] for ks in ep_loops)
+    assert any(ks[0] != ks[2] for ks in ep_loops), "the two groups should run different k in some update"
+    for step in range(1, 4):
+        assert ep[step] == pytest.approx(one[step], rel=1e-5, abs=1e-5), step
