@@ -112,6 +112,9 @@ class Checkpoint:
     export_dtype: str = "none"  # none | float32 | bfloat16: also write model-only weights at the end
     create_seed: bool = False  # save the initial weights as step 0 and exit (one process): every
     # world size then starts from the same weights, which sharded initialisation does not give
+    initial_load_path: str = ""  # start a new run from another run's weights: a step-N folder, or a
+    # checkpoint folder (its newest step); model only: optimizer, schedule and data position start fresh.
+    # Used only when this run has no checkpoint of its own to resume (empty: off)
 
 
 @dataclass

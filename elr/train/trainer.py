@@ -161,6 +161,8 @@ class Trainer:
             planned = self.checkpointer.latest_step() if ckpt.load_step == -1 else ckpt.load_step
         self._build(mixed=(planned or 0) >= self.switch_step)
         if planned is None:
+            if ckpt.initial_load_path:
+                self._load_initial(ckpt.initial_load_path)
             return
         self._load(None if ckpt.load_step == -1 else ckpt.load_step)
         if (self.step >= self.switch_step) != self.mixed:
@@ -196,6 +198,14 @@ class Trainer:
         )
         if loaded is not None:
             logger.info(f"resumed from {self.checkpointer.folder}/step-{loaded} (step {self.step})")
+
+    def _load_initial(self, path: str) -> None:
+        """Start from another run's weights (a later stage of training); everything else is fresh."""
+        allow = is_conditioning_key if self.model_args.conditioning else (lambda key: False)
+        loaded = self.checkpointer.load_initial(path, {"model": ModelState(self.model)}, allow_missing=allow)
+        if loaded is None:
+            raise ConfigError(f"checkpoint.initial_load_path: no committed checkpoint at {path}")
+        logger.info(f"started from the weights of {path} (step {loaded}); optimizer, schedule and data position fresh")
 
     def _log_setup(self) -> None:
         a, t = self.model_args, self.cfg.training
