@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.gated_delta_product import gated_delta_product
 
@@ -82,16 +83,19 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Ten
 
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
-    """Keys and values [B, H_kv, T, D] of this shard and every earlier one, with the boolean mask
-    [T, start + T] that lets the query at global position p see keys <= p.
+    """Keys and values [B, H_kv, T, D] of this shard and every earlier one, with the mask that lets
+    the query at global position p see keys <= p.
 
-    Later shards' keys would be masked out entirely, so they are dropped before attention.
+    Later shards' keys would be masked out entirely, so they are dropped: the T queries then face
+    start + T keys, and "key <= query" is the causal mask aligned to the bottom-right corner.
+    `causal_lower_right` says so without a [T, start + T] tensor (at 256K context with CP 8 a boolean
+    mask would take 8 GiB per call); SDPA runs it with the flash kernel on GPU and materialises it
+    only on the math path (CPU).
     """
     T = k.shape[2]
     start = shard_start(group, T)
     kv = all_gather(torch.stack([k, v]), group, dim=3)[..., : start + T, :]
-    mask = torch.ones(T, start + T, dtype=torch.bool, device=k.device).tril(diagonal=start)
-    return kv[0], kv[1], mask
+    return kv[0], kv[1], causal_lower_right(T, start + T)
 
 
 def conv_halos(inputs: list[torch.Tensor], width: int, group: dist.ProcessGroup) -> list[torch.Tensor]:
