@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 from kernels.gated_delta_product import gated_delta_product
 
@@ -95,7 +96,9 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
     T = k.shape[2]
     start = shard_start(group, T)
     kv = all_gather(torch.stack([k, v]), group, dim=3)[..., : start + T, :]
-    return kv[0], kv[1], causal_lower_right(T, start + T)
+    with _disable_current_modes():  # selective AC's dispatch mode cannot create a tensor subclass
+        mask = causal_lower_right(T, start + T)
+    return kv[0], kv[1], mask
 
 
 def conv_halos(inputs: list[torch.Tensor], width: int, group: dist.ProcessGroup) -> list[torch.Tensor]:

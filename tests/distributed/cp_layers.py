@@ -4,7 +4,8 @@ Every rank builds the same weights and inputs, runs the whole sequence in one pr
 reference, then its own shard under CP. Checked, forward and backward (input and parameter
 gradients, the latter summed over the CP ranks as data parallelism would): one attention layer
 (GQA), one GDP layer with short convolutions, the GDP op with and without an initial state, and the
-debug model (every layer kind, ELR step and FiLM conditioning active) at k = 1 and k = 3. Shards of
+debug model (every layer kind, ELR step and FiLM conditioning active) at k = 1 and k = 3, and at
+k = 3 under full and selective activation checkpointing (backward re-runs the gathers). Shards of
 37 tokens (74 expanded sub-steps) are not a multiple of the GDP chunk (64).
 """
 
@@ -23,6 +24,7 @@ from elr.models import build_model  # noqa: E402
 from elr.models.args import flavors  # noqa: E402
 from elr.models.attention import Attention  # noqa: E402
 from elr.models.gdp import GatedDeltaProduct  # noqa: E402
+from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
 from elr.parallel.context_parallel import (  # noqa: E402
     context_parallel_gated_delta_product, enable_context_parallel, shard_sequence,
 )
@@ -128,17 +130,18 @@ def main():
             p.add_(0.02 * torch.randn_like(p))
     tokens = torch.randint(0, ARGS.vocab_size, (2, T + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    for loops in (1, 3):
+    for loops, ac in ((1, "none"), (3, "none"), (3, "full"), (3, "selective")):
         reference, sharded = copy.deepcopy(model), copy.deepcopy(model)
         enable_context_parallel(sharded, mesh)
+        apply_activation_checkpointing(sharded, ac)  # the recomputed forward gathers again in backward
         want = reference(inputs, loops=loops)
         got = sharded(shard_sequence(inputs, rank, cp), loops=loops)
         F.cross_entropy(want.flatten(0, 1), labels.flatten(), reduction="sum").backward()
         F.cross_entropy(got.flatten(0, 1), shard_sequence(labels, rank, cp).flatten(), reduction="sum").backward()
-        check(f"model k={loops} logits", got, shard_sequence(want, rank, cp))
+        check(f"model k={loops} AC {ac} logits", got, shard_sequence(want, rank, cp))
         for (name, p), p_cp in zip(reference.named_parameters(), sharded.parameters()):
             if p.grad is not None:
-                check(f"model k={loops} d {name}", summed(p_cp.grad, group), p.grad)
+                check(f"model k={loops} AC {ac} d {name}", summed(p_cp.grad, group), p.grad)
         if loops == 1:
             try:
                 sharded(shard_sequence(inputs, rank, cp), cache=object())
