@@ -134,6 +134,7 @@ class Validation:
 class Parallelism:
     data_parallel_shard_degree: int = -1  # FSDP; -1: every rank not used by other dimensions
     data_parallel_replicate_degree: int = 1  # HSDP replicas
+    context_parallel_degree: int = 1  # ranks splitting each sequence (elr/parallel/context_parallel.py); 1 = off
 
 
 @dataclass
@@ -360,6 +361,10 @@ def validate(cfg: JobConfig) -> None:
            "parallelism.data_parallel_shard_degree", "must be -1 or >= 1", p.data_parallel_shard_degree)
     _check(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree", "must be >= 1",
            p.data_parallel_replicate_degree)
+    _check(p.context_parallel_degree >= 1, "parallelism.context_parallel_degree", "must be >= 1",
+           p.context_parallel_degree)
+    _check(t.seq_len % p.context_parallel_degree == 0, "parallelism.context_parallel_degree",
+           f"must divide training.seq_len = {t.seq_len}", p.context_parallel_degree)
 
     ac = cfg.activation_checkpoint.selective_ac_option
     _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",

@@ -161,9 +161,19 @@ def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> tu
 def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "",
                 expert_parallel: int = 1) -> MemoryPlan:
     """expert_parallel > 1 plans the proposed (not yet built) expert parallelism: each rank owns
-    E / expert_parallel whole experts of every MoE layer, so a unit gathers only its own experts."""
+    E / expert_parallel whole experts of every MoE layer, so a unit gathers only its own experts.
+
+    Context parallelism (parallelism.context_parallel_degree = cp): each rank traces seq_len / cp
+    tokens; FSDP shards over dp_shard x cp (CP ranks hold the same weights, as in torchtitan); every
+    attention call holds full-length K and V (the last rank gathers them all): kept for backward
+    without full AC, recomputed with their gradients under full AC. Not counted: GDP's doubled value
+    width under CP (elr/parallel/context_parallel.py; about 0.6 GiB per recomputed Koi-4B GDP layer
+    at 256K, CP 8). The K/V gradients are added to the working set even when the logits' gradient is
+    its larger term (an upper bound).
+    """
     p = cfg.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu)
+    cp = p.context_parallel_degree
+    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu // cp)
     dtype = getattr(torch, cfg.training.mixed_precision_param)
     pd = torch.finfo(dtype).bits // 8
     loops = cfg.elr.max_loops if cfg.elr.enabled else 1
@@ -171,7 +181,7 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     with torch.device("meta"):
         model = build_model(args)
     n = _numel(model)
-    shard = dims.dp_shard if ngpu > 1 else 1
+    shard = dims.dp_shard * cp if ngpu > 1 else 1
 
     # FSDP2 units (apply_fsdp): the root (embeddings, final norm, head) stays unsharded from forward
     # to backward; other units are gathered one at a time, with their gradients and, when compute is
@@ -189,13 +199,25 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     per_param = pd + pd + (4 if pd != 4 else 0)
     unsharded = root * pd + largest * per_param if ngpu > 1 else 0
 
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len
-    activations, backward_work = microbatch_bytes(args, cfg, dtype, loops)
+    t, ac = cfg.training, cfg.activation_checkpoint
+    shard_len = t.seq_len // cp
+    tokens = t.local_batch_size * shard_len
+    local = dataclasses.replace(cfg, training=dataclasses.replace(t, seq_len=shard_len))
+    activations, backward_work = microbatch_bytes(args, local, dtype, loops)
+    if cp > 1:
+        n_in, n_rec, _ = args.partition
+        calls = args.layer_pattern.count("A") + (loops - 1) * args.layer_pattern[n_in:n_in + n_rec].count("A")
+        # K and V beyond this rank's own slice (the trace counts its own)
+        gathered_kv = 2 * t.local_batch_size * (t.seq_len - shard_len) * args.n_kv_heads * args.head_dim * pd
+        if ac.mode == "full":
+            backward_work += 2 * gathered_kv  # the recomputed attention layer's K, V and their gradients
+        else:
+            activations += calls * gathered_kv
 
-    ac = cfg.activation_checkpoint
     ac_name = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
     return MemoryPlan(
         config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
+        + (f" x cp {cp}" if cp > 1 else "")
         + (f", expert parallel {expert_parallel} (proposed)" if expert_parallel > 1 else ""),
         ac=ac_name, loops=loops, tokens_per_microbatch=tokens, n_params=n,
         params=4 * n / shard, grads=4 * n / shard, optimizer=8 * n / shard,

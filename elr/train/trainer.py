@@ -53,6 +53,9 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, cfg: JobConfig):
         check_model_config(cfg)  # the config checks that need the model code, before any work
+        if cfg.parallelism.context_parallel_degree > 1:  # until parallelize() applies CP (issue 8)
+            raise ConfigError("parallelism.context_parallel_degree: the trainer does not apply context "
+                              "parallelism yet (scripts/plan_memory.py plans it)")
         self.cfg = cfg
         t = cfg.training
         self.rank, self.world_size, self.device = self._init_distributed()
