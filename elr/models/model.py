@@ -94,6 +94,7 @@ class ELRModel(nn.Module):
 
         With `cache` (inference, elr/infer/cache.py) `tokens` continue the cached sequences: each
         row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
+        Under context parallelism (`cp_group`) `tokens` are this rank's slice of each sequence.
         """
         if cache is None:
             T, start = tokens.shape[1], 0
