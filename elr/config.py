@@ -113,6 +113,9 @@ class Checkpoint:
     export_dtype: str = "none"  # none | float32 | bfloat16: also write model-only weights at the end
     create_seed: bool = False  # save the initial weights as step 0 and exit (one process): every
     # world size then starts from the same weights, which sharded initialisation does not give
+    initial_load_path: str = ""  # start a new run from another run's weights: a step-N folder, or a
+    # checkpoint folder (its newest step); model only: optimizer, schedule and data position start fresh.
+    # Used only when this run has no checkpoint of its own to resume (empty: off)
 
 
 @dataclass
@@ -133,6 +136,7 @@ class Parallelism:
     data_parallel_shard_degree: int = -1  # FSDP; -1: every rank not used by other dimensions
     data_parallel_replicate_degree: int = 1  # HSDP replicas
     expert_parallel_degree: int = 1  # ranks per expert group (each owns E / ep whole experts); 1: off
+    context_parallel_degree: int = 1  # ranks splitting each sequence (elr/parallel/context_parallel.py); 1 = off
 
 
 @dataclass
@@ -361,6 +365,10 @@ def validate(cfg: JobConfig) -> None:
            p.data_parallel_replicate_degree)
     _check(p.expert_parallel_degree >= 1, "parallelism.expert_parallel_degree", "must be >= 1",
            p.expert_parallel_degree)
+    _check(p.context_parallel_degree >= 1, "parallelism.context_parallel_degree", "must be >= 1",
+           p.context_parallel_degree)
+    _check(t.seq_len % p.context_parallel_degree == 0, "parallelism.context_parallel_degree",
+           f"must divide training.seq_len = {t.seq_len}", p.context_parallel_degree)
 
     ac = cfg.activation_checkpoint.selective_ac_option
     _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",

@@ -22,7 +22,7 @@ def flat(path: Path) -> dict:
 
 
 def test_every_production_config_is_listed_here_with_a_baseline():
-    shipped = {p.name for p in CONFIGS.glob("*.toml")} - {"debug.toml"}
+    shipped = {p.name for p in CONFIGS.glob("*.toml")} - {"debug.toml", "koi4b_midtrain.toml"}
     assert shipped == {name for name, *_ in PRODUCTION} | {name.replace(".toml", "_baseline.toml")
                                                            for name, *_ in PRODUCTION}
 
@@ -47,3 +47,16 @@ def test_baseline_differs_from_its_elr_config_only_in_elr_keys(name):
     assert differ - {"job.description", "job.dump_folder"} <= {k for k in elr if k.startswith("elr.")}
     assert "job.dump_folder" in differ  # a baseline never writes into the ELR run's folder
     assert (baseline["elr.enabled"], baseline["elr.max_loops"], baseline["elr.conditioning"]) == (False, 1, False)
+
+
+def test_koi4b_midtrain_continues_koi4b_at_256k_with_its_mixed_depth_schedule():
+    """Table 6, stage 2: 50B tokens at 256K context, the same schedule, from pretraining's last step."""
+    pre, mid = flat(CONFIGS / "koi4b.toml"), flat(CONFIGS / "koi4b_midtrain.toml")
+    elr_keys = {k for k in pre if k.startswith("elr.") and k != "elr.switch_at"}
+    assert {k: mid[k] for k in elr_keys} == {k: pre[k] for k in elr_keys} and mid["elr.switch_at"] == 0.0
+    assert mid["model.flavor"] == pre["model.flavor"] and mid["training.seq_len"] == 262144
+    tokens = mid["training.steps"] * mid["training.global_batch_size"] * mid["training.seq_len"]
+    assert abs(tokens - 50e9) < mid["training.global_batch_size"] * mid["training.seq_len"]
+    final = Path(pre["job.dump_folder"]) / pre["checkpoint.folder"] / f"step-{pre['training.steps']}"
+    assert Path(mid["checkpoint.initial_load_path"]) == final
+    assert mid["parallelism.context_parallel_degree"] > 1 and mid["activation_checkpoint.mode"] == "full"

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
+from elr.parallel.context_parallel import gather_kv
 
 
 def rope_table(rope_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -29,6 +30,8 @@ def apply_partial_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    cp_group = None  # context parallel (elr/parallel/context_parallel.py): None runs the whole sequence here
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -52,6 +55,8 @@ class Attention(nn.Module):
         mask = None
         if cache is not None:
             k, v, mask = cache.update(k, v)
+        elif self.cp_group is not None:  # this shard's and every earlier shard's keys, mask offset
+            k, v, mask = gather_kv(k, v, self.cp_group)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads,
         )

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
+from elr.parallel.context_parallel import context_parallel_gated_delta_product, conv_halos
 from kernels.gated_delta_product import gated_delta_product
 
 
@@ -42,6 +43,8 @@ class ShortConv(nn.Module):
 
 
 class GatedDeltaProduct(nn.Module):
+    cp_group = None  # context parallel (elr/parallel/context_parallel.py): None runs the whole sequence here
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         H, D, n_h = args.gdp_heads, args.gdp_head_dim, args.gdp_householder
@@ -81,9 +84,12 @@ class GatedDeltaProduct(nn.Module):
         if cache is not None:  # padding: zero conv inputs, no decay (g = 0), no update (beta = 0)
             valid = cache.valid[..., None]
             x = x * valid.to(x.dtype)
-        q, q_tail = self.q_conv(self.q_proj(x), conv_states[0])
-        k, k_tail = self.k_conv(self.k_proj(x), conv_states[1])
-        v, v_tail = self.v_conv(self.v_proj(x), conv_states[2])
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.cp_group is not None:  # the previous shard's last inputs start the convolutions
+            conv_states = conv_halos([q, k, v], self.q_conv.weight.shape[-1] - 1, self.cp_group)
+        q, q_tail = self.q_conv(q, conv_states[0])
+        k, k_tail = self.k_conv(k, conv_states[1])
+        v, v_tail = self.v_conv(v, conv_states[2])
         q = F.normalize(q.reshape(B, T, H, D), dim=-1, eps=1e-6)
         k = F.normalize(k.reshape(B, T * n_h, H, D), dim=-1, eps=1e-6)
         v = v.reshape(B, T * n_h, H, D)
@@ -94,10 +100,14 @@ class GatedDeltaProduct(nn.Module):
         beta = beta.view(B, T * n_h, H)
         # One token at a time the token loop is the cheapest form (our choice: no decode kernel yet).
         impl = "naive" if cache is not None and T == 1 else self.impl
-        o, state = gated_delta_product(
-            q, k, v, g, beta, num_householder=n_h, impl=impl,
-            initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
-        )
+        if self.cp_group is not None:
+            o = context_parallel_gated_delta_product(q, k, v, g, beta, num_householder=n_h, impl=impl,
+                                                     group=self.cp_group)
+        else:
+            o, state = gated_delta_product(
+                q, k, v, g, beta, num_householder=n_h, impl=impl,
+                initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
+            )
         if cache is not None:
             cache.write(state, (q_tail, k_tail, v_tail))
         o = self.o_norm(o) * F.silu(self.g_proj(x)).view(B, T, H, D)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from elr.models.args import ModelArgs
@@ -54,6 +55,10 @@ class Layer(nn.Module):
 
 
 class ELRModel(nn.Module):
+    # Context parallel (elr/parallel/context_parallel.py): tokens are this rank's slice of each
+    # sequence, so RoPE positions start at cp_rank x slice length. None: the whole sequence is here.
+    cp_group = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -89,11 +94,17 @@ class ELRModel(nn.Module):
 
         With `cache` (inference, elr/infer/cache.py) `tokens` continue the cached sequences: each
         row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
+        Under context parallelism (`cp_group`) `tokens` are this rank's slice of each sequence.
         """
         if cache is None:
-            if tokens.shape[1] > self.args.max_seq_len:
-                raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len={self.args.max_seq_len}")
-            rope = self.rope[:, : tokens.shape[1]]
+            T, start = tokens.shape[1], 0
+            if self.cp_group is not None:
+                start, T = dist.get_rank(self.cp_group) * T, dist.get_world_size(self.cp_group) * T
+            if T > self.args.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.args.max_seq_len}")
+            rope = self.rope[:, start: start + tokens.shape[1]]
+        elif self.cp_group is not None:
+            raise ValueError("inference caches do not run under context parallelism; generate without a CP group")
         else:
             rope = self.rope[:, cache.begin(tokens.shape[1], loops)]  # [2, B, T, rope_dim // 2]
         for moe in self.moe_layers():

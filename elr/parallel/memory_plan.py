@@ -168,9 +168,19 @@ def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> tu
 
 
 def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "") -> MemoryPlan:
-    """The plan of cfg's job on `ngpu` GPUs (the layout, expert parallelism included, from cfg)."""
+    """The plan of cfg's job on `ngpu` GPUs (the layout, expert and context parallelism included, from cfg).
+
+    Context parallelism (parallelism.context_parallel_degree = cp): each rank traces seq_len / cp
+    tokens; FSDP shards over dp_shard x cp (CP ranks hold the same weights, as in torchtitan); every
+    attention call holds full-length K and V (the last rank gathers them all): kept for backward
+    without full AC, recomputed with their gradients under full AC. Not counted: GDP's doubled value
+    width under CP (elr/parallel/context_parallel.py; about 0.6 GiB per recomputed Koi-4B GDP layer
+    at 256K, CP 8). The K/V gradients are added to the working set even when the logits' gradient is
+    its larger term (an upper bound).
+    """
     p = cfg.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu,
+    cp = p.context_parallel_degree
+    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu // cp,
                         ep=p.expert_parallel_degree)
     dtype = getattr(torch, cfg.training.mixed_precision_param)
     pd = torch.finfo(dtype).bits // 8
@@ -179,7 +189,7 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     with torch.device("meta"):
         model = build_model(args)
     n = _numel(model)
-    shard = dims.dp_shard if ngpu > 1 else 1
+    shard = dims.dp_shard * cp if ngpu > 1 else 1
     ep = dims.ep if ngpu > 1 else 1
 
     # Expert stacks under EP are split by expert over the ep ranks and never gathered; everything
@@ -213,13 +223,25 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
         unsharded += local * 2 * pd
         unit_text += f" + one MoE layer's local experts {local / 1e9:.2f}B in {dtype}".replace("torch.", "")
 
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len
-    activations, backward_work = microbatch_bytes(args, cfg, dtype, loops)
+    t, ac = cfg.training, cfg.activation_checkpoint
+    shard_len = t.seq_len // cp
+    tokens = t.local_batch_size * shard_len
+    local = dataclasses.replace(cfg, training=dataclasses.replace(t, seq_len=shard_len))
+    activations, backward_work = microbatch_bytes(args, local, dtype, loops)
+    if cp > 1:
+        n_in, n_rec, _ = args.partition
+        calls = args.layer_pattern.count("A") + (loops - 1) * args.layer_pattern[n_in:n_in + n_rec].count("A")
+        # K and V beyond this rank's own slice (the trace counts its own)
+        gathered_kv = 2 * t.local_batch_size * (t.seq_len - shard_len) * args.n_kv_heads * args.head_dim * pd
+        if ac.mode == "full":
+            backward_work += 2 * gathered_kv  # the recomputed attention layer's K, V and their gradients
+        else:
+            activations += calls * gathered_kv
 
-    ac = cfg.activation_checkpoint
     ac_name = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
     return MemoryPlan(
         config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
+        + (f" x cp {cp}" if cp > 1 else "")
         + (f", expert parallel {ep}" if ep > 1 else ""),
         ac=ac_name, loops=loops, tokens_per_microbatch=tokens, n_params=n,
         params=4 * per_rank, grads=4 * per_rank, optimizer=optimizer, optimizer_name=optimizer_name,

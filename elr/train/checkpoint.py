@@ -18,6 +18,7 @@ checkpoint (tens of GB at 4B/30B) before every resume.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -242,6 +243,20 @@ class CheckpointManager:
             if self._rank == 0:
                 logger.warning("skipping checkpoint %s: %s; trying an older one", path, reason)
         return None
+
+    def load_initial(self, path: str | Path, states: dict[str, Any],
+                     allow_missing: Callable[[str], bool] = lambda key: False) -> int | None:
+        """Load `states` from another run's checkpoint: `path` is a committed `step-N` folder, or a
+        checkpoint folder whose newest usable step is taken. Returns that step, or None when `path`
+        holds no committed checkpoint. Same key rules and collectives as `load`."""
+        path = Path(path)
+        named = _STEP_DIR.fullmatch(path.name)
+        source = copy.copy(self)  # the same process group, reading the other folder
+        source.folder, source._pending = (path.parent if named else path), None
+        step = int(named[1]) if named else source._on_rank0(source.latest_step)
+        if step is None or source._on_rank0(lambda: source._verify(step)) is not None:
+            return None
+        return source.load(states, step=step, allow_missing=allow_missing)
 
     def _load_from(self, path: Path, states: dict[str, Any], allow_missing) -> None:
         state_dict = _state_dicts(states)

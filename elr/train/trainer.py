@@ -53,6 +53,9 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, cfg: JobConfig):
         check_model_config(cfg)  # the config checks that need the model code, before any work
+        if cfg.parallelism.context_parallel_degree > 1:  # until parallelize() applies CP (issue 8)
+            raise ConfigError("parallelism.context_parallel_degree: the trainer does not apply context "
+                              "parallelism yet (scripts/plan_memory.py plans it)")
         self.cfg = cfg
         t = cfg.training
         self.rank, self.world_size, self.device = self._init_distributed()
@@ -162,6 +165,8 @@ class Trainer:
             planned = self.checkpointer.latest_step() if ckpt.load_step == -1 else ckpt.load_step
         self._build(mixed=(planned or 0) >= self.switch_step)
         if planned is None:
+            if ckpt.initial_load_path:
+                self._load_initial(ckpt.initial_load_path)
             return
         self._load(None if ckpt.load_step == -1 else ckpt.load_step)
         if (self.step >= self.switch_step) != self.mixed:
@@ -197,6 +202,14 @@ class Trainer:
         )
         if loaded is not None:
             logger.info(f"resumed from {self.checkpointer.folder}/step-{loaded} (step {self.step})")
+
+    def _load_initial(self, path: str) -> None:
+        """Start from another run's weights (a later stage of training); everything else is fresh."""
+        allow = is_conditioning_key if self.model_args.conditioning else (lambda key: False)
+        loaded = self.checkpointer.load_initial(path, {"model": ModelState(self.model)}, allow_missing=allow)
+        if loaded is None:
+            raise ConfigError(f"checkpoint.initial_load_path: no committed checkpoint at {path}")
+        logger.info(f"started from the weights of {path} (step {loaded}); optimizer, schedule and data position fresh")
 
     def _log_setup(self) -> None:
         a, t = self.model_args, self.cfg.training
