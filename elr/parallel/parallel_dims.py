@@ -1,8 +1,10 @@
-"""Process-group layout: dp_replicate x dp_shard = world size (HSDP when both exceed 1).
+"""Process-group layout: dp_replicate x dp_shard x cp x tp = world size, as one device mesh.
 
 Owns the device mesh and answers which data-parallel rank this process is: the trainer reads
-`dp_rank`/`dp_world` for data and loop draws and never assumes dp_rank == global rank, so tensor,
-context or expert dimensions can join the mesh later without touching it.
+`dp_rank`/`dp_world` for data and loop draws and never assumes dp_rank == global rank. Data
+parallelism is replicate x shard only: the context-parallel (cp) and tensor-parallel (tp) ranks of
+one data-parallel rank read the same sequences and run the same loop counts, since their layers
+exchange activations every call. tp is the innermost dimension, so a TP group is neighbouring ranks.
 """
 
 from __future__ import annotations
@@ -13,26 +15,40 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elr.config import ConfigError
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
 
 @dataclass
 class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
+    cp: int = 1
+    tp: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
+        for key, degree in (("context_parallel_degree", self.cp), ("tensor_parallel_degree", self.tp)):
+            if self.world_size % degree:
+                raise ConfigError(f"parallelism.{key}: {degree} does not divide the world size {self.world_size}")
+        dp_world = self.world_size // (self.cp * self.tp)
+        if dp_world * self.cp * self.tp != self.world_size:
+            raise ConfigError(
+                f"parallelism: context_parallel_degree ({self.cp}) x tensor_parallel_degree ({self.tp}) "
+                f"does not divide the world size ({self.world_size})"
+            )
         if self.dp_shard == -1:
-            if self.world_size % self.dp_replicate:
+            if dp_world % self.dp_replicate:
                 raise ConfigError(
                     f"parallelism.data_parallel_replicate_degree: {self.dp_replicate} does not divide "
-                    f"the world size {self.world_size}"
+                    f"the {dp_world} data-parallel ranks (world size / (cp x tp))"
                 )
-            self.dp_shard = self.world_size // self.dp_replicate
-        if self.dp_replicate * self.dp_shard != self.world_size:
+            self.dp_shard = dp_world // self.dp_replicate
+        if self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
             raise ConfigError(
-                f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x "
-                f"data_parallel_shard_degree ({self.dp_shard}) must equal the world size ({self.world_size})"
+                f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x data_parallel_shard_degree "
+                f"({self.dp_shard}) x context_parallel_degree ({self.cp}) x tensor_parallel_degree ({self.tp}) "
+                f"must equal the world size ({self.world_size})"
             )
 
     @property
@@ -41,19 +57,44 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The world's mesh (None for one process), kept for dp_mesh and dp_rank."""
+        """The world's mesh (None for one process), kept for the sub-meshes below."""
         if self.world_size > 1:
             self.mesh = init_device_mesh(
-                device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+                device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIMS
             )
+            if self.cp > 1:
+                self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return self.mesh
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
-        """The mesh FSDP shards (and HSDP replicates) over; None without a process group."""
+        """The data-parallel ranks (replicate x shard); None without data parallelism."""
+        if self.mesh is None or self.dp_world == 1:
+            return None
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards (and HSDP replicates) over; None when nothing is to be sharded.
+
+        Context-parallel ranks join the shard dimension (torchtitan's dp_shard_cp): they hold the same
+        parameters and each computes part of every gradient, so FSDP shards and reduces over them too.
+        """
+        if self.cp == 1:
+            return self.dp_mesh
         if self.mesh is None:
             return None
-        return self.mesh if self.dp_replicate > 1 else self.mesh["dp_shard"]
+        return self.mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else self.mesh["dp_shard_cp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The tensor-parallel group of this rank; None when tp = 1."""
+        return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The context-parallel group of this rank; None when cp = 1."""
+        return self.mesh["cp"] if self.mesh is not None and self.cp > 1 else None
 
     @property
     def dp_rank(self) -> int:

@@ -1,6 +1,7 @@
-"""Parallelism in one place: `parallelize(model, dims, cfg)` applies float8, activation
-checkpointing, torch.compile and FSDP2 to a model built on the meta device, in that order
-(tensor and context parallelism would slot in before AC).
+"""Parallelism in one place: `parallelize(model, dims, cfg)` applies tensor/sequence parallelism,
+float8, activation checkpointing, torch.compile and FSDP2 to a model built on the meta device, in
+that order (context parallelism slots in after TP). With TP, FSDP shards over the data-parallel
+mesh on top of the TP split (2-D parameters).
 
 FSDP units: each input/output layer, the whole recurrent block (its layers together with the
 k-loop, called exactly once per microbatch so ranks running different k stay in step), and the
@@ -14,26 +15,32 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from elr.config import JobConfig
+from elr.config import ConfigError, JobConfig
 from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.parallel_dims import ParallelDims
+from elr.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type: str) -> None:
-    """float8 -> activation checkpointing -> compile -> FSDP2 (when dims has a data-parallel mesh).
+    """TP -> float8 -> activation checkpointing -> compile -> FSDP2 (each when enabled).
 
-    AC wraps each layer before compile so the checkpoint regions are traced into the compiled
-    layer; FSDP comes last so its units hold the wrapped, compiled layers.
+    TP first, so the layers AC wraps and compile traces are already split; AC wraps each layer
+    before compile so the checkpoint regions are traced into the compiled layer; FSDP comes last so
+    its units hold the wrapped, compiled layers.
     """
+    if dims.cp > 1:
+        raise ConfigError("parallelism.context_parallel_degree: context parallelism is not built yet (issue 8); use 1")
+    if dims.tp_mesh is not None:
+        apply_tensor_parallel(model, dims.tp_mesh)
     if cfg.float8.enable:
         convert_to_float8(model, emulate=device_type != "cuda")
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable:
         compile_layers(model)
-    if dims.dp_mesh is not None:
-        apply_fsdp(model, dims.dp_mesh, getattr(torch, cfg.training.mixed_precision_param))
+    if dims.fsdp_mesh is not None:
+        apply_fsdp(model, dims.fsdp_mesh, getattr(torch, cfg.training.mixed_precision_param))
 
 
 def convert_to_float8(model: ELRModel, emulate: bool) -> int:

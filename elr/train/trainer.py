@@ -7,6 +7,7 @@ the mean over all of its tokens, whatever depth produced them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from elr.config import ConfigError, JobConfig
 from elr.models import build_model
@@ -26,10 +28,11 @@ from elr.models.ffn import update_expert_biases
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
+from elr.parallel.tensor_parallel import reduce_partial_grads
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
 from elr.train.data import build_train_loader, val_batches
 from elr.train.loop_sampler import LoopSampler
-from elr.train.metrics import MetricsLogger, console_line, memory_gib
+from elr.train.metrics import MetricsLogger, console_line, memory_gib, throughput
 from elr.train.optimizer import build_lr_scheduler, build_optimizer
 from elr.tokenizer import build_tokenizer
 
@@ -46,8 +49,13 @@ def is_conditioning_key(key: str) -> bool:
 
 
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy summed over tokens, in fp32: updates and evaluations average it over tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    """Cross entropy summed over tokens, in fp32: updates and evaluations average it over tokens.
+
+    Under tensor parallelism the logits are vocab-sharded and the loss is computed without
+    gathering them (loss_parallel); every TP rank gets the whole loss, as a plain tensor.
+    """
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 class Trainer:
@@ -56,8 +64,10 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
         self.rank, self.world_size, self.device = self._init_distributed()
+        p = cfg.parallelism
         self.dims = ParallelDims(
-            cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree, self.world_size
+            p.data_parallel_replicate_degree, p.data_parallel_shard_degree, self.world_size,
+            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
         )
         self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_world = self.dims.dp_rank, self.dims.dp_world
@@ -232,16 +242,19 @@ class Trainer:
         per_k = torch.zeros(2, K, dtype=torch.float64, device=self.device)
         loop_stats: dict[str, list[torch.Tensor]] = {}  # kept on the device until the step ends
         aux_sum = torch.zeros((), device=self.device)  # balance loss summed over microbatches
+        # Every TP rank of a data-parallel rank reads the same batches and runs the same k: ks is drawn
+        # per data-parallel rank, the same on every process.
         for micro, k in enumerate(ks[self.dp_rank].tolist()):
             inputs, labels = (x.to(self.device) for x in next(self.data_iter))
-            loss_sum = summed_loss(self.model(inputs, loops=k), labels)
-            micro_loss = loss_sum / tokens_per_rank
-            aux = self.model.moe_aux_loss()
-            if aux is not None:
-                aux_sum += aux.detach()
-                if cfg.moe.aux_loss_coeff > 0:  # each microbatch's term / n_micro: the update's mean
-                    micro_loss = micro_loss + cfg.moe.aux_loss_coeff * aux / self.n_micro
-            micro_loss.backward()
+            with self._loss_context():
+                loss_sum = summed_loss(self.model(inputs, loops=k), labels)
+                micro_loss = loss_sum / tokens_per_rank
+                aux = self.model.moe_aux_loss()  # under TP: this rank's share of its sequences' loss
+                if aux is not None:
+                    aux_sum += aux.detach()
+                    if cfg.moe.aux_loss_coeff > 0:  # each microbatch's term / n_micro: the update's mean
+                        micro_loss = micro_loss + cfg.moe.aux_loss_coeff * aux / self.n_micro
+                micro_loss.backward()
             per_k[0, k - 1] += loss_sum.detach().double()
             per_k[1, k - 1] += labels.numel()
             if track:
@@ -249,8 +262,10 @@ class Trainer:
                     for name, value in stats.items():
                         loop_stats.setdefault(f"loop{i}/{name}", []).append(value)
         if dist.is_initialized():
-            dist.all_reduce(per_k)
+            dist.all_reduce(per_k)  # TP ranks count their (shared) sequences alike: the ratios hold
         loss = (per_k[0].sum() / per_k[1].sum()).item()
+        if self.dims.tp_mesh is not None and self.dims.fsdp_mesh is None:
+            reduce_partial_grads(self.model)  # FSDP's reduction does this when it is on
         grad_norm = self._clip_gradients(cfg.training.max_norm)
 
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -286,8 +301,12 @@ class Trainer:
         if self.model.moe_layers():  # logged whatever the coefficient (unscaled; 1 per routing call if balanced)
             if dist.is_initialized():
                 dist.all_reduce(aux_sum)
-            scalars["moe/aux_loss"] = (aux_sum / (self.n_micro * self.world_size)).item()
+            scalars["moe/aux_loss"] = (aux_sum / (self.n_micro * self.dp_world)).item()
         return scalars, ks, per_k
+
+    def _loss_context(self):
+        """loss_parallel under TP (forward and backward of the loss on vocab-sharded logits)."""
+        return loss_parallel() if self.dims.tp_mesh is not None else contextlib.nullcontext()
 
     def _clip_gradients(self, max_norm: float) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -312,7 +331,8 @@ class Trainer:
         ):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             for k in range(1, cfg.elr.max_loops + 1):
-                sums[0, k - 1] += summed_loss(self.model(inputs, loops=k), labels)
+                with self._loss_context():
+                    sums[0, k - 1] += summed_loss(self.model(inputs, loops=k), labels)
                 sums[1, k - 1] += labels.numel()
         if dist.is_initialized():
             dist.all_reduce(sums)
@@ -371,8 +391,7 @@ class Trainer:
                 self.tokens_seen += tokens_per_update
                 flops = sum(self.model.num_flops_per_token(t.seq_len, k) for k in ks.flatten().tolist())
                 flops *= t.local_batch_size * t.seq_len
-                scalars["throughput/tokens_per_s"] = tokens_per_update / elapsed
-                scalars["throughput/mfu_pct"] = 100 * flops / elapsed / (cfg.metrics.peak_tflops * 1e12 * self.world_size)
+                scalars.update(throughput(tokens_per_update, flops, elapsed, self.world_size, cfg.metrics.peak_tflops))
                 scalars["memory/max_gib"] = memory_gib(self.device)
                 self.metrics.log(step, scalars, {"loops": ks.tolist(), "tokens": self.tokens_seen})
                 if step % cfg.metrics.log_freq == 0 or step == 1:
