@@ -98,6 +98,8 @@ def test_impossible_layouts_are_refused_in_one_line():
         load_config(DEBUG_TOML, [*TP2[:1], "3", "--training.seq_len", "128"])
     with pytest.raises(ConfigError, match="float8.enable"):
         load_config(DEBUG_TOML, [*TP2, "--float8.enable", "true"])
+    with pytest.raises(ConfigError, match="compile.enable"):
+        load_config(DEBUG_TOML, [*TP2, "--compile.enable", "true"])
     debug = flavors["debug"]  # 4 heads, 2 kv heads, 4 GDP heads, FF 384
     check_tensor_parallel(debug, 4)  # kv heads replicated: 4 is a multiple of 2
     with pytest.raises(ConfigError, match="8 does not divide the 4 attention heads"):
