@@ -370,8 +370,6 @@ def validate(cfg: JobConfig) -> None:
            p.tensor_parallel_degree)
     _check(p.tensor_parallel_degree == 1 or not cfg.float8.enable, "float8.enable",
            "is not combined with tensor parallelism yet (needs float8-aware TP plans)", cfg.float8.enable)
-    _check(p.tensor_parallel_degree == 1 or not cfg.compile.enable, "compile.enable",
-           "is not combined with tensor parallelism yet (dynamo fails on the TP layers, docs/LOG.md)", cfg.compile.enable)
 
     ac = cfg.activation_checkpoint.selective_ac_option
     _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",

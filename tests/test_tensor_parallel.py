@@ -52,6 +52,10 @@ def test_every_layer_kind_has_single_process_gradients_under_tp():
     assert "tp_grads: all checks passed" in torchrun("tp_grads.py")
 
 
+def test_compiled_tp_layers_have_single_process_gradients():
+    assert "tp_grads: all checks passed" in torchrun("tp_grads.py", "--compile")
+
+
 @pytest.mark.slow  # five short runs, two of them 2-process
 def test_tp2_trains_like_one_process_and_its_checkpoints_load_at_tp1_and_fsdp2(tmp_path):
     run(tmp_path / "seed", 4, *CKPT, "--checkpoint.create_seed", "true")
@@ -98,8 +102,6 @@ def test_impossible_layouts_are_refused_in_one_line():
         load_config(DEBUG_TOML, [*TP2[:1], "3", "--training.seq_len", "128"])
     with pytest.raises(ConfigError, match="float8.enable"):
         load_config(DEBUG_TOML, [*TP2, "--float8.enable", "true"])
-    with pytest.raises(ConfigError, match="compile.enable"):
-        load_config(DEBUG_TOML, [*TP2, "--compile.enable", "true"])
     debug = flavors["debug"]  # 4 heads, 2 kv heads, 4 GDP heads, FF 384
     check_tensor_parallel(debug, 4)  # kv heads replicated: 4 is a multiple of 2
     with pytest.raises(ConfigError, match="8 does not divide the 4 attention heads"):

@@ -38,7 +38,9 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable:
-        compile_layers(model)
+        # Static shapes under TP: dynamic ones fail on DTensor norms in our torch ("unhashable type:
+        # non-nested SymInt", measured on CPU).
+        compile_layers(model, dynamic=False if dims.tp_mesh is not None else None)
     if dims.fsdp_mesh is not None:
         apply_fsdp(model, dims.fsdp_mesh, getattr(torch, cfg.training.mixed_precision_param))
 
@@ -67,9 +69,9 @@ def convert_to_float8(model: ELRModel, emulate: bool) -> int:
     return before - sum(type(m) is nn.Linear for m in model.modules())
 
 
-def compile_layers(model: ELRModel) -> None:
+def compile_layers(model: ELRModel, dynamic: bool | None = None) -> None:
     for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
-        layer.compile()
+        layer.compile(dynamic=dynamic)
 
 
 def apply_fsdp(model: ELRModel, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:

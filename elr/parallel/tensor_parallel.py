@@ -140,23 +140,25 @@ def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
             raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {size} {what}")
 
 
-def _sublayer_plan(kind: str, args: ModelArgs, tp: int) -> ParallelStyle | dict[str, ParallelStyle]:
+def sublayer_plan(kind: str, args: ModelArgs, tp: int) -> dict[str, ParallelStyle]:
+    """The plan of one sublayer of kind G, A, F or E, keyed by submodule ("" is the sublayer itself)."""
     if kind == "A":
         kv = Shard(0) if args.n_kv_heads >= tp else Rows(1, args.n_kv_heads)
-        return LocalCompute({"wq.weight": Shard(0), "wk.weight": kv, "wv.weight": kv, "wo.weight": Shard(1)})
+        return {"": LocalCompute({"wq.weight": Shard(0), "wk.weight": kv, "wv.weight": kv, "wo.weight": Shard(1)})}
     if kind == "G":
-        n_h = args.gdp_householder
         by_head = {f"{name}.weight": Shard(0) for name in ("q_proj", "g_proj", "a_proj", "q_conv")}
-        by_head_and_step = {f"{name}.weight": Rows(n_h, tp) for name in ("k_proj", "v_proj", "b_proj", "k_conv", "v_conv")}
-        return LocalCompute({**by_head, **by_head_and_step, "A_log": Shard(0), "dt_bias": Shard(0),
-                             "o_proj.weight": Shard(1)})
+        by_head_in_each_step = {
+            f"{name}.weight": Rows(args.gdp_householder, tp) for name in ("k_proj", "v_proj", "b_proj", "k_conv", "v_conv")
+        }
+        return {"": LocalCompute({**by_head, **by_head_in_each_step, "A_log": Shard(0), "dt_bias": Shard(0),
+                                  "o_proj.weight": Shard(1)})}
     if kind == "F":
         plan = {"": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 "w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1))}
         if args.ffn_activation == "swiglu":
             plan["w3"] = ColwiseParallel()
         return plan
-    return LocalCompute(gather=False)  # MoE
+    return {"": LocalCompute(gather=False)}  # MoE: replicated, on the rank's sequence slice
 
 
 def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh) -> None:
@@ -168,10 +170,14 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh) -> None:
         "norm": SequenceParallel(use_local_output=True),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
+    # The embedding's reduce-scatter hands back an AsyncCollectiveTensor; a compiled first layer takes
+    # it as a plain input and its backward is lost (measured), so materialise it: one copy of a slice.
+    model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
     for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
-        plan = _sublayer_plan(layer.kind, args, tp)
-        plans = {f"sublayer.{k}" if k else "sublayer": v for k, v in plan.items()} if isinstance(plan, dict) else {"sublayer": plan}
-        parallelize_module(layer, mesh, {"norm": SequenceParallel(use_local_output=True), **plans})
+        plan = {"norm": SequenceParallel(use_local_output=True)}
+        plan.update({f"sublayer.{name}" if name else "sublayer": style
+                     for name, style in sublayer_plan(layer.kind, args, tp).items()})
+        parallelize_module(layer, mesh, plan)
         if layer.kind == "E":
             layer.sublayer.sequence_group = mesh.get_group()
     for name in ("step_size", "conditioning"):
