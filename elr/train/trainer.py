@@ -208,7 +208,7 @@ class Trainer:
             logger.info(f"resumed from {self.checkpointer.folder}/step-{loaded} (step {self.step})")
 
     def _log_setup(self) -> None:
-        a, t = self.model_args, self.cfg.training
+        a, t, d = self.model_args, self.cfg.training, self.dims
         n_params = sum(p.numel() for p in self.model.parameters())
         n_in, n_rec, n_out = a.partition
         logger.info(
@@ -217,8 +217,9 @@ class Trainer:
             f"update {a.update}, conditioning {'on' if a.conditioning else 'off'}, K={a.max_loops}"
         )
         logger.info(
-            f"{self.world_size} rank(s) on {self.device.type} | {self.n_micro} microbatch(es) x "
-            f"{t.local_batch_size} x {t.seq_len} tokens per rank per update | global batch {self.global_batch} | "
+            f"{self.world_size} rank(s) on {self.device.type} (dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} "
+            f"x cp {d.cp} x tp {d.tp}) | {self.n_micro} microbatch(es) x {t.local_batch_size} x {t.seq_len} tokens "
+            f"per data-parallel rank per update | global batch {self.global_batch} | "
             f"{self.model.num_flops_per_token(t.seq_len, 1) / 1e9:.3f} GFLOP/token at k=1"
         )
         if self.switch_step and not self.mixed:
