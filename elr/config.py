@@ -136,7 +136,11 @@ class Parallelism:
     data_parallel_shard_degree: int = -1  # FSDP; -1: every rank not used by other dimensions
     data_parallel_replicate_degree: int = 1  # HSDP replicas
     expert_parallel_degree: int = 1  # ranks per expert group (each owns E / ep whole experts); 1: off
-    context_parallel_degree: int = 1  # ranks splitting each sequence (elr/parallel/context_parallel.py); 1 = off
+    # Inside each data-parallel replica: ranks that split one sequence (context parallel) and ranks
+    # that split every layer's heads / hidden dims (tensor + sequence parallel); 1 = off. Mesh order:
+    # dp_replicate x dp_shard x cp x tp, so a TP group is neighbouring ranks (one node).
+    context_parallel_degree: int = 1
+    tensor_parallel_degree: int = 1
 
 
 @dataclass
@@ -369,6 +373,12 @@ def validate(cfg: JobConfig) -> None:
            p.context_parallel_degree)
     _check(t.seq_len % p.context_parallel_degree == 0, "parallelism.context_parallel_degree",
            f"must divide training.seq_len = {t.seq_len}", p.context_parallel_degree)
+    _check(p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree", "must be >= 1", p.tensor_parallel_degree)
+    _check(t.seq_len % p.tensor_parallel_degree == 0, "parallelism.tensor_parallel_degree",
+           f"must divide training.seq_len = {t.seq_len} (sequence parallelism splits every sequence evenly)",
+           p.tensor_parallel_degree)
+    _check(p.tensor_parallel_degree == 1 or not cfg.float8.enable, "float8.enable",
+           "is not combined with tensor parallelism yet (needs float8-aware TP plans)", cfg.float8.enable)
 
     ac = cfg.activation_checkpoint.selective_ac_option
     _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",

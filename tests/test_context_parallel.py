@@ -11,7 +11,7 @@ from elr.config import load_config
 from elr.models.from_config import model_args_from_config
 from elr.parallel.context_parallel import shard_sequence
 from elr.parallel.memory_plan import plan_memory
-from trainer_utils import DEBUG_TOML, ROOT
+from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, records, run, run_script
 
 
 def test_shard_sequence_gives_contiguous_slices_and_refuses_uneven_lengths():
@@ -56,3 +56,53 @@ def test_memory_plan_traces_one_slice_and_adds_the_gathered_keys_and_values(ac):
     else:
         assert cp.activations == one_slice.activations
         assert cp.backward_work - one_slice.backward_work == 2 * gathered_kv
+
+
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]
+# 74 tokens: slices of 37 at CP 2 and 18.5 -> refused at CP 4; 37 is not a multiple of the GDP chunk
+CP_SEQ = ["--training.seq_len", "74", "--validation.freq", "4", "--validation.steps", "2"]
+
+
+def assert_same_run(got: list[dict], want: list[dict], steps) -> None:
+    by_step = {r["step"]: r for r in got if "loss/train" in r}, {r["step"]: r for r in want if "loss/train" in r}
+    for step in steps:
+        a, b = by_step[0][step], by_step[1][step]
+        assert sum(a["loops"], []) == sum(b["loops"], []), step
+        assert a["loss/train"] == pytest.approx(b["loss/train"], rel=1e-5), step
+        # the fp32 norm of the head's gradient depends on summation order at ~1e-4 (as under TP,
+        # tests/test_tensor_parallel.py): the losses, which every gradient feeds, are held to 1e-5
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), step
+    val = [[r for r in rs if "val/loss_k1" in r][-1] for rs in (got, want)]
+    assert val[0] == pytest.approx(val[1], rel=1e-5)
+
+
+@pytest.mark.slow  # two 2-process runs and one single-process run
+def test_cp2_trains_like_one_process_with_and_without_ac(tmp_path):
+    """The trainer under CP 2 (every layer kind, k = 1..3, slices off the GDP chunk) equals one process."""
+    run(tmp_path / "seed", 4, *CKPT, *CP_SEQ, "--checkpoint.create_seed", "true")
+    for name in ("cp", "cp_ac", "one"):
+        copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
+    cp2 = ["--parallelism.context_parallel_degree", "2", *CP_SEQ]
+    run_script(tmp_path / "cp", 4, *CKPT, *cp2, nproc=2)
+    run_script(tmp_path / "cp_ac", 4, *CKPT, *cp2, "--activation_checkpoint.mode", "full", nproc=2)
+    run(tmp_path / "one", 4, *CKPT, *CP_SEQ)
+    one = records(tmp_path / "one")
+    assert len({tuple(sum(r["loops"], [])) for r in one if "loops" in r}) > 1, "k should change across steps"
+    assert_same_run(records(tmp_path / "cp"), one, range(1, 5))
+    assert_same_run(records(tmp_path / "cp_ac"), one, range(1, 5))
+
+
+@pytest.mark.slow  # 4 processes on 2 cores
+def test_cp2_x_fsdp2_trains_like_one_process(tmp_path):
+    """Two data-parallel ranks (different k) of two CP ranks each; one microbatch per data-parallel rank."""
+    per_rank = ["--training.local_batch_size", "1"]
+    run(tmp_path / "seed", 2, *CKPT, *CP_SEQ, *per_rank, "--checkpoint.create_seed", "true")
+    for name in ("2d", "one"):
+        copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
+    run_script(tmp_path / "2d", 2, *CKPT, *CP_SEQ, *per_rank, "--parallelism.context_parallel_degree", "2",
+               "--training.global_batch_size", "2", nproc=4, timeout=400)
+    # validation: 2 data-parallel ranks x 2 steps x 1 window = the single process's 4 steps x 1 window
+    run(tmp_path / "one", 2, *CKPT, *CP_SEQ, *per_rank, "--training.global_batch_size", "2", "--validation.steps", "4")
+    got = records(tmp_path / "2d")
+    assert any(len(set(r["loops"][0] + r["loops"][1])) > 1 for r in got if "loops" in r), "replicas should differ in k"
+    assert_same_run(got, records(tmp_path / "one"), (1, 2))

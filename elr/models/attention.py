@@ -48,16 +48,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
         """`cache` (inference only, elr/infer/cache.py) stores this chunk's keys and values and
         hands back every cached one with the mask that hides padding and the future."""
-        B, T, _ = x.shape
-        q = apply_partial_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope).transpose(1, 2)
-        k = apply_partial_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        B, T, _ = x.shape  # heads counted from the projections: under TP each rank has its own share
+        q = apply_partial_rope(self.wq(x).view(B, T, -1, self.head_dim), rope).transpose(1, 2)
+        k = apply_partial_rope(self.wk(x).view(B, T, -1, self.head_dim), rope).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         mask = None
         if cache is not None:
             k, v, mask = cache.update(k, v)
         elif self.cp_group is not None:  # this shard's and every earlier shard's keys, mask offset
             k, v, mask = gather_kv(k, v, self.cp_group)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads,
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1],
         )
         return self.wo(o.transpose(1, 2).reshape(B, T, -1))

@@ -47,20 +47,27 @@ def recomputing() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor:
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, group=None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, sum_e f_e P_e averaged over sequences (1 when balanced).
 
     scores [B*T, E] (sigmoid), indices [B*T, top_k] (the chosen experts). Per sequence,
     f_e = E / (top_k T) x (tokens routed to e) and P_e = mean over its tokens of s_e / sum_j s_j.
-    Only P carries a gradient, to the router.
+    Only P carries a gradient, to the router. With each sequence split over the ranks of `group`
+    (sequence parallelism) the counts are summed over it and each rank returns its tokens' share:
+    the shares add up to the loss.
     """
     E, top_k = scores.shape[-1], indices.shape[-1]
     scores, indices = scores.view(batch, -1, E), indices.view(batch, -1, top_k)
     counts = torch.zeros(batch, E, device=scores.device).scatter_add_(
         1, indices.flatten(1), torch.ones(indices.flatten(1).shape, device=scores.device)
     )
-    f = counts * (E / (top_k * scores.shape[1]))
     P = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    seq_len = scores.shape[1]
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+        seq_len *= dist.get_world_size(group)
+        P = P / dist.get_world_size(group)  # this rank's tokens' share of the mean
+    f = counts * (E / (top_k * seq_len))
     return (f * P).sum(-1).mean()
 
 
@@ -111,6 +118,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.expert_parallel = None
+        self.sequence_group = None  # the process group each sequence is split over (tensor parallelism)
 
     def init_weights(self, out_std: float):
         nn.init.trunc_normal_(self.router.weight, std=0.02)
@@ -127,7 +135,7 @@ class MoE(nn.Module):
         weights = scores.gather(-1, indices)
         weights = weights / weights.sum(-1, keepdim=True) * self.routed_scale
         if self.training:  # evaluation must not move the balance, nor AC recomputation count it twice
-            aux = sequence_balance_loss(scores, indices, batch)  # recomputed too: its backward needs it
+            aux = sequence_balance_loss(scores, indices, batch, self.sequence_group)  # recomputed too: its backward needs it
             if not recomputing():
                 with torch.no_grad():
                     # index_add_, not bincount: CUDA's bincount reads the max index on the host to size its output

@@ -79,7 +79,8 @@ class GatedDeltaProduct(nn.Module):
         """`cache` (inference only, elr/infer/cache.py) carries the recurrent and short-conv state
         from the previous chunk in and this chunk's out; padding positions leave both untouched."""
         B, T, _ = x.shape
-        H, D, n_h = self.n_heads, self.head_dim, self.n_householder
+        D, n_h = self.head_dim, self.n_householder
+        H = self.A_log.shape[0]  # under tensor parallelism, this rank's heads
         conv_states = cache.conv_states if cache is not None else (None, None, None)
         if cache is not None:  # padding: zero conv inputs, no decay (g = 0), no update (beta = 0)
             valid = cache.valid[..., None]

@@ -1,12 +1,15 @@
-"""Process-group layout: dp_replicate x dp_shard = world size (HSDP when both exceed 1).
+"""Process-group layout: dp_replicate x dp_shard x cp x tp = world size, as one device mesh.
 
 Owns the device mesh and answers which data-parallel rank this process is: the trainer reads
-`dp_rank`/`dp_world` for data and loop draws and never assumes dp_rank == global rank, so tensor,
-context or expert dimensions can join the mesh later without touching it.
+`dp_rank`/`dp_world` for data and loop draws and never assumes dp_rank == global rank. Data
+parallelism is replicate x shard only: the context-parallel (cp) and tensor-parallel (tp) ranks of
+one data-parallel rank read the same sequences and run the same loop counts, since their layers
+exchange activations every call. tp is the innermost dimension, so a TP group is neighbouring ranks.
 
 Expert parallelism (`ep`) splits the dp_shard dimension into groups of ep consecutive ranks: each
 group owns one copy of every expert, E / ep whole experts per rank (elr/parallel/expert_parallel.py).
-`ep_mesh` is (ep_replicate, ep): the groups, and the ranks within one.
+`ep_mesh` is (ep_replicate, ep): the groups, and the ranks within one. It does not combine with cp or
+tp yet (its groups are consecutive global ranks).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elr.config import ConfigError
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
 
 @dataclass
 class ParallelDims:
@@ -24,21 +29,43 @@ class ParallelDims:
     dp_shard: int
     world_size: int
     ep: int = 1
+    cp: int = 1
+    tp: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
+        for key, degree in (("context_parallel_degree", self.cp), ("tensor_parallel_degree", self.tp)):
+            if self.world_size % degree:
+                raise ConfigError(f"parallelism.{key}: {degree} does not divide the world size {self.world_size}")
+        dp_world = self.world_size // (self.cp * self.tp)
+        if dp_world * self.cp * self.tp != self.world_size:
+            raise ConfigError(
+                f"parallelism: context_parallel_degree ({self.cp}) x tensor_parallel_degree ({self.tp}) "
+                f"does not divide the world size ({self.world_size})"
+            )
         if self.dp_shard == -1:
-            if self.world_size % self.dp_replicate:
+            if dp_world % self.dp_replicate:
                 raise ConfigError(
                     f"parallelism.data_parallel_replicate_degree: {self.dp_replicate} does not divide "
-                    f"the world size {self.world_size}"
+                    f"the {dp_world} data-parallel ranks (world size / (cp x tp))"
                 )
-            self.dp_shard = self.world_size // self.dp_replicate
-        if self.dp_replicate * self.dp_shard != self.world_size:
+            self.dp_shard = dp_world // self.dp_replicate
+        if self.dp_replicate * self.dp_shard * self.cp * self.tp != self.world_size:
             raise ConfigError(
-                f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x "
-                f"data_parallel_shard_degree ({self.dp_shard}) must equal the world size ({self.world_size})"
+                f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x data_parallel_shard_degree "
+                f"({self.dp_shard}) x context_parallel_degree ({self.cp}) x tensor_parallel_degree ({self.tp}) "
+                f"must equal the world size ({self.world_size})"
+            )
+        if self.cp > 1 and self.tp > 1:
+            raise ConfigError(
+                f"parallelism.context_parallel_degree: {self.cp} is not combined with tensor parallelism yet "
+                f"(tensor_parallel_degree {self.tp})"
+            )
+        if self.ep > 1 and self.cp * self.tp > 1:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree: {self.ep} is not combined with context or tensor "
+                f"parallelism yet (cp {self.cp}, tp {self.tp})"
             )
         if self.dp_shard % self.ep:
             raise ConfigError(
@@ -52,14 +79,16 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The world's mesh (None for one process), kept for dp_mesh and dp_rank."""
+        """The world's mesh (None for one process), kept for the sub-meshes below."""
         if self.world_size > 1:
             self.mesh = init_device_mesh(
-                device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+                device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIMS
             )
             if self.ep > 1:  # consecutive dp_shard ranks form a group: rows of the rank grid, ep wide
                 ranks = self.mesh.mesh.reshape(-1, self.ep)
                 self.ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_replicate", "ep"))
+            if self.cp > 1:
+                self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return self.mesh
 
     @property
@@ -75,10 +104,33 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
-        """The mesh FSDP shards (and HSDP replicates) over; None without a process group."""
+        """The data-parallel ranks (replicate x shard); None without data parallelism."""
+        if self.mesh is None or self.dp_world == 1:
+            return None
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards (and HSDP replicates) over; None when nothing is to be sharded.
+
+        Context-parallel ranks join the shard dimension (torchtitan's dp_shard_cp): they hold the same
+        parameters and each computes part of every gradient, so FSDP shards and reduces over them too.
+        """
+        if self.cp == 1:
+            return self.dp_mesh
         if self.mesh is None:
             return None
-        return self.mesh if self.dp_replicate > 1 else self.mesh["dp_shard"]
+        return self.mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else self.mesh["dp_shard_cp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The tensor-parallel group of this rank; None when tp = 1."""
+        return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The context-parallel group of this rank; None when cp = 1."""
+        return self.mesh["cp"] if self.mesh is not None and self.cp > 1 else None
 
     @property
     def dp_rank(self) -> int:
@@ -86,3 +138,8 @@ class ParallelDims:
         if self.mesh is None:
             return 0
         return self.mesh.get_local_rank("dp_replicate") * self.dp_shard + self.mesh.get_local_rank("dp_shard")
+
+    @property
+    def cp_rank(self) -> int:
+        """This process's position in its context-parallel group: which slice of each sequence it holds."""
+        return self.mesh.get_local_rank("cp") if self.mesh is not None and self.cp > 1 else 0

@@ -1,6 +1,7 @@
-"""Parallelism in one place: `parallelize(model, dims, cfg)` applies expert parallelism, float8,
-activation checkpointing, torch.compile and FSDP2 to a model built on the meta device, in that
-order (tensor and context parallelism would slot in before AC).
+"""Parallelism in one place: `parallelize(model, dims, cfg)` applies tensor/sequence parallelism,
+context parallelism, expert parallelism, float8, activation checkpointing, torch.compile and FSDP2
+to a model built on the meta device, in that order. With TP, FSDP shards over the data-parallel
+mesh on top of the TP split (2-D parameters); with CP, over dp_shard x cp.
 
 FSDP units: each input/output layer, the whole recurrent block (its layers together with the
 k-loop, called exactly once per microbatch so ranks running different k stay in step), and the
@@ -22,25 +23,34 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from elr.config import JobConfig
 from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
+from elr.parallel.context_parallel import enable_context_parallel
 from elr.parallel.expert_parallel import apply_expert_parallel
 from elr.parallel.parallel_dims import ParallelDims
+from elr.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type: str) -> None:
-    """EP -> float8 -> activation checkpointing -> compile -> FSDP2 (when dims has a data-parallel mesh).
+    """TP -> CP -> EP -> float8 -> activation checkpointing -> compile -> FSDP2 (each when enabled).
 
-    AC wraps each layer before compile so the checkpoint regions are traced into the compiled
-    layer; FSDP comes last so its units hold the wrapped, compiled layers.
+    TP first, so the layers AC wraps and compile traces are already split; AC wraps each layer
+    before compile so the checkpoint regions are traced into the compiled layer; FSDP comes last so
+    its units hold the wrapped, compiled layers.
     """
+    if dims.tp_mesh is not None:
+        apply_tensor_parallel(model, dims.tp_mesh)
+    if dims.cp_mesh is not None:
+        enable_context_parallel(model, dims.cp_mesh)
     expert_weights = apply_expert_parallel(model, dims.ep_mesh) if dims.ep_mesh is not None else []
     if cfg.float8.enable:
         convert_to_float8(model, emulate=device_type != "cuda")
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable:
-        compile_layers(model)
-    if dims.dp_mesh is not None:
-        apply_fsdp(model, dims.dp_mesh, getattr(torch, cfg.training.mixed_precision_param),
+        # Static shapes under TP: dynamic ones fail on DTensor norms in our torch ("unhashable type:
+        # non-nested SymInt", measured on CPU).
+        compile_layers(model, dynamic=False if dims.tp_mesh is not None else None)
+    if dims.fsdp_mesh is not None:
+        apply_fsdp(model, dims.fsdp_mesh, getattr(torch, cfg.training.mixed_precision_param),
                    ignored=set(expert_weights), recurrent_per_layer=dims.loops_shared_by_all)
 
 
@@ -68,9 +78,9 @@ def convert_to_float8(model: ELRModel, emulate: bool) -> int:
     return before - sum(type(m) is nn.Linear for m in model.modules())
 
 
-def compile_layers(model: ELRModel) -> None:
+def compile_layers(model: ELRModel, dynamic: bool | None = None) -> None:
     for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
-        layer.compile()
+        layer.compile(dynamic=dynamic)
 
 
 def apply_fsdp(model: ELRModel, mesh: DeviceMesh, param_dtype: torch.dtype, ignored: set[nn.Parameter] = frozenset(),

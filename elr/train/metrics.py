@@ -22,6 +22,20 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak_tflops: float) -> dict[str, float]:
+    """Tokens/s for the job and per device, and MFU per device.
+
+    `flops` is the model's work for all `tokens` (every slot at its own k). Each device does
+    flops / n_devices of it: data-parallel ranks split the tokens, tensor-parallel ranks split each
+    token's FLOPs (per device = model FLOPs / tp), so MFU is the same for any layout of n_devices.
+    """
+    return {
+        "throughput/tokens_per_s": tokens / seconds,
+        "throughput/tokens_per_s_per_device": tokens / seconds / n_devices,
+        "throughput/mfu_pct": 100 * flops / n_devices / seconds / (peak_tflops * 1e12),
+    }
+
+
 class MetricsLogger:
     """Writes only on rank 0; every rank may call it."""
 

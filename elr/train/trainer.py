@@ -7,6 +7,7 @@ the mean over all of its tokens, whatever depth produced them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -18,18 +19,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from elr.config import ConfigError, JobConfig
 from elr.models import build_model
 from elr.models.ffn import update_expert_biases
 from elr.models.from_config import check_model_config, model_args_from_config
+from elr.parallel.context_parallel import shard_sequence
 from elr.parallel.expert_parallel import grad_norm_by_mesh, reduce_expert_gradients
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
+from elr.parallel.tensor_parallel import reduce_partial_grads
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
 from elr.train.data import build_train_loader, val_batches
 from elr.train.loop_sampler import LoopSampler
-from elr.train.metrics import MetricsLogger, console_line, memory_gib
+from elr.train.metrics import MetricsLogger, console_line, memory_gib, throughput
 from elr.train.optimizer import build_lr_scheduler, build_optimizer
 from elr.tokenizer import build_tokenizer
 
@@ -46,22 +51,25 @@ def is_conditioning_key(key: str) -> bool:
 
 
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy summed over tokens, in fp32: updates and evaluations average it over tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    """Cross entropy summed over tokens, in fp32: updates and evaluations average it over tokens.
+
+    Under tensor parallelism the logits are vocab-sharded and the loss is computed without
+    gathering them (loss_parallel); every TP rank gets the whole loss, as a plain tensor.
+    """
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 class Trainer:
     def __init__(self, cfg: JobConfig):
         check_model_config(cfg)  # the config checks that need the model code, before any work
-        if cfg.parallelism.context_parallel_degree > 1:  # until parallelize() applies CP (issue 8)
-            raise ConfigError("parallelism.context_parallel_degree: the trainer does not apply context "
-                              "parallelism yet (scripts/plan_memory.py plans it)")
         self.cfg = cfg
         t = cfg.training
         self.rank, self.world_size, self.device = self._init_distributed()
+        p = cfg.parallelism
         self.dims = ParallelDims(
-            cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree, self.world_size,
-            ep=cfg.parallelism.expert_parallel_degree,
+            p.data_parallel_replicate_degree, p.data_parallel_shard_degree, self.world_size,
+            ep=p.expert_parallel_degree, cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
         )
         self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_world = self.dims.dp_rank, self.dims.dp_world
@@ -212,7 +220,7 @@ class Trainer:
         logger.info(f"started from the weights of {path} (step {loaded}); optimizer, schedule and data position fresh")
 
     def _log_setup(self) -> None:
-        a, t = self.model_args, self.cfg.training
+        a, t, d = self.model_args, self.cfg.training, self.dims
         n_params = sum(p.numel() for p in self.model.parameters())
         n_in, n_rec, n_out = a.partition
         logger.info(
@@ -221,8 +229,9 @@ class Trainer:
             f"update {a.update}, conditioning {'on' if a.conditioning else 'off'}, K={a.max_loops}"
         )
         logger.info(
-            f"{self.world_size} rank(s) on {self.device.type} | {self.n_micro} microbatch(es) x "
-            f"{t.local_batch_size} x {t.seq_len} tokens per rank per update | global batch {self.global_batch} | "
+            f"{self.world_size} rank(s) on {self.device.type} (dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} "
+            f"x cp {d.cp} x tp {d.tp}) | {self.n_micro} microbatch(es) x {t.local_batch_size} x {t.seq_len} tokens "
+            f"per data-parallel rank per update | global batch {self.global_batch} | "
             f"{self.model.num_flops_per_token(t.seq_len, 1) / 1e9:.3f} GFLOP/token at k=1"
         )
         if self.switch_step and not self.mixed:
@@ -242,21 +251,25 @@ class Trainer:
         ks = self.loop_counts(step)
         track = step % cfg.metrics.log_freq == 0
         self.model.recurrent.track_stats = track
-        tokens_per_rank = self.n_micro * cfg.training.local_batch_size * cfg.training.seq_len
+        # this rank's tokens: FSDP's mean over dp_shard x cp then weighs every token of the update alike
+        tokens_per_rank = self.n_micro * cfg.training.local_batch_size * cfg.training.seq_len // self.dims.cp
         # Row 0: summed loss per k, row 1: tokens per k (this rank), reduced over ranks below.
         per_k = torch.zeros(2, K, dtype=torch.float64, device=self.device)
         loop_stats: dict[str, list[torch.Tensor]] = {}  # kept on the device until the step ends
         aux_sum = torch.zeros((), device=self.device)  # balance loss summed over microbatches
+        # Every TP rank of a data-parallel rank reads the same batches and runs the same k: ks is drawn
+        # per data-parallel rank, the same on every process.
         for micro, k in enumerate(ks[self.dp_rank].tolist()):
-            inputs, labels = (x.to(self.device) for x in next(self.data_iter))
-            loss_sum = summed_loss(self.model(inputs, loops=k), labels)
-            micro_loss = loss_sum / tokens_per_rank
-            aux = self.model.moe_aux_loss()
-            if aux is not None:
-                aux_sum += aux.detach()
-                if cfg.moe.aux_loss_coeff > 0:  # each microbatch's term / n_micro: the update's mean
-                    micro_loss = micro_loss + cfg.moe.aux_loss_coeff * aux / self.n_micro
-            micro_loss.backward()
+            inputs, labels = self._slice(*next(self.data_iter))
+            with self._loss_context():
+                loss_sum = summed_loss(self.model(inputs, loops=k), labels)
+                micro_loss = loss_sum / tokens_per_rank
+                aux = self.model.moe_aux_loss()  # under TP: this rank's share of its sequences' loss
+                if aux is not None:
+                    aux_sum += aux.detach()
+                    if cfg.moe.aux_loss_coeff > 0:  # each microbatch's term / n_micro: the update's mean
+                        micro_loss = micro_loss + cfg.moe.aux_loss_coeff * aux / self.n_micro
+                micro_loss.backward()
             per_k[0, k - 1] += loss_sum.detach().double()
             per_k[1, k - 1] += labels.numel()
             if track:
@@ -264,10 +277,12 @@ class Trainer:
                     for name, value in stats.items():
                         loop_stats.setdefault(f"loop{i}/{name}", []).append(value)
         if dist.is_initialized():
-            dist.all_reduce(per_k)
+            dist.all_reduce(per_k)  # TP ranks count their (shared) sequences alike: the ratios hold
         loss = (per_k[0].sum() / per_k[1].sum()).item()
         if self.dims.ep_mesh is not None:
             reduce_expert_gradients(self.model, self.dims.ep_mesh, self.dp_world)
+        if self.dims.tp_mesh is not None and self.dims.fsdp_mesh is None:
+            reduce_partial_grads(self.model)  # FSDP's reduction does this when it is on
         grad_norm = self._clip_gradients(cfg.training.max_norm)
 
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -303,8 +318,19 @@ class Trainer:
         if self.model.moe_layers():  # logged whatever the coefficient (unscaled; 1 per routing call if balanced)
             if dist.is_initialized():
                 dist.all_reduce(aux_sum)
-            scalars["moe/aux_loss"] = (aux_sum / (self.n_micro * self.world_size)).item()
+            scalars["moe/aux_loss"] = (aux_sum / (self.n_micro * self.dp_world)).item()
         return scalars, ks, per_k
+
+    def _slice(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device; under context parallelism, this rank's contiguous slice of each sequence
+        (every CP rank of a data-parallel rank read the same sequences)."""
+        if self.dims.cp > 1:
+            inputs, labels = (shard_sequence(x, self.dims.cp_rank, self.dims.cp) for x in (inputs, labels))
+        return inputs.to(self.device), labels.to(self.device)
+
+    def _loss_context(self):
+        """loss_parallel under TP (forward and backward of the loss on vocab-sharded logits)."""
+        return loss_parallel() if self.dims.tp_mesh is not None else contextlib.nullcontext()
 
     def _clip_gradients(self, max_norm: float) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -324,9 +350,10 @@ class Trainer:
             self.val_path, cfg.training.seq_len, cfg.training.local_batch_size, cfg.validation.steps,
             self.dp_rank, self.dp_world,
         ):
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            inputs, labels = self._slice(inputs, labels)
             for k in range(1, cfg.elr.max_loops + 1):
-                sums[0, k - 1] += summed_loss(self.model(inputs, loops=k), labels)
+                with self._loss_context():
+                    sums[0, k - 1] += summed_loss(self.model(inputs, loops=k), labels)
                 sums[1, k - 1] += labels.numel()
         if dist.is_initialized():
             dist.all_reduce(sums)
@@ -385,8 +412,7 @@ class Trainer:
                 self.tokens_seen += tokens_per_update
                 flops = sum(self.model.num_flops_per_token(t.seq_len, k) for k in ks.flatten().tolist())
                 flops *= t.local_batch_size * t.seq_len
-                scalars["throughput/tokens_per_s"] = tokens_per_update / elapsed
-                scalars["throughput/mfu_pct"] = 100 * flops / elapsed / (cfg.metrics.peak_tflops * 1e12 * self.world_size)
+                scalars.update(throughput(tokens_per_update, flops, elapsed, self.world_size, cfg.metrics.peak_tflops))
                 scalars["memory/max_gib"] = memory_gib(self.device)
                 self.metrics.log(step, scalars, {"loops": ks.tolist(), "tokens": self.tokens_seen})
                 if step % cfg.metrics.log_freq == 0 or step == 1:

@@ -1,0 +1,96 @@
+"""Tensor parallelism on 2 gloo ranks, launched by tests/test_tensor_parallel.py: every parameter's
+gradient under TP equals the single-process model's, for the debug model (G, A, F, E layers) at
+loop counts 1 and 3 accumulated, with GQA kv heads split (2 kv heads) and replicated (1 kv head), with
+each activation-checkpointing mode; `--compile`: with compiled layers (dynamo + AOTAutograd, the
+aot_eager backend, static shapes as parallelize() sets them under TP) instead. Prints one line per
+failure; exits 1 if any.
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from elr.models import build_model, flavors  # noqa: E402
+from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from elr.parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_grads  # noqa: E402
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
+    torch.manual_seed(0)
+    ref = build_model(args)
+    ref.init_weights()
+    with torch.device("meta"):
+        model = build_model(args)
+    apply_tensor_parallel(model, mesh)
+    apply_activation_checkpointing(model, ac)
+    if compile:
+        for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+            layer.compile(backend="aot_eager", dynamic=False)
+    model.to_empty(device="cpu")
+    model.init_weights()  # rope tables; the weights come from the reference
+    with torch.no_grad():
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            p.copy_(distribute_tensor(ref_params[name.replace("._checkpoint_wrapped_module", "")], mesh, p.placements))
+    tokens = torch.randint(0, args.vocab_size, (2, 17 * mesh.size()), generator=torch.Generator().manual_seed(1))
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+    for loops in (1, 3):  # the second loop count accumulates onto the first's gradients, as microbatches do
+        want = F.cross_entropy(ref(tokens, loops=loops).flatten(0, 1), tokens.flatten(), reduction="sum")
+        aux = ref.moe_aux_loss()
+        (want + aux).backward()
+        with loss_parallel():
+            got = F.cross_entropy(model(tokens, loops=loops).flatten(0, 1), tokens.flatten(), reduction="sum")
+            got_aux = model.moe_aux_loss()  # this rank's share of the balance loss
+            (got.to_local() + got_aux).backward()
+        got_aux = got_aux.detach().clone()
+        dist.all_reduce(got_aux)
+        what = f"n_kv_heads={args.n_kv_heads} ac={ac} compile={compile} loops={loops}"
+        for name, a, b in (("loss", got.to_local(), want), ("balance loss", got_aux, aux)):
+            if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+                failures.append(f"{what}: {name} {a.item()} != {b.item()}")
+    reduce_partial_grads(model)
+    norm = full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], foreach=True))
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    if not torch.allclose(norm, ref_norm, rtol=1e-5):
+        failures.append(f"{what}: gradient norm {norm.item()} != {ref_norm.item()}")
+    for name, p in model.named_parameters():
+        g, r = full(p.grad), ref_params[name.replace("._checkpoint_wrapped_module", "")].grad
+        if not torch.allclose(g, r, rtol=1e-5, atol=1e-6):
+            failures.append(f"{what}: grad of {name} differs by {(g - r).abs().max().item():.2e} "
+                            f"(largest {r.abs().max().item():.2e})")
+
+
+def main():
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    base = dataclasses.replace(flavors["debug"], vocab_size=257, max_seq_len=128, max_loops=3,
+                               update="adaptive_delta", conditioning=True, moe_route_replay=True)
+    failures = []
+    if "--compile" in sys.argv:
+        check(base, "full", mesh, failures, compile=True)
+    else:
+        check(base, "none", mesh, failures)
+        check(dataclasses.replace(base, n_kv_heads=1), "full", mesh, failures)
+        check(base, "selective", mesh, failures)
+    if dist.get_rank() == 0:
+        print("\n".join(failures) or "tp_grads: all checks passed")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
