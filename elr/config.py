@@ -71,6 +71,7 @@ class Training:
     seed: int = 0
     mixed_precision_param: str = "float32"  # float32 | bfloat16 (parameters as seen by compute under FSDP)
     max_nonfinite_steps: int = 3  # consecutive NaN/Inf updates skipped before the run aborts
+    loss_chunk_tokens: int = 0  # > 0: cross entropy from the hidden states this many tokens at a time; 0 = off
 
 
 @dataclass
@@ -330,6 +331,7 @@ def validate(cfg: JobConfig) -> None:
            "must be -1 or >= 1", t.global_batch_size)
     _check(t.max_norm >= 0, "training.max_norm", "must be >= 0", t.max_norm)
     _check(t.max_nonfinite_steps >= 0, "training.max_nonfinite_steps", "must be >= 0", t.max_nonfinite_steps)
+    _check(t.loss_chunk_tokens >= 0, "training.loss_chunk_tokens", "must be >= 0 (0 = off)", t.loss_chunk_tokens)
 
     o = cfg.optimizer
     _check(o.lr > 0, "optimizer.lr", "must be > 0", o.lr)

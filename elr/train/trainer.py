@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from elr.config import ConfigError, JobConfig
 from elr.models import build_model
@@ -28,6 +27,7 @@ from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
 from elr.train.data import build_train_loader, val_batches
+from elr.train.loss import chunked_cross_entropy, summed_loss
 from elr.train.loop_sampler import LoopSampler
 from elr.train.metrics import MetricsLogger, console_line, memory_gib
 from elr.train.optimizer import build_lr_scheduler, build_optimizer
@@ -43,11 +43,6 @@ class NonFiniteLossError(RuntimeError):
 def is_conditioning_key(key: str) -> bool:
     """Checkpoint keys of the loop-conditioning parameters, which a pre-switch checkpoint lacks."""
     return ".conditioning." in key
-
-
-def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy summed over tokens, in fp32: updates and evaluations average it over tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
 
 class Trainer:
@@ -249,7 +244,7 @@ class Trainer:
         aux_sum = torch.zeros((), device=self.device)  # balance loss summed over microbatches
         for micro, k in enumerate(ks[self.dp_rank].tolist()):
             inputs, labels = (x.to(self.device) for x in next(self.data_iter))
-            loss_sum = summed_loss(self.model(inputs, loops=k), labels)
+            loss_sum = self.model_loss(inputs, labels, k)
             micro_loss = loss_sum / tokens_per_rank
             aux = self.model.moe_aux_loss()
             if aux is not None:
@@ -306,6 +301,17 @@ class Trainer:
             scalars["moe/aux_loss"] = (aux_sum / (self.n_micro * self.world_size)).item()
         return scalars, ks, per_k
 
+    def model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+        """Summed cross entropy of the model at k loops; chunked (training.loss_chunk_tokens) or whole.
+
+        The chunked loss applies the head outside the model's forward: under FSDP the root unit keeps
+        its weights (the head's among them) gathered from forward until its backward.
+        """
+        chunk = self.cfg.training.loss_chunk_tokens
+        if chunk == 0:
+            return summed_loss(self.model(inputs, loops=k), labels)
+        return chunked_cross_entropy(self.model(inputs, loops=k, head=False), self.model.output.weight, labels, chunk)
+
     def _clip_gradients(self, max_norm: float) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         total = grad_norm_by_mesh(grads).item()
@@ -326,7 +332,7 @@ class Trainer:
         ):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             for k in range(1, cfg.elr.max_loops + 1):
-                sums[0, k - 1] += summed_loss(self.model(inputs, loops=k), labels)
+                sums[0, k - 1] += self.model_loss(inputs, labels, k)
                 sums[1, k - 1] += labels.numel()
         if dist.is_initialized():
             dist.all_reduce(sums)
