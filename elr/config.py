@@ -71,6 +71,7 @@ class Training:
     seed: int = 0
     mixed_precision_param: str = "float32"  # float32 | bfloat16 (parameters as seen by compute under FSDP)
     max_nonfinite_steps: int = 3  # consecutive NaN/Inf updates skipped before the run aborts
+    loss_chunk_tokens: int = 0  # > 0: cross entropy from the hidden states this many tokens at a time; 0 = off
 
 
 @dataclass
@@ -334,6 +335,7 @@ def validate(cfg: JobConfig) -> None:
            "must be -1 or >= 1", t.global_batch_size)
     _check(t.max_norm >= 0, "training.max_norm", "must be >= 0", t.max_norm)
     _check(t.max_nonfinite_steps >= 0, "training.max_nonfinite_steps", "must be >= 0", t.max_nonfinite_steps)
+    _check(t.loss_chunk_tokens >= 0, "training.loss_chunk_tokens", "must be >= 0 (0 = off)", t.loss_chunk_tokens)
 
     o = cfg.optimizer
     _check(o.lr > 0, "optimizer.lr", "must be > 0", o.lr)
@@ -377,6 +379,9 @@ def validate(cfg: JobConfig) -> None:
     _check(t.seq_len % p.tensor_parallel_degree == 0, "parallelism.tensor_parallel_degree",
            f"must divide training.seq_len = {t.seq_len} (sequence parallelism splits every sequence evenly)",
            p.tensor_parallel_degree)
+    _check(p.tensor_parallel_degree == 1 or t.loss_chunk_tokens == 0, "training.loss_chunk_tokens",
+           "is not combined with tensor parallelism yet (its vocab-parallel loss keeps logits sharded)",
+           t.loss_chunk_tokens)
     _check(p.tensor_parallel_degree == 1 or not cfg.float8.enable, "float8.enable",
            "is not combined with tensor parallelism yet (needs float8-aware TP plans)", cfg.float8.enable)
 

@@ -4,7 +4,7 @@
         [--activation_checkpoint.mode full --parallelism.data_parallel_shard_degree 8 ...]
 
 Any `--section.key value` override the trainer takes is accepted (layout, expert parallelism, AC
-mode, optimizer, batch, seq_len).
+mode, optimizer, batch, seq_len, training.loss_chunk_tokens: the loss one chunk of tokens at a time).
 The model is built on the meta device; see elr/parallel/memory_plan.py for what is counted.
 Exit code 0 when it fits, 1 when it does not, 2 for a config error.
 """

@@ -21,6 +21,7 @@ from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
 from elr.train.optimizer import build_optimizer
 from elr.models.from_config import model_args_from_config
+from elr.train.loss import chunked_cross_entropy
 from elr.train.trainer import summed_loss
 from trainer_utils import DEBUG_TOML, ROOT
 
@@ -47,6 +48,34 @@ def test_predicted_activations_match_a_real_forward_within_10_percent(mode, opti
             assert abs(predicted - hooked) <= 0.1 * hooked, (k, predicted, hooked)
 
 
+def test_chunked_loss_plan_matches_a_real_forward_and_drops_the_log_softmax():
+    """training.loss_chunk_tokens: the plan traces the trainer's chunked path (hidden state, then the
+    loss), equal to what a real forward saves for backward, and the whole-sequence log-softmax is gone."""
+    base = ["--training.seq_len", "32", "--training.local_batch_size", "2"]
+    cfg = load_config(DEBUG_TOML, [*base, "--training.loss_chunk_tokens", "24"])
+    args = model_args_from_config(cfg, 8192)
+    torch.manual_seed(0)
+    model = build_model(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 32))
+    own = {p.untyped_storage()._cdata for p in [*model.parameters(), *model.buffers()]}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in own:
+            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = chunked_cross_entropy(model(tokens, loops=2, head=False), model.output.weight, tokens, 24)
+    del loss
+    hooked = sum(seen.values())
+    predicted = activation_bytes(args, cfg, torch.float32, 2)
+    assert abs(predicted - hooked) <= 0.1 * hooked, (predicted, hooked)
+    whole = activation_bytes(args, load_config(DEBUG_TOML, base), torch.float32, 2)
+    assert whole - predicted >= 0.9 * 2 * 32 * args.vocab_size * 4, (whole, predicted)
+
+
 def test_full_ac_grows_with_k_by_about_one_layer_input_per_recurrent_call():
     cfg = load_config(DEBUG_TOML, ["--training.seq_len", "32", "--training.local_batch_size", "2",
                                    "--activation_checkpoint.mode", "full"])
@@ -63,6 +92,8 @@ def test_full_ac_grows_with_k_by_about_one_layer_input_per_recurrent_call():
     ("koi4b.toml", ["--activation_checkpoint.mode", "none"], False),
     ("gdp_hybrid_30b_a3b.toml", [], True),  # expert parallel 8, Muon, per-layer recurrent units
     ("gdp_hybrid_30b_a3b.toml", ["--parallelism.expert_parallel_degree", "1"], False),
+    ("koi4b_midtrain.toml", [], True),  # 256K over CP 8: fits through the chunked loss alone
+    ("koi4b_midtrain.toml", ["--training.loss_chunk_tokens", "0"], False),
 ])
 def test_plan_verdicts_of_shipped_configs(config, overrides, fits):
     result = subprocess.run(

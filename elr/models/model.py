@@ -89,8 +89,11 @@ class ELRModel(nn.Module):
         cutoff = 3 * a.dim ** -0.5
         nn.init.trunc_normal_(self.output.weight, std=a.dim ** -0.5, a=-cutoff, b=cutoff)
 
-    def forward(self, tokens: torch.Tensor, loops: int = 1, cache=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, loops: int = 1, cache=None, head: bool = True) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times.
+
+        head=False returns the normed final hidden state [B, T, dim] instead, for a loss that applies
+        `self.output` itself a chunk of tokens at a time (elr/train/loss.py).
 
         With `cache` (inference, elr/infer/cache.py) `tokens` continue the cached sequences: each
         row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
@@ -118,7 +121,8 @@ class ELRModel(nn.Module):
             h = layer(h, rope, cache=slot(layer))
         if cache is not None:
             cache.advance()
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return self.output(h) if head else h
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

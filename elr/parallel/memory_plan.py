@@ -8,7 +8,10 @@
                                                             under EP a MoE layer's local experts in the
                                                             compute dtype with their gradient)
           + activations                                    (one microbatch at k = max_loops, for the AC mode)
-          + backward working set                           (max of: logits gradient; a recomputed layer)
+          + backward working set                           (max of: logits gradient; a recomputed layer;
+                                                            with training.loss_chunk_tokens one chunk's
+                                                            logits and the head's gradient, see
+                                                            microbatch_bytes)
           + reserve                                        (CUDA context, NCCL, allocator slack: our choice)
 
 Activations are not a formula: the model is built on the meta device in the compute dtype, AC is
@@ -38,17 +41,11 @@ from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.activation_memory import LiveTensors, forward_activation_bytes, storage_key
 from elr.parallel.parallel_dims import ParallelDims
+from elr.train.loss import chunked_cross_entropy, summed_loss
 from elr.train.optimizer import muon_params
 
 GiB = 2**30
 RESERVE_GIB = 3.0  # our choice: CUDA context (~0.6 GiB), NCCL buffers and allocator fragmentation
-
-
-def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The trainer's loss (fp32 cross entropy summed over tokens); imported lazily to avoid a cycle."""
-    from elr.train.trainer import summed_loss as loss
-
-    return loss(logits, labels)
 
 
 @dataclass
@@ -58,6 +55,7 @@ class MemoryPlan:
     ac: str
     loops: int
     tokens_per_microbatch: int
+    loss_chunk_tokens: int
     n_params: int
     params: float  # all in bytes per rank
     grads: float
@@ -83,7 +81,8 @@ class MemoryPlan:
         g = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
         lines = [
             f"{self.config}: {self.n_params / 1e9:.3f}B parameters | layout {self.layout} | AC {self.ac} | "
-            f"k = {self.loops} | {self.tokens_per_microbatch} tokens per microbatch",
+            f"k = {self.loops} | {self.tokens_per_microbatch} tokens per microbatch"
+            + (f" | loss in chunks of {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),
             f"  parameters (fp32, sharded)       {g(self.params)}",
             f"  gradients (fp32, sharded)        {g(self.grads)}",
             f"  optimizer state (sharded)        {g(self.optimizer)}   ({self.optimizer_name})",
@@ -134,7 +133,16 @@ def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> in
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
     with fused_attention():
-        return forward_activation_bytes(model, tokens, loops, summed_loss)
+        if not t.loss_chunk_tokens:
+            return forward_activation_bytes(model, tokens, loops, summed_loss)
+        own = {storage_key(x) for x in [*model.parameters(), *model.buffers()]}
+        with LiveTensors() as live:  # the trainer's chunked path: hidden state, then the loss
+            hidden = model(tokens, loops=loops, head=False)
+            loss = chunked_cross_entropy(hidden, model.output.weight, tokens, t.loss_chunk_tokens)
+            del hidden
+            total = live.live_bytes(own)
+        del loss
+        return total
 
 
 def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype) -> int:
@@ -157,14 +165,28 @@ def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype) -> int:
 def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> tuple[int, int]:
     """(activations kept for backward, backward working set) of one microbatch at `loops`.
 
-    The working set is the larger of the logits' gradient (fp32 and compute dtype) and, under AC,
-    the largest layer's recomputed internals plus three hidden-state gradients.
+    The working set is the larger of the loss's backward and, under AC, the largest layer's
+    recomputed internals plus three hidden-state gradients. The loss's backward is the logits'
+    gradient (fp32 and compute dtype) for the whole microbatch, or with training.loss_chunk_tokens
+    (elr/train/loss.py) one chunk's: the larger of the forward's chunk (fp32 logits and logsumexp's
+    temporary) and the backward's (fp32 logits and their compute-dtype gradient, the hidden-state
+    gradient, the head gradient's fp32 accumulator, one chunk's product and the cast result); the
+    head's gradient in the compute dtype then stays until the end of backward, so it is added to
+    the recompute term too. (The whole-sequence path leaves that last term out: it is small next to
+    its logits' gradient.)
     """
     t, pd = cfg.training, torch.finfo(dtype).bits // 8
     tokens = t.local_batch_size * t.seq_len
-    logits_grad = tokens * args.vocab_size * (4 + pd)
+    V, D = args.vocab_size, args.dim
     recompute = largest_layer_bytes(args, cfg, dtype) if cfg.activation_checkpoint.mode != "none" else 0
-    return activation_bytes(args, cfg, dtype, loops), max(logits_grad, recompute + 3 * tokens * args.dim * pd)
+    recompute += 3 * tokens * D * pd
+    if t.loss_chunk_tokens:
+        chunk = min(t.loss_chunk_tokens, tokens)
+        loss_work = max(chunk * V * 8, chunk * V * (4 + pd) + tokens * D * pd + V * D * (4 + pd))
+        recompute += V * D * pd
+    else:
+        loss_work = tokens * V * (4 + pd)
+    return activation_bytes(args, cfg, dtype, loops), max(loss_work, recompute)
 
 
 def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "") -> MemoryPlan:
@@ -243,7 +265,7 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
         config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
         + (f" x cp {cp}" if cp > 1 else "")
         + (f", expert parallel {ep}" if ep > 1 else ""),
-        ac=ac_name, loops=loops, tokens_per_microbatch=tokens, n_params=n,
+        ac=ac_name, loops=loops, tokens_per_microbatch=tokens, loss_chunk_tokens=t.loss_chunk_tokens, n_params=n,
         params=4 * per_rank, grads=4 * per_rank, optimizer=optimizer, optimizer_name=optimizer_name,
         unsharded=unsharded, unsharded_unit=unit_text,
         activations=activations, backward_work=backward_work, reserve=RESERVE_GIB * GiB, gpu=gpu_memory_gib * GiB,

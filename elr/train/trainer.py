@@ -18,8 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from elr.config import ConfigError, JobConfig
@@ -33,6 +31,7 @@ from elr.parallel.parallelize import parallelize
 from elr.parallel.tensor_parallel import reduce_partial_grads
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
 from elr.train.data import build_train_loader, val_batches
+from elr.train.loss import chunked_cross_entropy, summed_loss
 from elr.train.loop_sampler import LoopSampler
 from elr.train.metrics import MetricsLogger, console_line, memory_gib, throughput
 from elr.train.optimizer import build_lr_scheduler, build_optimizer
@@ -48,16 +47,6 @@ class NonFiniteLossError(RuntimeError):
 def is_conditioning_key(key: str) -> bool:
     """Checkpoint keys of the loop-conditioning parameters, which a pre-switch checkpoint lacks."""
     return ".conditioning." in key
-
-
-def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy summed over tokens, in fp32: updates and evaluations average it over tokens.
-
-    Under tensor parallelism the logits are vocab-sharded and the loss is computed without
-    gathering them (loss_parallel); every TP rank gets the whole loss, as a plain tensor.
-    """
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 class Trainer:
@@ -262,7 +251,7 @@ class Trainer:
         for micro, k in enumerate(ks[self.dp_rank].tolist()):
             inputs, labels = self._slice(*next(self.data_iter))
             with self._loss_context():
-                loss_sum = summed_loss(self.model(inputs, loops=k), labels)
+                loss_sum = self.model_loss(inputs, labels, k)
                 micro_loss = loss_sum / tokens_per_rank
                 aux = self.model.moe_aux_loss()  # under TP: this rank's share of its sequences' loss
                 if aux is not None:
@@ -332,6 +321,17 @@ class Trainer:
         """loss_parallel under TP (forward and backward of the loss on vocab-sharded logits)."""
         return loss_parallel() if self.dims.tp_mesh is not None else contextlib.nullcontext()
 
+    def model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+        """Summed cross entropy of the model at k loops; chunked (training.loss_chunk_tokens) or whole.
+
+        The chunked loss applies the head outside the model's forward: under FSDP the root unit keeps
+        its weights (the head's among them) gathered from forward until its backward.
+        """
+        chunk = self.cfg.training.loss_chunk_tokens
+        if chunk == 0:
+            return summed_loss(self.model(inputs, loops=k), labels)
+        return chunked_cross_entropy(self.model(inputs, loops=k, head=False), self.model.output.weight, labels, chunk)
+
     def _clip_gradients(self, max_norm: float) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         total = grad_norm_by_mesh(grads).item()
@@ -353,7 +353,7 @@ class Trainer:
             inputs, labels = self._slice(inputs, labels)
             for k in range(1, cfg.elr.max_loops + 1):
                 with self._loss_context():
-                    sums[0, k - 1] += summed_loss(self.model(inputs, loops=k), labels)
+                    sums[0, k - 1] += self.model_loss(inputs, labels, k)
                 sums[1, k - 1] += labels.numel()
         if dist.is_initialized():
             dist.all_reduce(sums)
