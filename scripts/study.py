@@ -431,7 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     (args.out / "results.json").write_text(json.dumps({"steps": steps, "seeds": seeds, "results": results}, indent=2))
     write_markdown(results, args.out, steps, seeds)
-    figures = plot(results, args.out)
+    try:
+        figures = plot(results, args.out)
+    except ModuleNotFoundError as e:  # matplotlib is an extra: pip install -e ".[plot]"
+        log(f"wrote {args.out / 'results.md'} and results.json; no figures: {e} (pip install -e \".[plot]\")")
+        return 1
     log(f"wrote {args.out / 'results.md'}, results.json and {len(figures)} figures")
     return 1 if failed else 0
 
