@@ -172,6 +172,7 @@ def test_resume_into_another_model_fails_naming_the_keys(tmp_path):
     assert len(errors) == 1 and "recurrent.step_size" in errors[0], result.stderr
 
 
+@pytest.mark.slow  # the whole quick start: 90 s on an idle 2-core machine
 def test_debug_config_learns_real_text(tmp_path):
     """The product's promise: `python train.py` trains on the bundled prose; val loss at k=1 drops >= 30%."""
     dump = tmp_path / "debug"
