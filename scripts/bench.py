@@ -22,14 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def time_call(fn, repeats, warmup=1):
     """Median wall time of fn() in seconds, after warm-up calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_medians([fn], repeats, warmup)[0]
 
 
 def interleaved_medians(fns, repeats, warmup=1):

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from elr.tokenizer import build_tokenizer, file_sha256  # noqa: E402
-from route_diagnostics import drift_for_checkpoint  # noqa: E402
+from route_diagnostics import route_drift  # noqa: E402
 
 STUDY_CONFIG = ROOT / "train_configs/study/study.toml"
 VARIANTS = ROOT / "train_configs/study/variants.toml"
@@ -186,26 +186,31 @@ def latest_checkpoint(folder: Path) -> Path:
     return steps[-1]
 
 
-def loop_statistics(folder: Path, data: Path, batches: int) -> dict[str, list[float]]:
+def val_windows(data: Path, cfg: dict, batches: int):
+    """The first validation batches of the run's shape: the same windows its own validation read."""
+    from elr.train.data import val_batches
+
+    t = cfg["training"]
+    return val_batches(str(data / "val.bin"), t["seq_len"], t["local_batch_size"], batches, 0, 1)
+
+
+def loop_statistics(model, batches) -> dict[str, list[float]]:
     """Per-loop update norm ||s_i - s_{i-1}|| / ||s_{i-1}||, step size and FiLM gate means at k = K,
     measured on validation batches with the run's final weights: a model that switched its later
     loops off shows norms near zero there."""
     import torch
 
-    from elr.infer.load import load_model
-    from elr.train.data import val_batches
-
-    model, cfg = load_model(latest_checkpoint(folder))
+    batches = list(batches)
     loops = model.args.max_loops
     model.recurrent.track_stats = True
     sums: dict[str, list[float]] = {}
-    t = cfg["training"]
     with torch.no_grad():
-        for inputs, _ in val_batches(str(data / "val.bin"), t["seq_len"], t["local_batch_size"], batches, 0, 1):
+        for inputs, _ in batches:
             model(inputs, loops=loops)
             for i, stats in enumerate(model.recurrent.loop_stats):
                 for name, value in stats.items():
-                    sums.setdefault(name, [0.0] * loops)[i] += value.item() / batches
+                    sums.setdefault(name, [0.0] * loops)[i] += value.item() / len(batches)
+    model.recurrent.track_stats = False
     return sums
 
 
@@ -214,25 +219,31 @@ def summarise(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def replay_at_inference_loss(folder: Path, data: Path, val_steps: int | None) -> float:
+def replay_at_inference_loss(model, batches) -> float:
     """Validation loss at k = K of a dynamically trained MoE run with route replay switched on,
     on the batches its own final validation used."""
     import torch
 
-    from elr.infer.load import load_model
-    from elr.train.data import val_batches
-    from elr.train.trainer import summed_loss
+    from elr.train.loss import summed_loss
 
-    model, cfg = load_model(latest_checkpoint(folder))
     model.recurrent.route_replay = True
-    t = cfg["training"]
     total = count = 0.0
     with torch.no_grad():
-        for inputs, labels in val_batches(str(data / "val.bin"), t["seq_len"], t["local_batch_size"],
-                                          val_steps or cfg["validation"]["steps"], 0, 1):
+        for inputs, labels in batches:
             total += summed_loss(model(inputs, loops=model.args.max_loops), labels).item()
             count += labels.numel()
+    model.recurrent.route_replay = False
     return total / count
+
+
+def mean_per_key(dicts: list[dict]) -> dict:
+    """Element-wise mean of equally shaped {key: list or {metric: value}} results over seeds."""
+    first = dicts[0]
+    if isinstance(first, dict):
+        return {key: mean_per_key([d[key] for d in dicts]) for key in first}
+    if isinstance(first, list):
+        return [statistics.fmean(d[i] for d in dicts) for i in range(len(first))]
+    return statistics.fmean(dicts)
 
 
 def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batches: int,
@@ -240,24 +251,29 @@ def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batch
     results = {}
     for variant, spec in variants.items():
         # every finished seed counts: a grid cut short reports each variant over the seeds it has
-        mine = [r for r in runs if r.variant == variant and final_validation(r.folder, steps) is not None]
-        losses = [final_validation(r.folder, steps) for r in mine]
-        if not mine:
+        finished = [(r, final_validation(r.folder, steps)) for r in runs if r.variant == variant]
+        finished = [(r, run_losses) for r, run_losses in finished if run_losses is not None]
+        if not finished:
             continue
+        mine, losses = [r for r, _ in finished], [run_losses for _, run_losses in finished]
         K = len(losses[0])
         per_k = [summarise([run_losses[k] for run_losses in losses]) for k in range(K)]
         entry = {"label": spec["label"], "groups": spec["groups"], "seeds": [r.seed for r in mine],
                  "loss": [m for m, _ in per_k], "std": [s for _, s in per_k], "per_seed": losses}
-        if "table_1" in spec["groups"] and not spec["overrides"].get("moe.route_replay"):
-            entry["loss_replay_at_inference"] = statistics.fmean(
-                replay_at_inference_loss(r.folder, data, val_steps) for r in mine)
-            drifts = [drift_for_checkpoint(latest_checkpoint(r.folder), data, stats_batches) for r in mine]
-            entry["route_drift"] = {i: {m: statistics.fmean(d[i][m] for d in drifts) for m in drifts[0][i]}
-                                    for i in drifts[0]}
-        if K > 1:
-            stats = [loop_statistics(r.folder, data, stats_batches) for r in mine]
-            entry["loop_stats"] = {name: [statistics.fmean(s[name][i] for s in stats) for i in range(K)]
-                                   for name in stats[0]}
+        replay_check = "table_1" in spec["groups"] and not spec["overrides"].get("moe.route_replay")
+        if K > 1:  # one load of each run's final weights for every measurement below
+            from elr.infer.load import load_model
+
+            measured = []
+            for r in mine:
+                model, cfg = load_model(latest_checkpoint(r.folder))
+                m = {"loop_stats": loop_statistics(model, val_windows(data, cfg, stats_batches))}
+                if replay_check:
+                    m["route_drift"] = route_drift(model, val_windows(data, cfg, stats_batches))
+                    m["loss_replay_at_inference"] = replay_at_inference_loss(
+                        model, val_windows(data, cfg, val_steps or cfg["validation"]["steps"]))
+                measured.append(m)
+            entry.update(mean_per_key(measured))
         results[variant] = entry
     return results
 
