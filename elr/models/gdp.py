@@ -3,6 +3,12 @@
 The recurrence itself lives in kernels/gated_delta_product; this layer only prepares its inputs:
 L2-normalised q and k after causal depthwise convolutions, beta = 2 sigmoid(.) so the Householder
 factors may have negative eigenvalues, and a Mamba-style log decay g = -exp(A_log) softplus(.).
+
+The n_h keys, values and betas of a token are laid out head-major in their projections, (H, n_h, D)
+and (H, n_h): each head owns one contiguous block of rows, so tensor parallelism splits every
+projection and convolution by heads with a plain row split, and a checkpoint has one layout at any
+TP degree (our choice; the kernel's step-major order costs no extra copy: the reshape after the
+convolution copies in either order).
 """
 
 from __future__ import annotations
@@ -92,13 +98,13 @@ class GatedDeltaProduct(nn.Module):
         k, k_tail = self.k_conv(k, conv_states[1])
         v, v_tail = self.v_conv(v, conv_states[2])
         q = F.normalize(q.reshape(B, T, H, D), dim=-1, eps=1e-6)
-        k = F.normalize(k.reshape(B, T * n_h, H, D), dim=-1, eps=1e-6)
-        v = v.reshape(B, T * n_h, H, D)
+        k = F.normalize(k.reshape(B, T, H, n_h, D).transpose(2, 3).reshape(B, T * n_h, H, D), dim=-1, eps=1e-6)
+        v = v.reshape(B, T, H, n_h, D).transpose(2, 3).reshape(B, T * n_h, H, D)
         beta = 2 * torch.sigmoid(self.b_proj(x).float())
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         if cache is not None:
             beta, g = beta * valid, g * valid
-        beta = beta.view(B, T * n_h, H)
+        beta = beta.view(B, T, H, n_h).transpose(2, 3).reshape(B, T * n_h, H)
         # One token at a time the token loop is the cheapest form (our choice: no decode kernel yet).
         impl = "naive" if cache is not None and T == 1 else self.impl
         if self.cp_group is not None:

@@ -9,11 +9,8 @@ local weights, and reduce-scatters its partial output back to sequence slices. P
     norms              SequenceParallel (replicated weight, per-slice compute)
     attention          q/k/v split by heads, o by its input rows; GQA kv heads split when tp divides
                        them, else replicated and each rank keeps the one kv head its q heads read
-    GDP                q, g, a, A_log, dt_bias, q_conv split by heads, o by its input rows; k, v, beta
-                       and their convs are laid out (n_h, H, D), so a plain split would cut along n_h:
-                       they stay replicated and each rank computes only its heads' rows of every
-                       Householder step (our choice: DCP cannot save the strided split, and a
-                       permuted layout would tie checkpoints to one TP degree)
+    GDP                q, k, v, beta, g, a, their convs, A_log and dt_bias split by heads (k, v and
+                       beta are laid out head-major, elr/models/gdp.py), o by its input rows
     dense FF           w1/w3 split by hidden rows (colwise), w2 by its input rows (rowwise)
     MoE                (our choice) replicated over TP; each rank routes and computes its own sequence
                        slice, a token-wise layer needing no collective; expert memory is split by
@@ -52,10 +49,9 @@ from elr.models.model import ELRModel
 
 @dataclass(frozen=True)
 class Rows:
-    """A replicated weight of which this rank computes some rows: the rows, viewed as
-    [blocks, groups, rows per group, ...], of group `rank * groups // tp` in every block."""
+    """A replicated weight of which this rank computes some rows: viewed as [groups, rows per group,
+    ...], group `rank * groups // tp` (GQA kv heads fewer than the TP degree)."""
 
-    blocks: int
     groups: int
 
 
@@ -92,8 +88,7 @@ class LocalCompute(ParallelStyle):
         local = param.to_local(grad_placements=[Partial()])  # this rank's heads or tokens only
         if isinstance(rule, Rows):
             rank, tp = mesh.get_local_rank(), mesh.size()
-            grouped = local.view(rule.blocks, rule.groups, -1, *local.shape[1:])
-            local = grouped[:, rank * rule.groups // tp].reshape(-1, *local.shape[1:])
+            local = local.view(rule.groups, -1, *local.shape[1:])[rank * rule.groups // tp]
         return local
 
     def _enter(self, mesh: DeviceMesh, module: nn.Module, args: tuple):
@@ -143,15 +138,12 @@ def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
 def sublayer_plan(kind: str, args: ModelArgs, tp: int) -> dict[str, ParallelStyle]:
     """The plan of one sublayer of kind G, A, F or E, keyed by submodule ("" is the sublayer itself)."""
     if kind == "A":
-        kv = Shard(0) if args.n_kv_heads >= tp else Rows(1, args.n_kv_heads)
+        kv = Shard(0) if args.n_kv_heads >= tp else Rows(args.n_kv_heads)
         return {"": LocalCompute({"wq.weight": Shard(0), "wk.weight": kv, "wv.weight": kv, "wo.weight": Shard(1)})}
     if kind == "G":
-        by_head = {f"{name}.weight": Shard(0) for name in ("q_proj", "g_proj", "a_proj", "q_conv")}
-        by_head_in_each_step = {
-            f"{name}.weight": Rows(args.gdp_householder, tp) for name in ("k_proj", "v_proj", "b_proj", "k_conv", "v_conv")
-        }
-        return {"": LocalCompute({**by_head, **by_head_in_each_step, "A_log": Shard(0), "dt_bias": Shard(0),
-                                  "o_proj.weight": Shard(1)})}
+        by_head = [f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "a_proj",
+                                                 "q_conv", "k_conv", "v_conv")] + ["A_log", "dt_bias"]
+        return {"": LocalCompute({**dict.fromkeys(by_head, Shard(0)), "o_proj.weight": Shard(1)})}
     if kind == "F":
         plan = {"": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 "w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1))}

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -34,6 +34,13 @@ def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
     with torch.device("meta"):
         model = build_model(args)
     apply_tensor_parallel(model, mesh)
+    for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+        if layer.kind == "E":  # MoE: replicated over TP by design
+            continue
+        for name, p in layer.sublayer.named_parameters():  # the rest is split in memory
+            kv_replicated = args.n_kv_heads < mesh.size() and name in ("wk.weight", "wv.weight")
+            if name != "o_norm.weight" and not kv_replicated and not isinstance(p.placements[0], Shard):
+                failures.append(f"{layer.kind} layer's {name} is replicated over TP, not split")
     apply_activation_checkpointing(model, ac)
     if compile:
         for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
