@@ -106,3 +106,20 @@ def test_cp2_x_fsdp2_trains_like_one_process(tmp_path):
     got = records(tmp_path / "2d")
     assert any(len(set(r["loops"][0] + r["loops"][1])) > 1 for r in got if "loops" in r), "replicas should differ in k"
     assert_same_run(got, records(tmp_path / "one"), (1, 2))
+
+
+@pytest.mark.slow  # 4 processes on 2 cores
+def test_cp2_x_tp2_with_balance_loss_trains_like_one_process(tmp_path):
+    """Each CP slice of 38 tokens is split again over 2 TP ranks (sequence parallel, 19 each); the MoE
+    balance loss (coefficient 0.01) counts routes over all four ranks' pieces of each sequence."""
+    seq = ["--training.seq_len", "76", "--validation.freq", "3", "--validation.steps", "2", "--moe.aux_loss_coeff", "0.01"]
+    run(tmp_path / "seed", 3, *CKPT, *seq, "--checkpoint.create_seed", "true")
+    for name in ("cp_tp", "one"):
+        copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
+    run_script(tmp_path / "cp_tp", 3, *CKPT, *seq, "--parallelism.context_parallel_degree", "2",
+               "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full", nproc=4, timeout=400)
+    run(tmp_path / "one", 3, *CKPT, *seq)
+    got, one = records(tmp_path / "cp_tp"), records(tmp_path / "one")
+    assert_same_run(got, one, range(1, 4))
+    moe = [[r["moe/aux_loss"] for r in rs if "moe/aux_loss" in r] for rs in (got, one)]
+    assert moe[0] and moe[0] == pytest.approx(moe[1], rel=1e-5)

@@ -98,8 +98,9 @@ def test_impossible_layouts_are_refused_in_one_line():
         ParallelDims(1, 4, 4, tp=2)
     dims = ParallelDims(1, -1, 8, tp=2)
     assert (dims.dp_shard, dims.dp_world) == (4, 4)
-    with pytest.raises(ConfigError, match="context_parallel_degree: 2 is not combined with tensor parallelism"):
-        ParallelDims(1, -1, 8, cp=2, tp=2)
+    assert ParallelDims(1, -1, 8, cp=2, tp=2).dp_shard == 2
+    with pytest.raises(ConfigError, match="x context_parallel_degree must divide training.seq_len = 74"):
+        load_config(DEBUG_TOML, [*TP2, "--parallelism.context_parallel_degree", "2", "--training.seq_len", "74"])
     with pytest.raises(ConfigError, match="must divide training.seq_len"):
         load_config(DEBUG_TOML, [*TP2[:1], "3", "--training.seq_len", "128"])
     with pytest.raises(ConfigError, match="float8.enable"):

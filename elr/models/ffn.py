@@ -118,7 +118,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.expert_parallel = None
-        self.sequence_group = None  # the process group each sequence is split over (tensor parallelism)
+        self.sequence_group = None  # the ranks each sequence is split over (tensor or context parallelism)
 
     def init_weights(self, out_std: float):
         nn.init.trunc_normal_(self.router.weight, std=0.02)

@@ -57,11 +57,6 @@ class ParallelDims:
                 f"({self.dp_shard}) x context_parallel_degree ({self.cp}) x tensor_parallel_degree ({self.tp}) "
                 f"must equal the world size ({self.world_size})"
             )
-        if self.cp > 1 and self.tp > 1:
-            raise ConfigError(
-                f"parallelism.context_parallel_degree: {self.cp} is not combined with tensor parallelism yet "
-                f"(tensor_parallel_degree {self.tp})"
-            )
         if self.ep > 1 and self.cp * self.tp > 1:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree: {self.ep} is not combined with context or tensor "
@@ -89,6 +84,8 @@ class ParallelDims:
                 self.ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_replicate", "ep"))
             if self.cp > 1:
                 self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            if self.cp > 1 and self.tp > 1:
+                self.mesh["cp", "tp"]._flatten("cp_tp")
         return self.mesh
 
     @property
@@ -131,6 +128,14 @@ class ParallelDims:
     def cp_mesh(self) -> DeviceMesh | None:
         """The context-parallel group of this rank; None when cp = 1."""
         return self.mesh["cp"] if self.mesh is not None and self.cp > 1 else None
+
+    @property
+    def sequence_mesh(self) -> DeviceMesh | None:
+        """The ranks that split each sequence between them (cp x tp); None when each rank has whole
+        sequences. The MoE balance loss counts routes over this group: it is defined per sequence."""
+        if self.mesh is None or self.cp * self.tp == 1:
+            return None
+        return self.mesh["cp_tp"] if self.cp > 1 and self.tp > 1 else self.mesh["cp" if self.cp > 1 else "tp"]
 
     @property
     def dp_rank(self) -> int:

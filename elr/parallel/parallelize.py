@@ -40,6 +40,9 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
         apply_tensor_parallel(model, dims.tp_mesh)
     if dims.cp_mesh is not None:
         enable_context_parallel(model, dims.cp_mesh)
+    if dims.sequence_mesh is not None:
+        for moe in model.moe_layers():
+            moe.sequence_group = dims.sequence_mesh.get_group()
     expert_weights = apply_expert_parallel(model, dims.ep_mesh) if dims.ep_mesh is not None else []
     if cfg.float8.enable:
         convert_to_float8(model, emulate=device_type != "cuda")

@@ -14,7 +14,8 @@ local weights, and reduce-scatters its partial output back to sequence slices. P
     dense FF           w1/w3 split by hidden rows (colwise), w2 by its input rows (rowwise)
     MoE                (our choice) replicated over TP; each rank routes and computes its own sequence
                        slice, a token-wise layer needing no collective; expert memory is split by
-                       expert parallelism, not TP. The balance loss counts routes over the whole sequence
+                       expert parallelism, not TP. The balance loss counts routes over the whole
+                       sequence (`MoE.sequence_group`, set by parallelize)
     ELR step size,     replicated, run on the sequence slice (SP)
     loop conditioning
     output head        vocab columns split; logits stay vocab-sharded for loss_parallel
@@ -170,8 +171,6 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh) -> None:
         plan.update({f"sublayer.{name}" if name else "sublayer": style
                      for name, style in sublayer_plan(layer.kind, args, tp).items()})
         parallelize_module(layer, mesh, plan)
-        if layer.kind == "E":
-            layer.sublayer.sequence_group = mesh.get_group()
     for name in ("step_size", "conditioning"):
         if getattr(model.recurrent, name) is not None:
             parallelize_module(model.recurrent, mesh, {name: LocalCompute(gather=False)})

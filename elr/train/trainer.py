@@ -253,11 +253,13 @@ class Trainer:
             with self._loss_context():
                 loss_sum = self.model_loss(inputs, labels, k)
                 micro_loss = loss_sum / tokens_per_rank
-                aux = self.model.moe_aux_loss()  # under TP: this rank's share of its sequences' loss
+                # Under TP or CP: this rank's share of its sequences' balance loss. FSDP averages over
+                # the cp ranks (the token loss is per rank) but the shares add up: hence x cp.
+                aux = self.model.moe_aux_loss()
                 if aux is not None:
                     aux_sum += aux.detach()
                     if cfg.moe.aux_loss_coeff > 0:  # each microbatch's term / n_micro: the update's mean
-                        micro_loss = micro_loss + cfg.moe.aux_loss_coeff * aux / self.n_micro
+                        micro_loss = micro_loss + cfg.moe.aux_loss_coeff * aux * self.dims.cp / self.n_micro
                 micro_loss.backward()
             per_k[0, k - 1] += loss_sum.detach().double()
             per_k[1, k - 1] += labels.numel()

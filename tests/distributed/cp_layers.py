@@ -4,7 +4,8 @@ Every rank builds the same weights and inputs, runs the whole sequence in one pr
 reference, then its own shard under CP. Checked, forward and backward (input and parameter
 gradients, the latter summed over the CP ranks as data parallelism would): one attention layer
 (GQA), one GDP layer with short convolutions, the GDP op with and without an initial state, and the
-debug model (every layer kind, ELR step and FiLM conditioning active) at k = 1 and k = 3, and at
+debug model (every layer kind, ELR step and FiLM conditioning active, the MoE balance loss counted
+over the whole sequence) at k = 1 and k = 3, and at
 k = 3 under full and selective activation checkpointing (backward re-runs the gathers). Shards of
 37 tokens (74 expanded sub-steps) are not a multiple of the GDP chunk (64).
 """
@@ -133,12 +134,17 @@ def main():
     for loops, ac in ((1, "none"), (3, "none"), (3, "full"), (3, "selective")):
         reference, sharded = copy.deepcopy(model), copy.deepcopy(model)
         enable_context_parallel(sharded, mesh)
+        for moe in sharded.moe_layers():  # as parallelize() does: routes counted over the whole sequence
+            moe.sequence_group = group
         apply_activation_checkpointing(sharded, ac)  # the recomputed forward gathers again in backward
         want = reference(inputs, loops=loops)
         got = sharded(shard_sequence(inputs, rank, cp), loops=loops)
-        F.cross_entropy(want.flatten(0, 1), labels.flatten(), reduction="sum").backward()
-        F.cross_entropy(got.flatten(0, 1), shard_sequence(labels, rank, cp).flatten(), reduction="sum").backward()
+        want_aux, got_aux = reference.moe_aux_loss(), sharded.moe_aux_loss()  # got: this rank's share
+        (F.cross_entropy(want.flatten(0, 1), labels.flatten(), reduction="sum") + want_aux).backward()
+        (F.cross_entropy(got.flatten(0, 1), shard_sequence(labels, rank, cp).flatten(), reduction="sum")
+         + got_aux).backward()
         check(f"model k={loops} AC {ac} logits", got, shard_sequence(want, rank, cp))
+        check(f"model k={loops} AC {ac} balance loss", summed(got_aux.detach(), group), want_aux.detach())
         for (name, p), p_cp in zip(reference.named_parameters(), sharded.parameters()):
             if p.grad is not None:
                 check(f"model k={loops} AC {ac} d {name}", summed(p_cp.grad, group), p.grad)
