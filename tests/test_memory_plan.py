@@ -104,17 +104,19 @@ def test_plan_verdicts_of_shipped_configs(config, overrides, fits):
     assert ("FITS: margin" in result.stdout) == fits and ("DOES NOT FIT" in result.stdout) != fits
 
 
-@pytest.mark.parametrize("shard,ep", [(8, 1), (8, 2), (8, 8), (4, 4)])
-def test_planned_parameter_bytes_are_what_each_rank_holds(shard, ep):
+@pytest.mark.parametrize("shard,ep,tp", [(8, 1, 1), (8, 2, 1), (8, 8, 1), (4, 4, 1), (4, 1, 2), (2, 1, 4)])
+def test_planned_parameter_bytes_are_what_each_rank_holds(shard, ep, tp):
     """Built as the trainer builds it (parallelize on the meta device) on rank 0 of 8 fake ranks:
-    FSDP shards dense weights over dp_shard, expert parallelism splits expert stacks over ep."""
+    FSDP shards dense weights over dp_shard, expert parallelism splits expert stacks over ep, tensor
+    parallelism splits all but the MoE, norms and ELR heads (GQA's 2 kv heads replicated at TP 4)."""
     cfg = load_config(DEBUG_TOML, ["--parallelism.data_parallel_shard_degree", str(shard),
-                                   "--parallelism.data_parallel_replicate_degree", str(8 // shard),
-                                   "--parallelism.expert_parallel_degree", str(ep)])
+                                   "--parallelism.data_parallel_replicate_degree", str(8 // shard // tp),
+                                   "--parallelism.expert_parallel_degree", str(ep),
+                                   "--parallelism.tensor_parallel_degree", str(tp)])
     args = model_args_from_config(cfg, 8192)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
-        dims = ParallelDims(8 // shard, shard, 8, ep=ep)
+        dims = ParallelDims(8 // shard // tp, shard, 8, ep=ep, tp=tp)
         dims.build_mesh("cpu")
         model = meta_model(args, torch.float32)
         parallelize(model, dims, cfg, "cpu")

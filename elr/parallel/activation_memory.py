@@ -12,11 +12,14 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
 def storage_key(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):  # a wrapper: the memory is its local shard's
+        t = t._local_tensor
     return t.untyped_storage()._cdata
 
 
@@ -28,6 +31,8 @@ class LiveTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
+            if isinstance(t, DTensor):  # a wrapper: its memory is the local shard (which the mode does not see)
+                t = t._local_tensor
             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
                 refs, _ = self.created.get(storage_key(t), ([], 0))
                 refs.append(weakref.ref(t))

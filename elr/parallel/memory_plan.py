@@ -1,6 +1,7 @@
 """Per-rank GPU memory of a training job, predicted before any GPU is used.
 
-    total = parameters + gradients + optimizer state      (fp32; dense sharded over dp_shard by FSDP2,
+    total = parameters + gradients + optimizer state      (fp32; this rank's TP shards, dense ones then
+                                                            sharded over dp_shard x cp by FSDP2,
                                                             experts split over ep by expert parallelism;
                                                             AdamW keeps 2 moments, Muon's matrices 1)
           + unsharded units                                (root always; the largest other unit with its
@@ -14,8 +15,9 @@
                                                             microbatch_bytes)
           + reserve                                        (CUDA context, NCCL, allocator slack: our choice)
 
-Activations are not a formula: the model is built on the meta device in the compute dtype, AC is
-applied as the trainer applies it, and one forward + loss runs with `LiveTensors` counting what stays
+Activations are not a formula: the model is built on the meta device in the compute dtype, tensor
+parallelism and AC are applied as the trainer applies them (TP on fake ranks: collectives do
+nothing, every shape is rank 0's), and one forward + loss runs with `LiveTensors` counting what stays
 alive for backward (elr/parallel/activation_memory.py). Nothing is allocated, so a 4B model at 8192
 tokens plans in seconds on a CPU, and the count follows the code rather than a hand-kept table.
 Modelled for FSDP2 units as apply_fsdp makes them (each recurrent layer its own unit when one
@@ -27,20 +29,26 @@ backward has freed the activations).
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
-from elr.config import JobConfig
+from elr.config import ConfigError, JobConfig
 from elr.models import build_model
 from elr.models.ffn import MoE
 from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.activation_memory import LiveTensors, forward_activation_bytes, storage_key
 from elr.parallel.parallel_dims import ParallelDims
+from elr.parallel.tensor_parallel import apply_tensor_parallel
 from elr.train.loss import chunked_cross_entropy, summed_loss
 from elr.train.optimizer import muon_params
 
@@ -97,7 +105,26 @@ class MemoryPlan:
 
 
 def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    """Parameters this rank holds before FSDP: under TP its shards (and the replicated weights)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
+
+
+@contextmanager
+def fake_tensor_parallel(tp: int):
+    """A TP mesh of `tp` fake ranks seen from rank 0 (None for tp = 1): the model is split exactly as
+    in training, collectives do nothing and every shape is a real rank's."""
+    if tp == 1:
+        yield None
+        return
+    if dist.is_initialized():
+        raise RuntimeError("plan_memory traces tensor parallelism on fake ranks: call it outside a process group")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=tp)
+    try:
+        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
 
 
 def _flash_attention(q, k, v, is_causal=False, enable_gqa=False, **kwargs):
@@ -118,21 +145,25 @@ def fused_attention():
         F.scaled_dot_product_attention = original
 
 
-def meta_model(args, dtype: torch.dtype) -> ELRModel:
+def meta_model(args, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> ELRModel:
     with torch.device("meta"):
         model = build_model(args)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh)
+        for moe in model.moe_layers():
+            moe.sequence_group = tp_mesh.get_group()
     model.to(dtype)
     model.eval()  # no MoE load counting (a data-dependent bincount); autograd records as in training
     return model
 
 
-def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> int:
-    """One microbatch's activations for cfg's AC mode, counted on the meta device."""
+def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_mesh: DeviceMesh | None = None) -> int:
+    """One microbatch's activations for cfg's AC mode, counted on the meta device (this TP rank's)."""
     t, ac = cfg.training, cfg.activation_checkpoint
-    model = meta_model(args, dtype)
+    model = meta_model(args, dtype, tp_mesh)
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
-    with fused_attention():
+    with fused_attention(), loss_parallel() if tp_mesh is not None else contextlib.nullcontext():
         if not t.loss_chunk_tokens:
             return forward_activation_bytes(model, tokens, loops, summed_loss)
         own = {storage_key(x) for x in [*model.parameters(), *model.buffers()]}
@@ -145,11 +176,12 @@ def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> in
         return total
 
 
-def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype) -> int:
+def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> int:
     """The largest layer call's activations without AC: what backward recomputes at once under AC."""
     t = cfg.training
-    model = meta_model(args, dtype)
-    h = torch.zeros(t.local_batch_size, t.seq_len, args.dim, dtype=dtype, device="meta", requires_grad=True)
+    model = meta_model(args, dtype, tp_mesh)
+    tp = tp_mesh.size() if tp_mesh is not None else 1  # sequence parallel: a slice enters each layer
+    h = torch.zeros(t.local_batch_size, t.seq_len // tp, args.dim, dtype=dtype, device="meta", requires_grad=True)
     rope = model.rope[:, : t.seq_len]
     layers = {layer.kind: layer for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]}
     best = 0
@@ -162,7 +194,8 @@ def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype) -> int:
     return best
 
 
-def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> tuple[int, int]:
+def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int,
+                     tp_mesh: DeviceMesh | None = None) -> tuple[int, int]:
     """(activations kept for backward, backward working set) of one microbatch at `loops`.
 
     The working set is the larger of the loss's backward and, under AC, the largest layer's
@@ -173,24 +206,32 @@ def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int) -> tu
     gradient, the head gradient's fp32 accumulator, one chunk's product and the cast result); the
     head's gradient in the compute dtype then stays until the end of backward, so it is added to
     the recompute term too. (The whole-sequence path leaves that last term out: it is small next to
-    its logits' gradient.)
+    its logits' gradient.) Under TP the logits are this rank's vocabulary shard for every token, and
+    the hidden states its sequence slice.
     """
     t, pd = cfg.training, torch.finfo(dtype).bits // 8
+    tp = tp_mesh.size() if tp_mesh is not None else 1
     tokens = t.local_batch_size * t.seq_len
-    V, D = args.vocab_size, args.dim
-    recompute = largest_layer_bytes(args, cfg, dtype) if cfg.activation_checkpoint.mode != "none" else 0
-    recompute += 3 * tokens * D * pd
+    V, D = -(-args.vocab_size // tp), args.dim
+    recompute = largest_layer_bytes(args, cfg, dtype, tp_mesh) if cfg.activation_checkpoint.mode != "none" else 0
+    recompute += 3 * tokens // tp * D * pd
     if t.loss_chunk_tokens:
         chunk = min(t.loss_chunk_tokens, tokens)
         loss_work = max(chunk * V * 8, chunk * V * (4 + pd) + tokens * D * pd + V * D * (4 + pd))
         recompute += V * D * pd
     else:
         loss_work = tokens * V * (4 + pd)
-    return activation_bytes(args, cfg, dtype, loops), max(loss_work, recompute)
+    return activation_bytes(args, cfg, dtype, loops, tp_mesh), max(loss_work, recompute)
 
 
 def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "") -> MemoryPlan:
-    """The plan of cfg's job on `ngpu` GPUs (the layout, expert and context parallelism included, from cfg).
+    """The plan of cfg's job on `ngpu` GPUs (the layout, expert, context and tensor parallelism included,
+    from cfg).
+
+    Tensor parallelism (tp): parameters are what apply_tensor_parallel leaves on a rank (shards, and
+    the replicated MoE, norms and ELR heads), then FSDP-sharded over dp_shard x cp; activations and
+    the working set are traced on the TP-split model (sequence-parallel slices between layers, the
+    gathered sequence inside each mixer, vocab-sharded logits).
 
     Context parallelism (parallelism.context_parallel_degree = cp): each rank traces seq_len / cp
     tokens; FSDP shards over dp_shard x cp (CP ranks hold the same weights, as in torchtitan); every
@@ -201,44 +242,55 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     its larger term (an upper bound).
     """
     p = cfg.parallelism
-    cp = p.context_parallel_degree
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu // cp,
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    if ngpu % (cp * tp):
+        raise ConfigError(f"parallelism: context_parallel_degree ({cp}) x tensor_parallel_degree ({tp}) does not "
+                          f"divide the {ngpu} GPUs")
+    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu // (cp * tp),
                         ep=p.expert_parallel_degree)
+    with fake_tensor_parallel(tp) as tp_mesh:
+        return _plan(cfg, model_args, dims, cp, tp_mesh, ngpu, gpu_memory_gib, config_name)
+
+
+def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp: int, tp_mesh: DeviceMesh | None, ngpu: int,
+          gpu_memory_gib: float, config_name: str) -> MemoryPlan:
+    tp = tp_mesh.size() if tp_mesh is not None else 1
     dtype = getattr(torch, cfg.training.mixed_precision_param)
     pd = torch.finfo(dtype).bits // 8
     loops = cfg.elr.max_loops if cfg.elr.enabled else 1
     args = dataclasses.replace(model_args, max_loops=max(model_args.max_loops, loops))
-    with torch.device("meta"):
-        model = build_model(args)
-    n = _numel(model)
-    shard = dims.dp_shard * cp if ngpu > 1 else 1
+    model = meta_model(args, torch.float32, tp_mesh)
+    n = sum(p.numel() for p in model.parameters())  # the whole model (DTensor numel is global)
+    fsdp = dims.dp_world * cp > 1  # FSDP runs over dp_shard x cp (HSDP: replicated over dp_replicate)
+    shard = dims.dp_shard * cp if fsdp else 1
     ep = dims.ep if ngpu > 1 else 1
 
-    # Expert stacks under EP are split by expert over the ep ranks and never gathered; everything
-    # else is FSDP-sharded over dp_shard.
+    # Under TP each rank first holds its TP shards (`held`); expert stacks under EP are split by
+    # expert over the ep ranks and never gathered; everything else is FSDP-sharded over dp_shard x cp.
     def experts_in(module: nn.Module) -> int:
         return sum(m.w1.numel() + m.w2.numel() for m in module.modules() if isinstance(m, MoE)) if ep > 1 else 0
 
-    n_experts = experts_in(model)
-    per_rank = (n - n_experts) / shard + n_experts / ep
+    held, n_experts = _numel(model), experts_in(model)
+    per_rank = (held - n_experts) / shard + n_experts / ep
     # AdamW: two fp32 moments per parameter; Muon: one momentum per hidden matrix (AdamW for the rest).
-    n_muon = sum(p.numel() for p in muon_params(model)) if cfg.optimizer.name == "muon" else 0
+    muon = muon_params(model) if cfg.optimizer.name == "muon" else []
+    n_muon = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in muon)
     muon_experts = n_experts  # every expert stack is a Muon matrix
-    optimizer = (8 * (n - n_muon) + 4 * (n_muon - muon_experts)) / shard + 4 * muon_experts / ep
+    optimizer = (8 * (held - n_muon) + 4 * (n_muon - muon_experts)) / shard + 4 * muon_experts / ep
     optimizer_name = "AdamW, 2 moments" if not n_muon else f"Muon 1 moment on {n_muon / 1e9:.2f}B, AdamW 2 on the rest"
 
     # FSDP2 units (apply_fsdp): the root (embeddings, final norm, head) stays unsharded from forward
     # to backward; other units are gathered one at a time, with their gradients and, when compute is
     # not fp32, an fp32 copy for the reduce-scatter.
     root = _numel(model.tok_embeddings) + _numel(model.norm) + _numel(model.output)
-    recurrent_units = list(model.recurrent.layers) if ngpu > 1 and dims.loops_shared_by_all else [model.recurrent]
+    recurrent_units = list(model.recurrent.layers) if fsdp and dims.loops_shared_by_all else [model.recurrent]
     units = {}
     for i, layer in enumerate([*model.input_layers, *recurrent_units, *model.output_layers]):
         name = "recurrent block" if layer is model.recurrent else f"{layer.kind} layer {i}"
         units[name] = _numel(layer) - experts_in(layer)
     name, largest = max(units.items(), key=lambda kv: kv[1])
     per_param = pd + pd + (4 if pd != 4 else 0)
-    unsharded = root * pd + largest * per_param if ngpu > 1 else 0
+    unsharded = root * pd + largest * per_param if fsdp else 0
     unit_text = f"root {root / 1e9:.2f}B + {name} {largest / 1e9:.2f}B"
     if ep > 1 and pd != 4:  # ExpertParallel casts a layer's local experts to the compute dtype
         local = max(experts_in(m) for m in model.moe_layers()) / ep
@@ -249,12 +301,13 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     shard_len = t.seq_len // cp
     tokens = t.local_batch_size * shard_len
     local = dataclasses.replace(cfg, training=dataclasses.replace(t, seq_len=shard_len))
-    activations, backward_work = microbatch_bytes(args, local, dtype, loops)
+    activations, backward_work = microbatch_bytes(args, local, dtype, loops, tp_mesh)
     if cp > 1:
         n_in, n_rec, _ = args.partition
         calls = args.layer_pattern.count("A") + (loops - 1) * args.layer_pattern[n_in:n_in + n_rec].count("A")
+        kv_heads = max(args.n_kv_heads // tp, 1)  # this TP rank's (tensor_parallel.py)
         # K and V beyond this rank's own slice (the trace counts its own)
-        gathered_kv = 2 * t.local_batch_size * (t.seq_len - shard_len) * args.n_kv_heads * args.head_dim * pd
+        gathered_kv = 2 * t.local_batch_size * (t.seq_len - shard_len) * kv_heads * args.head_dim * pd
         if ac.mode == "full":
             backward_work += 2 * gathered_kv  # the recomputed attention layer's K, V and their gradients
         else:
@@ -263,7 +316,7 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     ac_name = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
     return MemoryPlan(
         config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
-        + (f" x cp {cp}" if cp > 1 else "")
+        + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
         + (f", expert parallel {ep}" if ep > 1 else ""),
         ac=ac_name, loops=loops, tokens_per_microbatch=tokens, loss_chunk_tokens=t.loss_chunk_tokens, n_params=n,
         params=4 * per_rank, grads=4 * per_rank, optimizer=optimizer, optimizer_name=optimizer_name,

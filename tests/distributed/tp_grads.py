@@ -17,8 +17,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from elr.config import load_config  # noqa: E402
 from elr.models import build_model, flavors  # noqa: E402
+from elr.models.from_config import model_args_from_config  # noqa: E402
+from elr.parallel.activation_memory import forward_activation_bytes  # noqa: E402
+from elr.parallel.memory_plan import activation_bytes  # noqa: E402
+from elr.train.loss import summed_loss  # noqa: E402
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
 from elr.parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_grads  # noqa: E402
 
@@ -82,6 +88,26 @@ def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
                             f"(largest {r.abs().max().item():.2e})")
 
 
+def check_planned_activations(mesh, failures: list) -> None:
+    """The memory plan's count of a TP rank's activations (traced on the meta device) equals what the
+    real TP forward keeps for backward on this rank, within 10%."""
+    cfg = load_config(ROOT / "train_configs" / "debug.toml", ["--training.seq_len", "64", "--training.local_batch_size", "2"])
+    args = model_args_from_config(cfg, 257)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model(args)
+    apply_tensor_parallel(model, mesh)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 64))
+    for loops in (1, 3):
+        with loss_parallel():
+            measured = forward_activation_bytes(model, tokens, loops, summed_loss)
+        planned = activation_bytes(args, cfg, torch.float32, loops, mesh)
+        if abs(planned - measured) > 0.1 * measured:
+            failures.append(f"planned TP activations at k={loops}: {planned} bytes, measured {measured}")
+
+
 def main():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
@@ -94,6 +120,7 @@ def main():
         check(base, "none", mesh, failures)
         check(dataclasses.replace(base, n_kv_heads=1), "full", mesh, failures)
         check(base, "selective", mesh, failures)
+        check_planned_activations(mesh, failures)
     if dist.get_rank() == 0:
         print("\n".join(failures) or "tp_grads: all checks passed")
     dist.barrier()
