@@ -76,13 +76,16 @@ def test_tp2_trains_like_one_process_and_its_checkpoints_load_at_tp1_and_fsdp2(t
 
 
 @pytest.mark.slow  # 4 processes on 2 cores
-def test_fsdp2_x_tp2_with_ac_trains_like_one_process(tmp_path):
-    """k differs across the two data-parallel replicas and agrees inside each TP group."""
+@pytest.mark.parametrize("data_parallel", ["fsdp", "hsdp"])
+def test_fsdp2_or_hsdp2_x_tp2_with_ac_trains_like_one_process(tmp_path, data_parallel):
+    """k differs across the two data-parallel replicas and agrees inside each TP group; the two are
+    FSDP shards, or (HSDP) replicas each holding the whole TP-split model."""
     run(tmp_path / "seed", 3, *CKPT, "--checkpoint.create_seed", "true")
     for name in ("2d", "one"):
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
+    replicate = ["--parallelism.data_parallel_replicate_degree", "2"] if data_parallel == "hsdp" else []
     # Two replicas x one microbatch of 2 = the single process's two microbatches of 2.
-    out = torchrun("tp_train.py", str(DEBUG_TOML), *overrides(tmp_path / "2d", 3, *CKPT, *TP2,
+    out = torchrun("tp_train.py", str(DEBUG_TOML), *overrides(tmp_path / "2d", 3, *CKPT, *TP2, *replicate,
                    "--activation_checkpoint.mode", "full"), nproc=4, timeout=400)
     assert "loop counts agree inside TP groups" in out
     run(tmp_path / "one", 3, *CKPT)
