@@ -1,6 +1,7 @@
 """Context parallelism (elr/parallel/context_parallel.py): shards, and 2 gloo ranks against one process."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -9,8 +10,8 @@ import torch
 
 from elr.config import load_config
 from elr.models.from_config import model_args_from_config
-from elr.parallel.context_parallel import shard_sequence
-from elr.parallel.memory_plan import plan_memory
+from elr.parallel.context_parallel import lower_right_causal, shard_sequence
+from elr.parallel.memory_plan import activation_bytes, fake_sequence_meshes, plan_memory
 from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, records, run, run_script
 
 
@@ -23,9 +24,17 @@ def test_shard_sequence_gives_contiguous_slices_and_refuses_uneven_lengths():
         shard_sequence(tokens, 0, 5)
 
 
-def test_two_cp_ranks_equal_one_process_forward_and_backward():
+def test_lower_right_causal_mask_allocates_nothing_of_its_size():
+    bias = lower_right_causal(32768, 262144)  # torch's causal_lower_right would allocate 64 GiB here
+    assert bias.untyped_storage().nbytes() <= 8
+    assert torch.equal(lower_right_causal(2, 4)._materialize(), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]).bool())
+
+
+def test_two_cp_ranks_equal_one_process_and_keep_what_the_memory_plan_traces():
     """Attention, a GDP layer with convolutions, the GDP op with and without an initial state, and
-    the debug model at k = 1 and 3, all to 1e-5 (tests/distributed/cp_layers.py; ~6 s)."""
+    the debug model at k = 1 and 3, all to 1e-5 (tests/distributed/cp_layers.py; ~10 s). The memory
+    plan's count of the last CP rank's activations, traced on the meta device over fake ranks (the
+    gathered K/V and GDP's widened values included), is within 5% of what its real forward keeps."""
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(ROOT / "tests" / "distributed" / "cp_layers.py")],
@@ -33,12 +42,21 @@ def test_two_cp_ranks_equal_one_process_forward_and_backward():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "all checks passed" in result.stdout
+    measured = {int(k): int(n) for k, n in re.findall(r"last CP rank at k=(\d): (\d+) bytes", result.stdout)}
+    assert measured.keys() == {1, 3}
+    args = model_args_from_config(load_config(DEBUG_TOML, ["--training.seq_len", "74"]), 257)
+    cfg = load_config(DEBUG_TOML, ["--training.seq_len", "37", "--training.local_batch_size", "2"])  # the slice
+    with fake_sequence_meshes(2, 1) as (cp_mesh, _):
+        for k, held in measured.items():
+            planned = activation_bytes(args, cfg, torch.float32, k, cp_mesh=cp_mesh)
+            assert abs(planned - held) <= 0.05 * held, (k, planned, held)
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
-def test_memory_plan_traces_one_slice_and_adds_the_gathered_keys_and_values(ac):
-    """CP 2 over 64 tokens plans like 32 tokens on 2 FSDP ranks, plus every attention call's other 32
-    keys and values: kept for backward without AC, in the recompute working set under full AC."""
+def test_memory_plan_traces_one_slice_through_the_cp_path(ac):
+    """CP 2 over 64 tokens plans a 32-token slice on 2 FSDP ranks, plus at least every attention
+    call's other 32 keys and values: kept for backward without AC, in the recompute working set
+    (with their gradients) under full AC, where the kept activations are a slice's alone."""
     def plan(seq_len, cp):
         cfg = load_config(DEBUG_TOML, ["--training.seq_len", str(seq_len), "--training.local_batch_size", "1",
                                        "--activation_checkpoint.mode", ac,
@@ -52,10 +70,10 @@ def test_memory_plan_traces_one_slice_and_adds_the_gathered_keys_and_values(ac):
     assert "cp 2" in cp.layout and cp.tokens_per_microbatch == one_slice.tokens_per_microbatch == 32
     assert cp.params == one_slice.params and cp.optimizer == one_slice.optimizer
     if ac == "none":
-        assert cp.activations - one_slice.activations == attention_calls * gathered_kv
+        assert cp.activations - one_slice.activations >= attention_calls * gathered_kv
     else:
         assert cp.activations == one_slice.activations
-        assert cp.backward_work - one_slice.backward_work == 2 * gathered_kv
+        assert cp.backward_work - one_slice.backward_work >= 2 * gathered_kv
 
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]

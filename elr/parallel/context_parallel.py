@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
 from kernels.gated_delta_product import gated_delta_product
@@ -89,7 +89,7 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
 
     Later shards' keys would be masked out entirely, so they are dropped: the T queries then face
     start + T keys, and "key <= query" is the causal mask aligned to the bottom-right corner.
-    `causal_lower_right` says so without a [T, start + T] tensor (at 256K context with CP 8 a boolean
+    `lower_right_causal` says so without a [T, start + T] tensor (at 256K context with CP 8 a boolean
     mask would take 8 GiB per call); SDPA runs it with the flash kernel on GPU and materialises it
     only on the math path (CPU).
     """
@@ -97,8 +97,18 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
     start = shard_start(group, T)
     kv = all_gather(torch.stack([k, v]), group, dim=3)[..., : start + T, :]
     with _disable_current_modes():  # selective AC's dispatch mode cannot create a tensor subclass
-        mask = causal_lower_right(T, start + T)
+        mask = lower_right_causal(T, start + T)
     return kv[0], kv[1], mask
+
+
+def lower_right_causal(q_len: int, kv_len: int) -> CausalBias:
+    """`causal_lower_right(q_len, kv_len)` without its dense allocation: in our torch, CausalBias hands
+    its arguments to the legacy Tensor constructor, which allocates an uninitialised [2, q_len, kv_len]
+    fp32 tensor that nothing reads (64 GiB of host memory per call at 256K over CP 8; measured). Built
+    at 1 x 1, then given its real lengths, which are all SDPA and the mask's materialisation read."""
+    bias = causal_lower_right(1, 1)
+    bias.seq_len_q, bias.seq_len_kv = q_len, kv_len
+    return bias
 
 
 def conv_halos(inputs: list[torch.Tensor], width: int, group: dist.ProcessGroup) -> list[torch.Tensor]:

@@ -16,8 +16,8 @@
           + reserve                                        (CUDA context, NCCL, allocator slack: our choice)
 
 Activations are not a formula: the model is built on the meta device in the compute dtype, tensor
-parallelism and AC are applied as the trainer applies them (TP on fake ranks: collectives do
-nothing, every shape is rank 0's), and one forward + loss runs with `LiveTensors` counting what stays
+and context parallelism and AC are applied as the trainer applies them (TP and CP on fake ranks:
+collectives do nothing, every shape is a real rank's), and one forward + loss runs with `LiveTensors` counting what stays
 alive for backward (elr/parallel/activation_memory.py). Nothing is allocated, so a 4B model at 8192
 tokens plans in seconds on a CPU, and the count follows the code rather than a hand-kept table.
 Modelled for FSDP2 units as apply_fsdp makes them (each recurrent layer its own unit when one
@@ -48,6 +48,7 @@ from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.activation_memory import LiveTensors, forward_activation_bytes, storage_key
 from elr.parallel.parallel_dims import ParallelDims
+from elr.parallel.context_parallel import enable_context_parallel
 from elr.parallel.tensor_parallel import apply_tensor_parallel
 from elr.train.loss import chunked_cross_entropy, summed_loss
 from elr.train.optimizer import muon_params
@@ -110,19 +111,21 @@ def _numel(module: nn.Module) -> int:
 
 
 @contextmanager
-def fake_tensor_parallel(tp: int):
-    """A TP mesh of `tp` fake ranks seen from rank 0 (None for tp = 1): the model is split exactly as
-    in training, collectives do nothing and every shape is a real rank's."""
-    if tp == 1:
-        yield None
+def fake_sequence_meshes(cp: int, tp: int):
+    """(cp_mesh, tp_mesh) of cp x tp fake ranks (None where the degree is 1), seen from the last CP
+    rank (it keeps every earlier rank's keys and values) and TP rank 0 (the largest vocab shard): the
+    model is split exactly as in training, collectives do nothing, every shape is that rank's."""
+    if cp * tp == 1:
+        yield None, None
         return
     if dist.is_initialized():
-        raise RuntimeError("plan_memory traces tensor parallelism on fake ranks: call it outside a process group")
+        raise RuntimeError("plan_memory traces TP and CP on fake ranks: call it outside a process group")
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=tp)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=(cp - 1) * tp, world_size=cp * tp)
     try:
-        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        mesh = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
+        yield (mesh["cp"] if cp > 1 else None), (mesh["tp"] if tp > 1 else None)
     finally:
         dist.destroy_process_group()
 
@@ -145,22 +148,24 @@ def fused_attention():
         F.scaled_dot_product_attention = original
 
 
-def meta_model(args, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> ELRModel:
+def meta_model(args, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None, cp_mesh: DeviceMesh | None = None) -> ELRModel:
     with torch.device("meta"):
         model = build_model(args)
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
-        for moe in model.moe_layers():
-            moe.sequence_group = tp_mesh.get_group()
+    if cp_mesh is not None:
+        enable_context_parallel(model, cp_mesh)
     model.to(dtype)
     model.eval()  # no MoE load counting (a data-dependent bincount); autograd records as in training
     return model
 
 
-def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_mesh: DeviceMesh | None = None) -> int:
-    """One microbatch's activations for cfg's AC mode, counted on the meta device (this TP rank's)."""
+def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_mesh: DeviceMesh | None = None,
+                     cp_mesh: DeviceMesh | None = None) -> int:
+    """One microbatch's activations for cfg's AC mode, counted on the meta device; under TP or CP
+    this rank's, cfg's seq_len being its CP slice."""
     t, ac = cfg.training, cfg.activation_checkpoint
-    model = meta_model(args, dtype, tp_mesh)
+    model = meta_model(args, dtype, tp_mesh, cp_mesh)
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
     with fused_attention(), loss_parallel() if tp_mesh is not None else contextlib.nullcontext():
@@ -176,10 +181,11 @@ def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_me
         return total
 
 
-def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> int:
+def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None,
+                        cp_mesh: DeviceMesh | None = None) -> int:
     """The largest layer call's activations without AC: what backward recomputes at once under AC."""
     t = cfg.training
-    model = meta_model(args, dtype, tp_mesh)
+    model = meta_model(args, dtype, tp_mesh, cp_mesh)
     tp = tp_mesh.size() if tp_mesh is not None else 1  # sequence parallel: a slice enters each layer
     h = torch.zeros(t.local_batch_size, t.seq_len // tp, args.dim, dtype=dtype, device="meta", requires_grad=True)
     rope = model.rope[:, : t.seq_len]
@@ -194,8 +200,8 @@ def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: Devic
     return best
 
 
-def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int,
-                     tp_mesh: DeviceMesh | None = None) -> tuple[int, int]:
+def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_mesh: DeviceMesh | None = None,
+                     cp_mesh: DeviceMesh | None = None) -> tuple[int, int]:
     """(activations kept for backward, backward working set) of one microbatch at `loops`.
 
     The working set is the larger of the loss's backward and, under AC, the largest layer's
@@ -213,7 +219,7 @@ def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int,
     tp = tp_mesh.size() if tp_mesh is not None else 1
     tokens = t.local_batch_size * t.seq_len
     V, D = -(-args.vocab_size // tp), args.dim
-    recompute = largest_layer_bytes(args, cfg, dtype, tp_mesh) if cfg.activation_checkpoint.mode != "none" else 0
+    recompute = largest_layer_bytes(args, cfg, dtype, tp_mesh, cp_mesh) if cfg.activation_checkpoint.mode != "none" else 0
     recompute += 3 * tokens // tp * D * pd
     if t.loss_chunk_tokens:
         chunk = min(t.loss_chunk_tokens, tokens)
@@ -221,7 +227,7 @@ def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int,
         recompute += V * D * pd
     else:
         loss_work = tokens * V * (4 + pd)
-    return activation_bytes(args, cfg, dtype, loops, tp_mesh), max(loss_work, recompute)
+    return activation_bytes(args, cfg, dtype, loops, tp_mesh, cp_mesh), max(loss_work, recompute)
 
 
 def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "") -> MemoryPlan:
@@ -233,13 +239,11 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     the working set are traced on the TP-split model (sequence-parallel slices between layers, the
     gathered sequence inside each mixer, vocab-sharded logits).
 
-    Context parallelism (parallelism.context_parallel_degree = cp): each rank traces seq_len / cp
-    tokens; FSDP shards over dp_shard x cp (CP ranks hold the same weights, as in torchtitan); every
-    attention call holds full-length K and V (the last rank gathers them all): kept for backward
-    without full AC, recomputed with their gradients under full AC. Not counted: GDP's doubled value
-    width under CP (elr/parallel/context_parallel.py; about 0.6 GiB per recomputed Koi-4B GDP layer
-    at 256K, CP 8). The K/V gradients are added to the working set even when the logits' gradient is
-    its larger term (an upper bound).
+    Context parallelism (parallelism.context_parallel_degree = cp): the last CP rank's slice of
+    seq_len / cp tokens is traced through the CP code path (every attention call's gathered K and V,
+    GDP's widened values and state, elr/parallel/context_parallel.py); FSDP shards over dp_shard x cp
+    (CP ranks hold the same weights, as in torchtitan). The gathered K/V's gradients are added to the
+    working set even when the logits' gradient is its larger term (an upper bound).
     """
     p = cfg.parallelism
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
@@ -248,13 +252,13 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
                           f"divide the {ngpu} GPUs")
     dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu // (cp * tp),
                         ep=p.expert_parallel_degree)
-    with fake_tensor_parallel(tp) as tp_mesh:
-        return _plan(cfg, model_args, dims, cp, tp_mesh, ngpu, gpu_memory_gib, config_name)
+    with fake_sequence_meshes(cp, tp) as (cp_mesh, tp_mesh):
+        return _plan(cfg, model_args, dims, cp_mesh, tp_mesh, ngpu, gpu_memory_gib, config_name)
 
 
-def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp: int, tp_mesh: DeviceMesh | None, ngpu: int,
-          gpu_memory_gib: float, config_name: str) -> MemoryPlan:
-    tp = tp_mesh.size() if tp_mesh is not None else 1
+def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None,
+          ngpu: int, gpu_memory_gib: float, config_name: str) -> MemoryPlan:
+    cp, tp = (mesh.size() if mesh is not None else 1 for mesh in (cp_mesh, tp_mesh))
     dtype = getattr(torch, cfg.training.mixed_precision_param)
     pd = torch.finfo(dtype).bits // 8
     loops = cfg.elr.max_loops if cfg.elr.enabled else 1
@@ -301,17 +305,10 @@ def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp: int, tp_mesh: Devi
     shard_len = t.seq_len // cp
     tokens = t.local_batch_size * shard_len
     local = dataclasses.replace(cfg, training=dataclasses.replace(t, seq_len=shard_len))
-    activations, backward_work = microbatch_bytes(args, local, dtype, loops, tp_mesh)
-    if cp > 1:
-        n_in, n_rec, _ = args.partition
-        calls = args.layer_pattern.count("A") + (loops - 1) * args.layer_pattern[n_in:n_in + n_rec].count("A")
+    activations, backward_work = microbatch_bytes(args, local, dtype, loops, tp_mesh, cp_mesh)
+    if cp > 1 and "A" in args.layer_pattern:  # the gradients of one attention call's gathered K and V
         kv_heads = max(args.n_kv_heads // tp, 1)  # this TP rank's (tensor_parallel.py)
-        # K and V beyond this rank's own slice (the trace counts its own)
-        gathered_kv = 2 * t.local_batch_size * (t.seq_len - shard_len) * kv_heads * args.head_dim * pd
-        if ac.mode == "full":
-            backward_work += 2 * gathered_kv  # the recomputed attention layer's K, V and their gradients
-        else:
-            activations += calls * gathered_kv
+        backward_work += 2 * t.local_batch_size * t.seq_len * kv_heads * args.head_dim * pd
 
     ac_name = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
     return MemoryPlan(

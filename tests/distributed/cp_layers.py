@@ -20,8 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from elr.config import load_config  # noqa: E402
 from elr.models import build_model  # noqa: E402
+from elr.models.from_config import model_args_from_config  # noqa: E402
+from elr.parallel.activation_memory import forward_activation_bytes  # noqa: E402
+from elr.train.loss import summed_loss  # noqa: E402
 from elr.models.args import flavors  # noqa: E402
 from elr.models.attention import Attention  # noqa: E402
 from elr.models.gdp import GatedDeltaProduct  # noqa: E402
@@ -155,6 +160,17 @@ def main():
                 assert "context parallel" in str(e)
             else:
                 raise AssertionError("a cache under CP must be refused")
+
+    # What the last rank (which keeps every earlier rank's keys and values) holds for backward, for
+    # tests/test_context_parallel.py to hold the memory plan's traced count to.
+    cfg = load_config(ROOT / "train_configs" / "debug.toml", ["--training.seq_len", str(T)])
+    memory_model = build_model(model_args_from_config(cfg, 257))
+    memory_model.init_weights()
+    enable_context_parallel(memory_model, mesh)
+    for loops in (1, 3):
+        held = forward_activation_bytes(memory_model, shard_sequence(tokens[:, :T] % 257, rank, cp), loops, summed_loss)
+        if rank == cp - 1:
+            print(f"activations of the last CP rank at k={loops}: {held} bytes", flush=True)
 
     dist.barrier()
     if rank == 0:
