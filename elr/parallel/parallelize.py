@@ -37,7 +37,7 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
     its units hold the wrapped, compiled layers.
     """
     if dims.tp_mesh is not None:
-        apply_tensor_parallel(model, dims.tp_mesh)
+        apply_tensor_parallel(model, dims.tp_mesh, experts_elsewhere=dims.ep_mesh is not None)
     if dims.cp_mesh is not None:
         enable_context_parallel(model, dims.cp_mesh)
     expert_weights = apply_expert_parallel(model, dims.ep_mesh) if dims.ep_mesh is not None else []
