@@ -118,10 +118,10 @@ def test_two_expert_groups_with_different_k_match_one_process(tmp_path):
 EP_TP_CP = str(ROOT / "tests" / "distributed" / "ep_tp_cp.py")
 
 
-def train_ep_tp_cp(dump, steps: int, *extra: str) -> str:
-    """4-process training through tests/distributed/ep_tp_cp.py (checks each expert group ran one k)."""
+def train_ep_tp_cp(dump, steps: int, *extra: str, nproc: int = 4) -> str:
+    """Training through tests/distributed/ep_tp_cp.py (checks each expert group ran one k)."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", EP_TP_CP,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", EP_TP_CP,
          str(DEBUG_TOML), *overrides(dump, steps, *extra)],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=400,
     )
@@ -142,9 +142,8 @@ def assert_same_run(got: list[dict], want: list[dict], steps) -> None:
 
 
 # With 4 ranks, EP 2 x TP 2 (or CP 2) leaves one expert group per TP (CP) position, spanning both
-# data-parallel ranks: every rank runs the same k (each recurrent layer is its own FSDP unit). A layout
-# whose data-parallel replicas differ in k under EP x TP needs 8 ranks (dp_shard 4): its rank layout
-# is checked above, without processes.
+# data-parallel ranks: every rank runs the same k (each recurrent layer is its own FSDP unit). Groups
+# that differ in k under EP x TP need 8 ranks: the last test, HSDP 2 x FSDP 2 x TP 2.
 BATCH = ["--training.global_batch_size", "8"]
 
 
@@ -178,3 +177,24 @@ def test_ep2_x_cp2_matches_one_process(tmp_path):
     got = records(tmp_path / "ep_cp")
     assert any(len(set(r["loops"][0])) > 1 for r in got), "microbatches should run different k in some update"
     assert_same_run(got, records(tmp_path / "one"), range(1, 5))
+
+
+@pytest.mark.slow  # 8 processes on 2 cores (~50 s of the ~75 s)
+def test_expert_groups_with_different_k_under_hsdp2_x_ep2_x_tp2_match_one_process(tmp_path):
+    """dp_replicate 2 x dp_shard 2 x tp 2, ep 2: two expert groups per TP position, one per replica,
+    each drawing its own k (the recurrent block stays one FSDP unit); one sequence per data-parallel
+    rank, so group g holds the single process's microbatch g. (Not dp_shard 4 x tp 2: FSDP 4 x TP 2,
+    with or without EP, fails to save the 8193-row vocabulary ("overlapping chunks") in our torch.)"""
+    run(tmp_path / "seed", 3, *CKPT, "--checkpoint.create_seed", "true")
+    for name in ("ep_tp", "one"):
+        copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
+    train_ep_tp_cp(tmp_path / "ep_tp", 3, *CKPT, *FP32, *MOE, "--training.local_batch_size", "1",
+                   "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                   "--parallelism.tensor_parallel_degree", "2", nproc=8)
+    run(tmp_path / "one", 3, *CKPT, *MOE)  # 2 microbatches of 2 sequences: one per group
+    got = records(tmp_path / "ep_tp")
+    assert all(ks[0] == ks[1] and ks[2] == ks[3] for ks in (r["loops"] for r in got))
+    assert any(ks[0] != ks[2] for ks in (r["loops"] for r in got)), "the groups should run different k in some update"
+    for r in got:  # [dp rank][microbatch] -> the single process's [[group 0's k, group 1's k]]
+        r["loops"] = [[r["loops"][0][0], r["loops"][2][0]]]
+    assert_same_run(got, records(tmp_path / "one"), range(1, 4))
