@@ -16,10 +16,14 @@ Both all-to-alls are differentiable (torch.distributed._functional_collectives),
 the gradients back the same way. Every rank of a group must make the same MoE calls in the same
 order: ranks of one group run the same loop count k (elr/train/loop_sampler.py).
 
+Under tensor or context parallelism each TP/CP position routes its own slice of the sequences and
+has its own expert groups (elr/parallel/parallel_dims.py), so its rows never leave that position.
+
 Expert weights become DTensors on the ep mesh with placements [Replicate(), Shard(0)] (copies across
-groups, split by expert within one): checkpoints hold the canonical [E, ...] stacks, so they load at
-any expert-parallel degree or in one process. FSDP leaves them alone (ignored_params), and
-`reduce_expert_gradients` gives their gradients FSDP's averaging over data-parallel ranks.
+groups and TP/CP positions, split by expert within a group): checkpoints hold the canonical [E, ...]
+stacks, so they load at any expert-parallel degree or in one process. FSDP and TP leave them alone
+(FSDP's ignored_params; TP's MoE plan covers the router and the shared expert only), and
+`reduce_expert_gradients` gives their gradients the reduction FSDP gives the dense ones.
 """
 
 from __future__ import annotations
@@ -91,25 +95,27 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Para
 
 
 @torch.no_grad()
-def reduce_expert_gradients(model: nn.Module, ep_mesh: DeviceMesh, dp_world: int) -> None:
-    """Average expert gradients as FSDP averages the dense ones, once per optimizer update.
+def reduce_expert_gradients(model: nn.Module, ep_mesh: DeviceMesh, averaged_ranks: int) -> None:
+    """Reduce expert gradients as FSDP reduces the dense ones, once per optimizer update.
 
-    An owner's gradient already sums what every rank of its group sent it (the all-to-all backward);
-    adding the copies in the other groups and dividing by the data-parallel world size gives the
-    mean over data-parallel ranks, FSDP's reduction.
+    An owner's gradient already sums what every rank of its group sent it (the all-to-all backward).
+    Summing the copies over ep_replicate (the other groups and every TP/CP position) and dividing by
+    `averaged_ranks`, the ranks FSDP averages over (data-parallel x context-parallel: each CP rank's
+    loss is normalised by its own tokens), gives FSDP's reduction: a mean over those ranks and a sum
+    of the TP positions' partial gradients (each TP rank's tokens are a slice of the same sequences).
     """
     replicas = ep_mesh.get_group("ep_replicate") if ep_mesh.size(0) > 1 else None
     for weight in expert_weights(model):
         if weight.grad is None:
             continue
         grad = weight.grad.to_local()
-        grad.div_(dp_world)
+        grad.div_(averaged_ranks)
         if replicas is not None:
             dist.all_reduce(grad, group=replicas)
 
 
 def grad_norm_by_mesh(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The global 2-norm of gradients that live on different meshes (FSDP's dp mesh, the ep mesh):
+    """The global 2-norm of gradients that live on different meshes (FSDP's dp or dp x tp mesh, the ep mesh):
     torch's total norm stacks them in one op, which DTensor refuses across meshes."""
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:

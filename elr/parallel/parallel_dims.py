@@ -6,21 +6,32 @@ parallelism is replicate x shard only: the context-parallel (cp) and tensor-para
 one data-parallel rank read the same sequences and run the same loop counts, since their layers
 exchange activations every call. tp is the innermost dimension, so a TP group is neighbouring ranks.
 
-Expert parallelism (`ep`) splits the dp_shard dimension into groups of ep consecutive ranks: each
-group owns one copy of every expert, E / ep whole experts per rank (elr/parallel/expert_parallel.py).
-`ep_mesh` is (ep_replicate, ep): the groups, and the ranks within one. It does not combine with cp or
-tp yet (its groups are consecutive global ranks).
+Expert parallelism (`ep`) splits the dp_shard dimension into groups of ep neighbouring dp_shard
+ranks with the same (dp_replicate, cp, tp) coordinates: each group owns one copy of every expert,
+E / ep whole experts per rank (elr/parallel/expert_parallel.py). Under TP or CP each TP/CP position
+has its own groups, whose all-to-alls carry that position's tokens. `ep_mesh` is (ep_replicate, ep):
+ep_replicate spans every rank holding the same experts (the other groups, every cp and tp position),
+ep the ranks of one group. A group's ranks are consecutive data-parallel ranks, so they share a loop
+draw (the trainer draws per group), and their cp/tp positions run their data-parallel rank's k.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elr.config import ConfigError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+def expert_groups(ranks: torch.Tensor, ep: int) -> torch.Tensor:
+    """The expert-parallel groups of a rank grid [dp_replicate, dp_shard, cp, tp], one per row
+    [groups, ep]: ep neighbouring dp_shard ranks with the same dp_replicate, cp and tp coordinates."""
+    replicate, shard, cp, tp = ranks.shape
+    return ranks.reshape(replicate, shard // ep, ep, cp, tp).permute(0, 1, 3, 4, 2).reshape(-1, ep)
 
 
 @dataclass
@@ -57,11 +68,6 @@ class ParallelDims:
                 f"({self.dp_shard}) x context_parallel_degree ({self.cp}) x tensor_parallel_degree ({self.tp}) "
                 f"must equal the world size ({self.world_size})"
             )
-        if self.ep > 1 and self.cp * self.tp > 1:
-            raise ConfigError(
-                f"parallelism.expert_parallel_degree: {self.ep} is not combined with context or tensor "
-                f"parallelism yet (cp {self.cp}, tp {self.tp})"
-            )
         if self.dp_shard % self.ep:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree: {self.ep} does not divide the data-parallel shard degree "
@@ -79,9 +85,9 @@ class ParallelDims:
             self.mesh = init_device_mesh(
                 device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIMS
             )
-            if self.ep > 1:  # consecutive dp_shard ranks form a group: rows of the rank grid, ep wide
-                ranks = self.mesh.mesh.reshape(-1, self.ep)
-                self.ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("ep_replicate", "ep"))
+            if self.ep > 1:
+                groups = expert_groups(self.mesh.mesh, self.ep)
+                self.ep_mesh = DeviceMesh(device_type, groups, mesh_dim_names=("ep_replicate", "ep"))
             if self.cp > 1:
                 self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             if self.cp > 1 and self.tp > 1:
@@ -90,14 +96,17 @@ class ParallelDims:
 
     @property
     def ep_groups(self) -> int:
-        """Expert-parallel groups: ranks of one group run the same k (their all-to-alls run inside
-        each MoE layer); only whole groups may differ. Without EP every rank is its own group."""
+        """Loop-draw groups of data-parallel ranks: the ep ranks of an expert group run the same k
+        (their all-to-alls run inside each MoE layer); only whole groups may differ. Each counts once
+        however many cp x tp positions it spans. Without EP every data-parallel rank is its own group."""
         return self.dp_world // self.ep
 
     @property
     def loops_shared_by_all(self) -> bool:
-        """Every data-parallel rank runs the same k on every microbatch (one expert group spans them)."""
-        return self.ep > 1 and self.ep == self.dp_world
+        """Every rank runs the same k on every microbatch: there is one data-parallel rank (its cp and
+        tp ranks alone, e.g. the 256K stage on CP 8), or one expert group spans the data-parallel ranks,
+        whose cp/tp positions run their k (FSDP's dp_shard x cp mesh included)."""
+        return self.dp_world == 1 or (self.ep > 1 and self.ep == self.dp_world)
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:

@@ -6,8 +6,8 @@ mesh on top of the TP split (2-D parameters); with CP, over dp_shard x cp.
 FSDP units: each input/output layer, the whole recurrent block (its layers together with the
 k-loop, called exactly once per microbatch so ranks running different k stay in step), and the
 root (embeddings, final norm, head). Recurrent layers are compiled once and reused on every loop.
-When one expert group spans every data-parallel rank, all ranks run the same k, and each recurrent
-layer becomes its own unit instead, gathered k times per microbatch (tests/distributed/
+When all ranks run the same k (one data-parallel rank split by CP/TP alone, or one expert group
+spanning every data-parallel rank), each recurrent layer becomes its own unit instead, gathered k times per microbatch (tests/distributed/
 expert_parallel_ops.py checks a unit called k times against one process): the unsharded peak is one
 layer, not the whole block (2.35B dense parameters at 30B-A3B). Expert weights split by expert
 parallelism stay out of FSDP.
@@ -37,7 +37,7 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
     its units hold the wrapped, compiled layers.
     """
     if dims.tp_mesh is not None:
-        apply_tensor_parallel(model, dims.tp_mesh)
+        apply_tensor_parallel(model, dims.tp_mesh, experts_elsewhere=dims.ep_mesh is not None)
     if dims.cp_mesh is not None:
         enable_context_parallel(model, dims.cp_mesh)
     if dims.sequence_mesh is not None:

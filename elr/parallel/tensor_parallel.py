@@ -14,8 +14,9 @@ local weights, and reduce-scatters its partial output back to sequence slices. P
     dense FF           w1/w3 split by hidden rows (colwise), w2 by its input rows (rowwise)
     MoE                (our choice) replicated over TP; each rank routes and computes its own sequence
                        slice, a token-wise layer needing no collective; expert memory is split by
-                       expert parallelism, not TP. The balance loss counts routes over the whole
-                       sequence (`MoE.sequence_group`, set by parallelize)
+                       expert parallelism, not TP (under EP the expert stacks are DTensors on the ep
+                       mesh, not the TP mesh). The balance loss counts routes over the whole sequence
+                       (`MoE.sequence_group`, set by parallelize)
     ELR step size,     replicated, run on the sequence slice (SP)
     loop conditioning
     output head        vocab columns split; logits stay vocab-sharded for loss_parallel
@@ -136,7 +137,7 @@ def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
             raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {size} {what}")
 
 
-def sublayer_plan(kind: str, args: ModelArgs, tp: int) -> dict[str, ParallelStyle]:
+def sublayer_plan(kind: str, args: ModelArgs, tp: int, experts_elsewhere: bool = False) -> dict[str, ParallelStyle]:
     """The plan of one sublayer of kind G, A, F or E, keyed by submodule ("" is the sublayer itself)."""
     if kind == "A":
         kv = Shard(0) if args.n_kv_heads >= tp else Rows(args.n_kv_heads)
@@ -151,11 +152,15 @@ def sublayer_plan(kind: str, args: ModelArgs, tp: int) -> dict[str, ParallelStyl
         if args.ffn_activation == "swiglu":
             plan["w3"] = ColwiseParallel()
         return plan
+    if experts_elsewhere:  # MoE under EP: the expert stacks w1/w2 go to the ep mesh (expert_parallel.py)
+        names = ["router", "shared"] if args.moe_shared_dim else ["router"]
+        return {name: LocalCompute(gather=False) for name in names}
     return {"": LocalCompute(gather=False)}  # MoE: replicated, on the rank's sequence slice
 
 
-def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh) -> None:
-    """Split every layer over the TP mesh (in place, on the meta device or not)."""
+def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: bool = False) -> None:
+    """Split every layer over the TP mesh (in place, on the meta device or not). experts_elsewhere:
+    expert parallelism places the MoE expert stacks on its own mesh; TP leaves them plain."""
     args, tp = model.args, mesh.size()
     check_tensor_parallel(args, tp)
     parallelize_module(model, mesh, {
@@ -169,7 +174,7 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh) -> None:
     for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
         plan = {"norm": SequenceParallel(use_local_output=True)}
         plan.update({f"sublayer.{name}" if name else "sublayer": style
-                     for name, style in sublayer_plan(layer.kind, args, tp).items()})
+                     for name, style in sublayer_plan(layer.kind, args, tp, experts_elsewhere).items()})
         parallelize_module(layer, mesh, plan)
     for name in ("step_size", "conditioning"):
         if getattr(model.recurrent, name) is not None:

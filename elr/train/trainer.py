@@ -271,7 +271,7 @@ class Trainer:
             dist.all_reduce(per_k)  # TP ranks count their (shared) sequences alike: the ratios hold
         loss = (per_k[0].sum() / per_k[1].sum()).item()
         if self.dims.ep_mesh is not None:
-            reduce_expert_gradients(self.model, self.dims.ep_mesh, self.dp_world)
+            reduce_expert_gradients(self.model, self.dims.ep_mesh, self.dp_world * self.dims.cp)
         if self.dims.tp_mesh is not None and self.dims.fsdp_mesh is None:
             reduce_partial_grads(self.model)  # FSDP's reduction does this when it is on
         grad_norm = self._clip_gradients(cfg.training.max_norm)
