@@ -166,8 +166,8 @@ def test_ep2_x_tp2_matches_one_process_and_its_checkpoint_loads_in_one_process(t
 
 @pytest.mark.slow  # one 4-process run and two in-process runs
 def test_ep2_x_cp2_matches_one_process(tmp_path):
-    """Without the balance loss: under CP it is taken per sequence slice (README), not per sequence."""
-    moe = [*MOE[:MOE.index("--moe.aux_loss_coeff")], *MOE[MOE.index("--moe.aux_loss_coeff") + 2:]]
+    """With the balance loss, counted over both CP slices of each sequence."""
+    moe = MOE
     run(tmp_path / "seed", 4, *CKPT, "--checkpoint.create_seed", "true")
     for name in ("ep_cp", "one"):
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
