@@ -123,3 +123,21 @@ def test_throughput_is_per_device():
     t = throughput(tokens=1000, flops=4e12, seconds=2.0, n_devices=4, peak_tflops=1.0)
     assert t["throughput/tokens_per_s"] == 500 and t["throughput/tokens_per_s_per_device"] == 125
     assert t["throughput/mfu_pct"] == pytest.approx(100 * 4e12 / 4 / 2.0 / 1e12)
+
+
+@pytest.mark.slow  # 8 processes on 2 cores
+def test_fsdp4_x_tp2_with_an_uneven_vocabulary_trains_and_resumes_like_one_process(tmp_path):
+    """8193 ids split over TP 2 unevenly: FSDP shards those weights along dim 1 (fsdp_shard_dim), so
+    the checkpoint holds every row once; a seed loads and trains like one process, and the run's own
+    step-2 checkpoint continues in one process."""
+    per_rank = ["--training.local_batch_size", "1", "--training.global_batch_size", "4"]
+    run(tmp_path / "seed", 3, *CKPT, *per_rank, "--checkpoint.create_seed", "true")
+    for name in ("2d", "one"):
+        copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
+    torchrun("tp_train.py", str(DEBUG_TOML), *overrides(tmp_path / "2d", 3, *CKPT, *TP2, *per_rank), nproc=8, timeout=500)
+    run(tmp_path / "one", 3, *CKPT, *per_rank)
+    got = records(tmp_path / "2d")
+    assert_same_run(got, records(tmp_path / "one"), range(1, 4))
+    copy_checkpoint(tmp_path / "2d", 2, tmp_path / "to_one")
+    run(tmp_path / "to_one", 3, *CKPT, *per_rank)
+    assert_same_run(records(tmp_path / "to_one"), got, (3,))
