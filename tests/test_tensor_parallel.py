@@ -102,8 +102,7 @@ def test_impossible_layouts_are_refused_in_one_line():
         ParallelDims(1, -1, 8, cp=2, tp=2)
     with pytest.raises(ConfigError, match="must divide training.seq_len"):
         load_config(DEBUG_TOML, [*TP2[:1], "3", "--training.seq_len", "128"])
-    with pytest.raises(ConfigError, match="float8.enable"):
-        load_config(DEBUG_TOML, [*TP2, "--float8.enable", "true"])
+    load_config(DEBUG_TOML, [*TP2, "--float8.enable", "true"])  # composes: tests/distributed/tp_float8.py
     debug = flavors["debug"]  # 4 heads, 2 kv heads, 4 GDP heads, FF 384
     check_tensor_parallel(debug, 4)  # kv heads replicated: 4 is a multiple of 2
     with pytest.raises(ConfigError, match="8 does not divide the 4 attention heads"):
@@ -119,3 +118,13 @@ def test_throughput_is_per_device():
     t = throughput(tokens=1000, flops=4e12, seconds=2.0, n_devices=4, peak_tflops=1.0)
     assert t["throughput/tokens_per_s"] == 500 and t["throughput/tokens_per_s_per_device"] == 125
     assert t["throughput/mfu_pct"] == pytest.approx(100 * 4e12 / 4 / 2.0 / 1e12)
+
+
+def test_float8_under_tp_has_single_process_float8_loss_and_gradients():
+    """The same linears converted; TP scales are the single process's (elr/parallel/float8.py)."""
+    assert "tp_float8: all checks passed" in torchrun("tp_float8.py")
+
+
+@pytest.mark.slow  # compiles every layer kind
+def test_compiled_float8_tp_layers_with_ac_have_single_process_float8_gradients():
+    assert "tp_float8: all checks passed" in torchrun("tp_float8.py", "--compile")
