@@ -379,9 +379,6 @@ def validate(cfg: JobConfig) -> None:
     _check(t.seq_len % p.tensor_parallel_degree == 0, "parallelism.tensor_parallel_degree",
            f"must divide training.seq_len = {t.seq_len} (sequence parallelism splits every sequence evenly)",
            p.tensor_parallel_degree)
-    _check(p.tensor_parallel_degree == 1 or t.loss_chunk_tokens == 0, "training.loss_chunk_tokens",
-           "is not combined with tensor parallelism yet (its vocab-parallel loss keeps logits sharded)",
-           t.loss_chunk_tokens)
 
     ac = cfg.activation_checkpoint.selective_ac_option
     _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",

@@ -128,3 +128,17 @@ def test_float8_under_tp_has_single_process_float8_loss_and_gradients():
 @pytest.mark.slow  # compiles every layer kind
 def test_compiled_float8_tp_layers_with_ac_have_single_process_float8_gradients():
     assert "tp_float8: all checks passed" in torchrun("tp_float8.py", "--compile")
+
+
+def test_vocab_parallel_chunked_loss_has_single_process_loss_and_gradients():
+    """Vocabulary 257 over 2 ranks (129 + 128 ids), chunks not dividing the tokens, ignored labels."""
+    assert "tp_loss: all checks passed" in torchrun("tp_loss.py")
+
+
+@pytest.mark.slow  # two 2-process runs
+def test_tp2_trains_alike_with_and_without_loss_chunks(tmp_path):
+    whole = run_script(tmp_path / "whole", 3, *TP2, nproc=2)
+    chunked = run_script(tmp_path / "chunked", 3, *TP2, "--training.loss_chunk_tokens", "24", nproc=2)
+    assert len(whole) == 3
+    for step in whole:
+        assert chunked[step] == pytest.approx(whole[step], rel=1e-5), step
