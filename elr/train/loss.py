@@ -8,6 +8,9 @@ gradient, so one chunk's logits (and their gradient) are the only [tokens x voca
 Costs one extra head matmul per chunk (the recompute). Logits are taken in fp32 whatever the
 parameter dtype; the head weight's gradient is accumulated over chunks in fp32 (our choice, for a
 sum over chunks as exact as the plain path's single matmul) and returned in the weight's dtype.
+Under tensor parallelism `vocab_parallel_chunked_cross_entropy` does the same on each rank's vocabulary
+rows: a chunk's logits are [chunk_tokens x vocab / tp], and two all-reduces per chunk (the maxima,
+then the sums of exponentials with the label's logit) give the whole vocabulary's log-sum-exp.
 """
 
 from __future__ import annotations
