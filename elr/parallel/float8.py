@@ -22,33 +22,37 @@ the compute dtype and casting after gives the same float8 values (the amax is gl
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
-from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-from torchao.float8.float8_training_tensor import GemmInputRole
+from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, hp_tensor_and_scale_to_float8
+from torchao.float8.float8_utils import amax_to_scale
 
 
-def to_float8(x: torch.Tensor, dtype: torch.dtype, module: Float8Linear, role: GemmInputRole, mesh: DeviceMesh):
-    """x in float8 (autograd passes its gradient through), scaled by the amax over the TP group."""
-    return hp_tensor_to_float8_dynamic(x, dtype, module.linear_mm_config, reduce_amax=True, gemm_input_role=role,
-                                       device_mesh=mesh, round_scales_to_power_of_2=module.config.round_scales_to_power_of_2)
+def to_float8(x: torch.Tensor, dtype: torch.dtype, mm_config: LinearMMConfig, role: GemmInputRole, group: str,
+              power_of_2: bool):
+    """x in float8 (autograd passes its gradient through), scaled by its amax over the TP group."""
+    with torch.no_grad():
+        amax = funcol.all_reduce(torch.max(torch.abs(x)), "max", group)
+        scale = amax_to_scale(amax.wait() if isinstance(amax, funcol.AsyncCollectiveTensor) else amax, dtype, power_of_2)
+    return hp_tensor_and_scale_to_float8(x, scale, dtype, mm_config, role)
 
 
 @torch._dynamo.allow_in_graph
 class _GradToFloat8(torch.autograd.Function):
     """Identity forward; backward casts the incoming gradient with the TP group's amax, so the
-    matmul's backward takes it as already cast."""
+    matmul's backward takes it as already cast. Its arguments are constants dynamo can put in a
+    graph (no module, no mesh): a graph break here would hand a compiled graph a float8 tangent."""
 
     @staticmethod
-    def forward(ctx, output, module, mesh):
-        ctx.module, ctx.mesh = module, mesh
+    def forward(ctx, output, dtype, mm_config, group, power_of_2):
+        ctx.args = dtype, mm_config, GemmInputRole.GRAD_OUTPUT, group, power_of_2
         return output
 
     @staticmethod
     def backward(ctx, grad):
-        dtype = ctx.module.config.cast_config_grad_output.target_dtype
-        return to_float8(grad, dtype, ctx.module, GemmInputRole.GRAD_OUTPUT, ctx.mesh), None, None
+        return to_float8(grad, *ctx.args), None, None, None, None
 
 
 class TensorParallelFloat8Linear(Float8Linear):
@@ -59,9 +63,10 @@ class TensorParallelFloat8Linear(Float8Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):  # a DTensor plan (dense FF): DTensor reduces the amax
             return super().forward(input)
-        c = self.config
-        x = to_float8(input, c.cast_config_input.target_dtype, self, GemmInputRole.INPUT, self.tp_mesh)
-        w = to_float8(self.weight, c.cast_config_weight.target_dtype, self, GemmInputRole.WEIGHT, self.tp_mesh)
-        output = _GradToFloat8.apply(matmul_with_hp_or_float8_args.apply(x, w.t(), self.linear_mm_config, c),
-                                     self, self.tp_mesh)
+        c, mm, group = self.config, self.linear_mm_config, self.tp_mesh.get_group().group_name
+        pow2 = c.round_scales_to_power_of_2
+        x = to_float8(input, c.cast_config_input.target_dtype, mm, GemmInputRole.INPUT, group, pow2)
+        w = to_float8(self.weight, c.cast_config_weight.target_dtype, mm, GemmInputRole.WEIGHT, group, pow2)
+        output = matmul_with_hp_or_float8_args.apply(x, w.t(), mm, c)
+        output = _GradToFloat8.apply(output, c.cast_config_grad_output.target_dtype, mm, group, pow2)
         return output if self.bias is None else output + self.bias.to(output.dtype)

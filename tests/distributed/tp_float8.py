@@ -1,8 +1,11 @@
 """Float8 under tensor parallelism on 2 gloo ranks, launched by tests/test_tensor_parallel.py: the TP 2
 float8 model converts the same linears as one process and its loss and every gradient equal the
 single-process float8 model's (loop counts 1 and 3 accumulated), far closer than float8 is to fp32.
-`--compile`: with compiled layers (aot_eager backend, static shapes) and full activation checkpointing.
-Prints one line per failure; exits 1 if any.
+Eager with full activation checkpointing; `--compile`: attention, FF and MoE layers compiled (aot_eager
+backend, static shapes as parallelize() sets them under TP). GDP layers stay eager there: float8 GDP
+compiled with aot_eager fails in backward even in one process ("view size is not compatible with
+input tensor's size and stride", on the a_proj gradient; inductor runs it, checked by hand with
+train.py). Prints one line per failure; exits 1 if any.
 
 Tolerances, measured: the TP scales are the single process's (elr/parallel/float8.py), so losses agree
 to fp32 summation order (~1e-7) and gradients to ~1e-7 relative, except where a summation-order
@@ -56,9 +59,11 @@ def check(args, mesh, failures: list, compile: bool) -> None:
     convert_to_float8(model, emulate=True, tp_mesh=mesh)  # before TP, as parallelize() does
     apply_tensor_parallel(model, mesh)
     if compile:
-        apply_activation_checkpointing(model, "full")
         for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
-            layer.compile(backend="aot_eager", dynamic=False)
+            if layer.kind != "G":  # aot_eager fails on float8 GDP even in one process (module docstring)
+                layer.compile(backend="aot_eager", dynamic=False)
+    else:
+        apply_activation_checkpointing(model, "full")  # float8 casts and their all-reduces recomputed
     model.to_empty(device="cpu")
     model.init_weights()  # rope tables; the weights come from the reference
     with torch.no_grad():
