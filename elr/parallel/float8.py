@@ -12,7 +12,7 @@ For the second kind `TensorParallelFloat8Linear` all-reduces (MAX) every amax ov
 the ranks' views together cover the whole tensor (a split, or a replicated copy), so each amax, and
 so each float8 value, is the one process's. Our choice, over per-shard scales: the TP run then
 computes the same float8 numbers as one process at any TP degree (tests/distributed/tp_float8.py),
-for three scalar all-reduces per linear and pass.
+for scalar all-reduces: two per linear in forward (input, weight), one in backward (gradient).
 
 The dense FF keeps the plain ColwiseParallel / RowwiseParallel styles: torchao's float8 styles
 all-gather the input in float8, which gloo refuses ("Invalid scalar type", measured); gathering in
