@@ -379,11 +379,6 @@ def validate(cfg: JobConfig) -> None:
     _check(t.seq_len % (p.context_parallel_degree * p.tensor_parallel_degree) == 0, "parallelism.tensor_parallel_degree",
            f"x context_parallel_degree must divide training.seq_len = {t.seq_len} (sequence parallelism splits "
            "every context-parallel slice evenly)", p.tensor_parallel_degree)
-    _check(p.tensor_parallel_degree == 1 or t.loss_chunk_tokens == 0, "training.loss_chunk_tokens",
-           "is not combined with tensor parallelism yet (its vocab-parallel loss keeps logits sharded)",
-           t.loss_chunk_tokens)
-    _check(p.tensor_parallel_degree == 1 or not cfg.float8.enable, "float8.enable",
-           "is not combined with tensor parallelism yet (needs float8-aware TP plans)", cfg.float8.enable)
 
     ac = cfg.activation_checkpoint.selective_ac_option
     _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",

@@ -49,7 +49,7 @@ class GDPSlot:
 
     def __init__(self, cache: InferenceCache, mixer, dtype, device):
         self.cache = cache
-        B, H, D, n_h = cache.batch, mixer.n_heads, mixer.head_dim, mixer.n_householder
+        B, H, D = cache.batch, mixer.n_heads, mixer.head_dim
         self.state = torch.zeros(B, H, D, D, dtype=dtype, device=device)
         self.conv_states = tuple(
             torch.zeros(B, conv.weight.shape[-1] - 1, conv.weight.shape[0], dtype=dtype, device=device)

@@ -50,7 +50,7 @@ from elr.parallel.activation_memory import LiveTensors, forward_activation_bytes
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.context_parallel import enable_context_parallel
 from elr.parallel.tensor_parallel import apply_tensor_parallel
-from elr.train.loss import chunked_cross_entropy, summed_loss
+from elr.train.loss import chunked_cross_entropy, summed_loss, vocab_parallel_chunked_cross_entropy
 from elr.train.optimizer import muon_params
 
 GiB = 2**30
@@ -174,7 +174,8 @@ def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_me
         own = {storage_key(x) for x in [*model.parameters(), *model.buffers()]}
         with LiveTensors() as live:  # the trainer's chunked path: hidden state, then the loss
             hidden = model(tokens, loops=loops, head=False)
-            loss = chunked_cross_entropy(hidden, model.output.weight, tokens, t.loss_chunk_tokens)
+            chunked = vocab_parallel_chunked_cross_entropy if tp_mesh is not None else chunked_cross_entropy
+            loss = chunked(hidden, model.output.weight, tokens, t.loss_chunk_tokens)
             del hidden
             total = live.live_bytes(own)
         del loss

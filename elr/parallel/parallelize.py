@@ -1,6 +1,6 @@
-"""Parallelism in one place: `parallelize(model, dims, cfg)` applies tensor/sequence parallelism,
-context parallelism, expert parallelism, float8, activation checkpointing, torch.compile and FSDP2
-to a model built on the meta device, in that order. With TP, FSDP shards over the data-parallel
+"""Parallelism in one place: `parallelize(model, dims, cfg)` applies float8, tensor/sequence
+parallelism, context parallelism, expert parallelism, activation checkpointing, torch.compile and
+FSDP2 to a model built on the meta device, in that order. With TP, FSDP shards over the data-parallel
 mesh on top of the TP split (2-D parameters); with CP, over dp_shard x cp.
 
 FSDP units: each input/output layer, the whole recurrent block (its layers together with the
@@ -31,22 +31,23 @@ from elr.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type: str) -> None:
-    """TP -> CP -> EP -> float8 -> activation checkpointing -> compile -> FSDP2 (each when enabled).
+    """float8 -> TP -> CP -> EP -> activation checkpointing -> compile -> FSDP2 (each when enabled).
 
-    TP first, so the layers AC wraps and compile traces are already split; AC wraps each layer
-    before compile so the checkpoint regions are traced into the compiled layer; FSDP comes last so
-    its units hold the wrapped, compiled layers.
+    float8 swaps linear modules, so it comes before TP, whose dense feed-forward plan hooks the
+    module instances; TP before AC and compile, so the layers AC wraps and compile traces are
+    already split; AC wraps each layer before compile so the checkpoint regions are traced into the
+    compiled layer; FSDP comes last so its units hold the wrapped, compiled layers.
     """
+    if cfg.float8.enable:
+        convert_to_float8(model, emulate=device_type != "cuda", tp_mesh=dims.tp_mesh)
     if dims.tp_mesh is not None:
         apply_tensor_parallel(model, dims.tp_mesh, experts_elsewhere=dims.ep_mesh is not None)
     if dims.cp_mesh is not None:
         enable_context_parallel(model, dims.cp_mesh)
-    if dims.sequence_mesh is not None:
+    if dims.cp_mesh is not None:  # each sequence is split over cp (x tp) ranks: so is its balance loss
         for moe in model.moe_layers():
             moe.sequence_group = dims.sequence_mesh.get_group()
     expert_weights = apply_expert_parallel(model, dims.ep_mesh) if dims.ep_mesh is not None else []
-    if cfg.float8.enable:
-        convert_to_float8(model, emulate=device_type != "cuda")
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable:
@@ -58,13 +59,18 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
                    ignored=set(expert_weights), recurrent_per_layer=dims.loops_shared_by_all)
 
 
-def convert_to_float8(model: ELRModel, emulate: bool) -> int:
+def convert_to_float8(model: ELRModel, emulate: bool, tp_mesh: DeviceMesh | None = None) -> int:
     """Swap the large linear layers for torchao Float8Linear; returns how many were converted.
 
     The head, the MoE router and the small ELR heads stay in high precision: they are cheap and
     precision-sensitive. emulate=True runs the float8 casts on hardware without float8 matmuls.
+    With a TP mesh (before TP is applied) they become TensorParallelFloat8Linear, whose scales are
+    the single process's under TP (elr/parallel/float8.py).
     """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    from elr.parallel.float8 import TensorParallelFloat8Linear
 
     def wanted(module: nn.Module, fqn: str) -> bool:
         return (
@@ -79,6 +85,10 @@ def convert_to_float8(model: ELRModel, emulate: bool) -> int:
 
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
     convert_to_float8_training(model, config=Float8LinearConfig(emulate=emulate), module_filter_fn=wanted)
+    if tp_mesh is not None:
+        for module in model.modules():
+            if type(module) is Float8Linear:  # re-classed in place, as fully_shard does
+                module.__class__, module.tp_mesh = TensorParallelFloat8Linear, tp_mesh
     return before - sum(type(m) is nn.Linear for m in model.modules())
 
 

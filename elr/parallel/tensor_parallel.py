@@ -16,7 +16,7 @@ local weights, and reduce-scatters its partial output back to sequence slices. P
                        slice, a token-wise layer needing no collective; expert memory is split by
                        expert parallelism, not TP (under EP the expert stacks are DTensors on the ep
                        mesh, not the TP mesh). The balance loss counts routes over the whole sequence
-                       (`MoE.sequence_group`, set by parallelize)
+                       (`MoE.sequence_group`; parallelize widens it to cp x tp under CP)
     ELR step size,     replicated, run on the sequence slice (SP)
     loop conditioning
     output head        vocab columns split; logits stay vocab-sharded for loss_parallel
@@ -176,6 +176,8 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: 
         plan.update({f"sublayer.{name}" if name else "sublayer": style
                      for name, style in sublayer_plan(layer.kind, args, tp, experts_elsewhere).items()})
         parallelize_module(layer, mesh, plan)
+        if layer.kind == "E":  # the balance loss is per sequence: count routes over the TP slices
+            layer.sublayer.sequence_group = mesh.get_group()
     for name in ("step_size", "conditioning"):
         if getattr(model.recurrent, name) is not None:
             parallelize_module(model.recurrent, mesh, {name: LocalCompute(gather=False)})

@@ -8,13 +8,17 @@ gradient, so one chunk's logits (and their gradient) are the only [tokens x voca
 Costs one extra head matmul per chunk (the recompute). Logits are taken in fp32 whatever the
 parameter dtype; the head weight's gradient is accumulated over chunks in fp32 (our choice, for a
 sum over chunks as exact as the plain path's single matmul) and returned in the weight's dtype.
+Under tensor parallelism `vocab_parallel_chunked_cross_entropy` does the same on each rank's vocabulary
+rows: a chunk's logits are [chunk_tokens x vocab / tp], and two all-reduces per chunk (the maxima,
+then the sums of exponentials with the label's logit) give the whole vocabulary's log-sum-exp.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such labels add nothing to the loss or gradients
 
@@ -33,21 +37,43 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, weight).float()
 
 
+def _lse_and_label_logit(logits, labels, vocab_start, group):
+    """Per token: log-sum-exp over the whole vocabulary and the label's logit (0 where ignored).
+
+    logits [n, V_local] hold ids vocab_start..vocab_start + V_local; with a TP group the other ranks
+    hold the rest: their maxima, sums of exponentials and the owner's label logit are all-reduced.
+    """
+    local = labels - vocab_start
+    owned = (local >= 0) & (local < logits.shape[1])  # ignored labels (-100) are owned by no rank
+    label_logit = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1) * owned
+    if group is None:
+        return torch.logsumexp(logits, dim=-1), label_logit
+    peak = logits.amax(dim=-1)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    sums = torch.stack([(logits - peak[:, None]).exp().sum(-1), label_logit])
+    dist.all_reduce(sums, group=group)
+    return peak + sums[0].log(), sums[1]
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """hidden [N, D], weight [V, D], labels [N] -> summed cross entropy (fp32 scalar)."""
+    """hidden [N, D], weight [V, D], labels [N] -> summed cross entropy (fp32 scalar).
+
+    Vocab-parallel with a TP group: weight holds ids vocab_start.. of the vocabulary, every rank
+    returns the whole loss, and the gradients are this rank's: its weight rows' (complete) and its
+    vocabulary's share of the hidden states' (the caller sums those over the group).
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, vocab_start=0, group=None):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            logits = _chunk_logits(hidden[rows], weight)
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            y, kept = labels[rows].clamp(min=0), labels[rows] != IGNORE_INDEX
-            total += ((lse[rows] - logits.gather(1, y[:, None]).squeeze(1)) * kept).sum()
+            lse[rows], label_logit = _lse_and_label_logit(_chunk_logits(hidden[rows], weight), labels[rows],
+                                                          vocab_start, group)
+            total += ((lse[rows] - label_logit) * (labels[rows] != IGNORE_INDEX)).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_tokens = chunk_tokens
+        ctx.chunk_tokens, ctx.vocab_start = chunk_tokens, vocab_start
         return total
 
     @staticmethod
@@ -58,16 +84,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
-            h, y, kept = hidden[rows], labels[rows].clamp(min=0), (labels[rows] != IGNORE_INDEX).float()
+            h, kept = hidden[rows], (labels[rows] != IGNORE_INDEX).float()
+            local = labels[rows] - ctx.vocab_start
+            owned = ((local >= 0) & (local < weight.shape[0])).float()  # the label's id is in this weight
             # d(lse - logit[y]) / d logits = softmax - one_hot(y), zero on ignored rows; in place.
             grad = _chunk_logits(h, weight).sub_(lse[rows, None]).exp_()
-            grad.scatter_add_(1, y[:, None], -torch.ones_like(kept)[:, None])
+            grad.scatter_add_(1, local.clamp(0, weight.shape[0] - 1)[:, None], -owned[:, None])
             grad = grad.mul_((kept * grad_total)[:, None]).to(hidden.dtype)
             if need_hidden:
                 torch.mm(grad, weight, out=grad_hidden[rows])
             if need_weight:
                 grad_weight += grad.t() @ h  # this chunk's product in the compute dtype, summed in fp32
-        return grad_hidden, (grad_weight.to(weight.dtype) if need_weight else None), None, None
+        return grad_hidden, (grad_weight.to(weight.dtype) if need_weight else None), None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -77,3 +105,25 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     hidden: [..., D] (the model's normed final hidden state), weight: [V, D] (the head), labels: [...].
     """
     return ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk_tokens)
+
+
+def vocab_parallel_chunked_cross_entropy(hidden: torch.Tensor, weight: DTensor, labels: torch.Tensor,
+                                         chunk_tokens: int) -> torch.Tensor:
+    """chunked_cross_entropy under tensor parallelism, without gathering the head or the logits.
+
+    hidden: this rank's sequence slice [B, T / tp, D] (sequence parallel); weight: the head as a
+    DTensor, vocab rows split over the TP mesh (Shard(0); DTensor splits like torch.chunk, the last
+    shard shorter when tp does not divide V); labels: the whole [B, T]. The slices are all-gathered
+    (backward: reduce-scatter, which sums the ranks' vocabulary shares of the hidden gradient); each
+    chunk's logits are [n, V / tp]. Every TP rank returns the whole summed loss, as loss_parallel does.
+    """
+    mesh = weight.device_mesh
+    assert mesh.ndim == 1 and weight.placements == (Shard(0),), weight.placements
+    local = weight.to_local()
+    rows_per_rank = -(-weight.shape[0] // mesh.size())
+    vocab_start = min(mesh.get_local_rank() * rows_per_rank, weight.shape[0])
+    assert local.shape[0] == min(weight.shape[0] - vocab_start, rows_per_rank), (local.shape, vocab_start)
+    whole = DTensor.from_local(hidden, mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
+    hidden = whole.to_local(grad_placements=[Partial()])
+    return ChunkedCrossEntropy.apply(hidden.flatten(0, -2), local, labels.flatten(), chunk_tokens, vocab_start,
+                                     mesh.get_group())

@@ -40,8 +40,6 @@ def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
     with torch.device("meta"):
         model = build_model(args)
     apply_tensor_parallel(model, mesh)
-    for moe in model.moe_layers():  # as parallelize() does: the balance loss counts the whole sequence
-        moe.sequence_group = mesh.get_group()
     for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
         if layer.kind == "E":  # MoE: replicated over TP by design
             continue
