@@ -148,43 +148,29 @@ BATCH = ["--training.global_batch_size", "8"]
 
 
 @pytest.mark.slow  # one 4-process run and three in-process runs
-def test_ep2_x_tp2_matches_one_process_and_its_checkpoint_loads_in_one_process(tmp_path):
+@pytest.mark.parametrize("split", ["tensor", "context"])
+def test_ep2_x_tp2_or_cp2_matches_one_process_and_its_checkpoint_loads_in_one_process(tmp_path, split):
+    """The balance loss on: under CP it is counted over both slices of each sequence."""
     run(tmp_path / "seed", 4, *CKPT, "--checkpoint.create_seed", "true")
-    for name in ("ep_tp", "one"):
+    for name in ("ep", "one"):
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
-    train_ep_tp_cp(tmp_path / "ep_tp", 4, *CKPT, *FP32, *MOE, *BATCH, "--training.local_batch_size", "2",
-                   "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2")
+    train_ep_tp_cp(tmp_path / "ep", 4, *CKPT, *FP32, *MOE, *BATCH, "--training.local_batch_size", "2",
+                   "--parallelism.expert_parallel_degree", "2", f"--parallelism.{split}_parallel_degree", "2")
     run(tmp_path / "one", 4, *CKPT, *MOE, *BATCH, "--training.local_batch_size", "4")
-    got, want = records(tmp_path / "ep_tp"), records(tmp_path / "one")
+    got, want = records(tmp_path / "ep"), records(tmp_path / "one")
     assert any(len(set(r["loops"][0])) > 1 for r in got), "microbatches should run different k in some update"
     assert_same_run(got, want, range(1, 5))
 
-    copy_checkpoint(tmp_path / "ep_tp", 2, tmp_path / "ep_tp_to_one")
-    run(tmp_path / "ep_tp_to_one", 4, *CKPT, *MOE, *BATCH, "--training.local_batch_size", "4")
-    assert_same_run(records(tmp_path / "ep_tp_to_one"), got, (3, 4))
-
-
-@pytest.mark.slow  # one 4-process run and two in-process runs
-def test_ep2_x_cp2_matches_one_process(tmp_path):
-    """With the balance loss, counted over both CP slices of each sequence."""
-    moe = MOE
-    run(tmp_path / "seed", 4, *CKPT, "--checkpoint.create_seed", "true")
-    for name in ("ep_cp", "one"):
-        copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
-    train_ep_tp_cp(tmp_path / "ep_cp", 4, *CKPT, *FP32, *moe, *BATCH, "--training.local_batch_size", "2",
-                   "--parallelism.expert_parallel_degree", "2", "--parallelism.context_parallel_degree", "2")
-    run(tmp_path / "one", 4, *CKPT, *moe, *BATCH, "--training.local_batch_size", "4")
-    got = records(tmp_path / "ep_cp")
-    assert any(len(set(r["loops"][0])) > 1 for r in got), "microbatches should run different k in some update"
-    assert_same_run(got, records(tmp_path / "one"), range(1, 5))
+    copy_checkpoint(tmp_path / "ep", 2, tmp_path / "ep_to_one")
+    run(tmp_path / "ep_to_one", 4, *CKPT, *MOE, *BATCH, "--training.local_batch_size", "4")
+    assert_same_run(records(tmp_path / "ep_to_one"), got, (3, 4))
 
 
 @pytest.mark.slow  # 8 processes on 2 cores (~50 s of the ~75 s)
 def test_expert_groups_with_different_k_under_hsdp2_x_ep2_x_tp2_match_one_process(tmp_path):
     """dp_replicate 2 x dp_shard 2 x tp 2, ep 2: two expert groups per TP position, one per replica,
     each drawing its own k (the recurrent block stays one FSDP unit); one sequence per data-parallel
-    rank, so group g holds the single process's microbatch g. (Not dp_shard 4 x tp 2: FSDP 4 x TP 2,
-    with or without EP, fails to save the 8193-row vocabulary ("overlapping chunks") in our torch.)"""
+    rank, so group g holds the single process's microbatch g."""
     run(tmp_path / "seed", 3, *CKPT, "--checkpoint.create_seed", "true")
     for name in ("ep_tp", "one"):
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)

@@ -14,34 +14,24 @@ weight). Float8 against fp32 is >= 1.9e-3 relative on every gradient (typically 
 """
 
 import copy
-import dataclasses
 import sys
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torchao.float8.float8_linear import Float8Linear
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from elr.models import build_model, flavors  # noqa: E402
-from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
-from elr.parallel.parallelize import convert_to_float8  # noqa: E402
-from elr.parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_grads  # noqa: E402
+from tp_harness import ARGS, full, plain_name, run_checks, tokens_for, tp_copy
+from elr.models import build_model
+from elr.parallel.activation_checkpoint import apply_activation_checkpointing
+from elr.parallel.parallelize import convert_to_float8
+from elr.parallel.tensor_parallel import reduce_partial_grads
 
 GRAD_REL = 1e-3
 
 
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def float8_names(model) -> set[str]:
-    return {name.replace("._checkpoint_wrapped_module", "") for name, m in model.named_modules()
-            if isinstance(m, Float8Linear)}
+    return {plain_name(name) for name, m in model.named_modules() if isinstance(m, Float8Linear)}
 
 
 def summed_loss(model, tokens, loops):
@@ -54,26 +44,23 @@ def check(args, mesh, failures: list, compile: bool) -> None:
     fp32.init_weights()
     ref = copy.deepcopy(fp32)
     convert_to_float8(ref, emulate=True)
-    with torch.device("meta"):
-        model = build_model(args)
-    convert_to_float8(model, emulate=True, tp_mesh=mesh)  # before TP, as parallelize() does
-    apply_tensor_parallel(model, mesh)
-    if compile:
-        for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
-            if layer.kind != "G":  # aot_eager fails on float8 GDP even in one process (module docstring)
-                layer.compile(backend="aot_eager", dynamic=False)
-    else:
-        apply_activation_checkpointing(model, "full")  # float8 casts and their all-reduces recomputed
-    model.to_empty(device="cpu")
-    model.init_weights()  # rope tables; the weights come from the reference
-    with torch.no_grad():
-        ref_params = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            p.copy_(distribute_tensor(ref_params[name.replace("._checkpoint_wrapped_module", "")], mesh, p.placements))
+
+    def compile_or_ac(model):
+        if compile:
+            for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+                if layer.kind != "G":  # aot_eager fails on float8 GDP even in one process (module docstring)
+                    layer.compile(backend="aot_eager", dynamic=False)
+        else:
+            apply_activation_checkpointing(model, "full")  # float8 casts and their all-reduces recomputed
+
+    # float8 before TP, as parallelize() does
+    model = tp_copy(ref, args, mesh, before_tp=lambda m: convert_to_float8(m, emulate=True, tp_mesh=mesh),
+                    after_tp=compile_or_ac)
+    ref_params = dict(ref.named_parameters())
     what = f"compile={compile}"
     if float8_names(model) != float8_names(ref) or not float8_names(ref):
         failures.append(f"{what}: float8 linears differ: {sorted(float8_names(model) ^ float8_names(ref))}")
-    tokens = torch.randint(0, args.vocab_size, (2, 17 * mesh.size()), generator=torch.Generator().manual_seed(1))
+    tokens = tokens_for(mesh)
     for loops in (1, 3):  # the second loop count accumulates onto the first's gradients, as microbatches do
         want = summed_loss(ref, tokens, loops)
         (want + ref.moe_aux_loss()).backward()
@@ -88,7 +75,7 @@ def check(args, mesh, failures: list, compile: bool) -> None:
     reduce_partial_grads(model)
     fp32_params = dict(fp32.named_parameters())
     for name, p in model.named_parameters():
-        name = name.replace("._checkpoint_wrapped_module", "")
+        name = plain_name(name)
         g, r, r32 = full(p.grad), ref_params[name].grad, fp32_params[name].grad
         if r is None or not r.any():
             continue  # e.g. loop embeddings no microbatch here reaches
@@ -97,19 +84,5 @@ def check(args, mesh, failures: list, compile: bool) -> None:
             failures.append(f"{what}: grad of {name}: TP vs float8 {tp_err:.1e}, float8 vs fp32 {float8_err:.1e}")
 
 
-def main():
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    args = dataclasses.replace(flavors["debug"], vocab_size=257, max_seq_len=128, max_loops=3,
-                               update="adaptive_delta", conditioning=True, moe_route_replay=True)
-    failures = []
-    check(args, mesh, failures, compile="--compile" in sys.argv)
-    if dist.get_rank() == 0:
-        print("\n".join(failures) or "tp_float8: all checks passed")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(1 if failures else 0)
-
-
 if __name__ == "__main__":
-    main()
+    run_checks("tp_float8", lambda mesh, failures: check(ARGS, mesh, failures, compile="--compile" in sys.argv))

@@ -2,62 +2,51 @@
 gradient under TP equals the single-process model's, for the debug model (G, A, F, E layers) at
 loop counts 1 and 3 accumulated, with GQA kv heads split (2 kv heads) and replicated (1 kv head), with
 each activation-checkpointing mode; `--compile`: with compiled layers (dynamo + AOTAutograd, the
-aot_eager backend, static shapes as parallelize() sets them under TP) instead. Prints one line per
-failure; exits 1 if any.
+aot_eager backend, static shapes as parallelize() sets them under TP) instead. Also: every non-MoE
+mixer weight is split in memory, and the memory plan's traced activations match a real TP forward.
 """
 
 import dataclasses
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from elr.config import load_config  # noqa: E402
-from elr.models import build_model, flavors  # noqa: E402
-from elr.models.from_config import model_args_from_config  # noqa: E402
-from elr.parallel.activation_memory import forward_activation_bytes  # noqa: E402
-from elr.parallel.memory_plan import activation_bytes  # noqa: E402
-from elr.train.loss import summed_loss  # noqa: E402
-from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
-from elr.parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_grads  # noqa: E402
-
-
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from tp_harness import ARGS, ROOT, full, plain_name, run_checks, tokens_for, tp_copy
+from elr.config import load_config
+from elr.models import build_model
+from elr.models.from_config import model_args_from_config
+from elr.parallel.activation_checkpoint import apply_activation_checkpointing
+from elr.parallel.activation_memory import forward_activation_bytes
+from elr.parallel.memory_plan import activation_bytes
+from elr.parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
+from elr.train.loss import summed_loss
 
 
 def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
     torch.manual_seed(0)
     ref = build_model(args)
     ref.init_weights()
-    with torch.device("meta"):
-        model = build_model(args)
-    apply_tensor_parallel(model, mesh)
-    for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
-        if layer.kind == "E":  # MoE: replicated over TP by design
-            continue
-        for name, p in layer.sublayer.named_parameters():  # the rest is split in memory
-            kv_replicated = args.n_kv_heads < mesh.size() and name in ("wk.weight", "wv.weight")
-            if name != "o_norm.weight" and not kv_replicated and not isinstance(p.placements[0], Shard):
-                failures.append(f"{layer.kind} layer's {name} is replicated over TP, not split")
-    apply_activation_checkpointing(model, ac)
-    if compile:
+
+    def split_check_ac_compile(model):
         for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
-            layer.compile(backend="aot_eager", dynamic=False)
-    model.to_empty(device="cpu")
-    model.init_weights()  # rope tables; the weights come from the reference
-    with torch.no_grad():
-        ref_params = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            p.copy_(distribute_tensor(ref_params[name.replace("._checkpoint_wrapped_module", "")], mesh, p.placements))
-    tokens = torch.randint(0, args.vocab_size, (2, 17 * mesh.size()), generator=torch.Generator().manual_seed(1))
+            if layer.kind == "E":  # MoE: replicated over TP by design
+                continue
+            for name, p in layer.sublayer.named_parameters():  # the rest is split in memory
+                kv_replicated = args.n_kv_heads < mesh.size() and name in ("wk.weight", "wv.weight")
+                if name != "o_norm.weight" and not kv_replicated and not isinstance(p.placements[0], Shard):
+                    failures.append(f"{layer.kind} layer's {name} is replicated over TP, not split")
+        apply_activation_checkpointing(model, ac)
+        if compile:
+            for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+                layer.compile(backend="aot_eager", dynamic=False)
+
+    model = tp_copy(ref, args, mesh, after_tp=split_check_ac_compile)
+    ref_params = dict(ref.named_parameters())
+    tokens = tokens_for(mesh)
     for m in (ref, model):
         m.zero_grad(set_to_none=True)
     for loops in (1, 3):  # the second loop count accumulates onto the first's gradients, as microbatches do
@@ -80,7 +69,7 @@ def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
     if not torch.allclose(norm, ref_norm, rtol=1e-5):
         failures.append(f"{what}: gradient norm {norm.item()} != {ref_norm.item()}")
     for name, p in model.named_parameters():
-        g, r = full(p.grad), ref_params[name.replace("._checkpoint_wrapped_module", "")].grad
+        g, r = full(p.grad), ref_params[plain_name(name)].grad
         if not torch.allclose(g, r, rtol=1e-5, atol=1e-6):
             failures.append(f"{what}: grad of {name} differs by {(g - r).abs().max().item():.2e} "
                             f"(largest {r.abs().max().item():.2e})")
@@ -106,25 +95,15 @@ def check_planned_activations(mesh, failures: list) -> None:
             failures.append(f"planned TP activations at k={loops}: {planned} bytes, measured {measured}")
 
 
-def main():
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    base = dataclasses.replace(flavors["debug"], vocab_size=257, max_seq_len=128, max_loops=3,
-                               update="adaptive_delta", conditioning=True, moe_route_replay=True)
-    failures = []
+def checks(mesh, failures: list) -> None:
     if "--compile" in sys.argv:
-        check(base, "full", mesh, failures, compile=True)
+        check(ARGS, "full", mesh, failures, compile=True)
     else:
-        check(base, "none", mesh, failures)
-        check(dataclasses.replace(base, n_kv_heads=1), "full", mesh, failures)
-        check(base, "selective", mesh, failures)
+        check(ARGS, "none", mesh, failures)
+        check(dataclasses.replace(ARGS, n_kv_heads=1), "full", mesh, failures)
+        check(ARGS, "selective", mesh, failures)
         check_planned_activations(mesh, failures)
-    if dist.get_rank() == 0:
-        print("\n".join(failures) or "tp_grads: all checks passed")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":
-    main()
+    run_checks("tp_grads", checks)
