@@ -141,6 +141,10 @@ def test_cp2_x_tp2_with_balance_loss_trains_like_one_process(tmp_path):
     assert_same_run(got, one, range(1, 4))
     moe = [[r["moe/aux_loss"] for r in rs if "moe/aux_loss" in r] for rs in (got, one)]
     assert moe[0] and moe[0] == pytest.approx(moe[1], rel=1e-5)
+    # per-loop statistics (update norm, step size, FiLM gate) describe whole sequences, as in one process
+    for a, b in zip((r for r in got if "loss/train" in r), (r for r in one if "loss/train" in r)):
+        loop_keys = [key for key in b if key.startswith("loop") and "/" in key]
+        assert loop_keys and {key: a[key] for key in loop_keys} == pytest.approx({key: b[key] for key in loop_keys}, rel=1e-4)
 
 
 @pytest.mark.slow  # inductor compiles the GDP and attention layers: ~7 min cold on 2 cores, ~100 s warm

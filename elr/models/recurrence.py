@@ -27,6 +27,7 @@ adaptive step is exactly 1 and the FiLM heads are exactly zero, so k=1 equals th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from elr.models.args import ModelArgs
@@ -125,6 +126,9 @@ class RecurrentBlock(nn.Module):
         # When set, forward records per-loop statistics in `loop_stats` (for the metrics).
         self.track_stats = False
         self.loop_stats: list[dict[str, torch.Tensor]] = []
+        # Ranks holding slices of the same sequences (TP / CP, set by parallelize): the statistics
+        # are then reduced over them, so they describe whole sequences, as in one process.
+        self.sequence_group = None
 
     def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None) -> torch.Tensor:
         """`cache` (inference only) hands each layer its key/value or state slot for loop i."""
@@ -158,9 +162,15 @@ class RecurrentBlock(nn.Module):
 
     @torch.no_grad()
     def _record(self, s, s_next, step, films) -> None:
-        stats = {"update_norm": (s_next - s).float().norm() / s.float().norm().clamp(min=1e-12)}
+        # squared norms and the mean step, summed over a sequence's slices (equal sizes)
+        parts = torch.stack([(s_next - s).float().square().sum(), s.float().square().sum(),
+                             step.float().mean() if step is not None else s.new_zeros((), dtype=torch.float32)])
+        if self.sequence_group is not None:
+            dist.all_reduce(parts, group=self.sequence_group)
+            parts[2] /= dist.get_world_size(self.sequence_group)
+        stats = {"update_norm": parts[0].sqrt() / parts[1].sqrt().clamp(min=1e-12)}
         if step is not None:
-            stats["step_size_mean"] = step.float().mean()
+            stats["step_size_mean"] = parts[2]
         if self.conditioning is not None:
             stats["film_gate_mean"] = torch.stack([1 + gate.float().mean() for _, _, gate in films]).mean()
         self.loop_stats.append(stats)
