@@ -388,3 +388,28 @@ def test_reshard_with_torchrun(tmp_path):
     load_model_export(path, exported)
     for k, v in want["model"].items():
         assert torch.equal(exported.state_dict()[k], v.to(torch.bfloat16).float()), k
+
+
+def test_checkpoints_with_gdp_weights_in_the_old_row_order_are_refused(tmp_path):
+    """A marker without "format" (saved before GDP's head-major k/v/beta rows) holding GDP weights
+    would load them permuted: training loads and model exports refuse it; without GDP weights it loads."""
+    gdp = nn.ModuleDict({"k_proj": nn.Linear(8, 8)})
+    ckpt = CheckpointManager(tmp_path, interval=1)
+    ckpt.save(1, {"model": ModelState(gdp)})
+    export = ckpt.export_model(1, gdp, torch.float32)
+    assert ckpt.load({"model": ModelState(gdp)}, step=1) == 1  # this version's format loads
+    for folder in (tmp_path / "step-1", export):
+        marker = json.loads((folder / MARKER).read_text())
+        del marker["format"]
+        (folder / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="order used before 2026-12-01"):
+        ckpt.load({"model": ModelState(gdp)}, step=1)
+    with pytest.raises(CheckpointError, match="order used before 2026-12-01"):
+        load_model_export(export, gdp)
+    plain = filled(1)
+    CheckpointManager(tmp_path / "plain", interval=1).save(1, {"model": ModelState(plain)})
+    marker_path = tmp_path / "plain" / "step-1" / MARKER
+    marker = json.loads(marker_path.read_text())
+    del marker["format"]
+    marker_path.write_text(json.dumps(marker))
+    assert CheckpointManager(tmp_path / "plain", interval=1).load({"model": ModelState(plain)}, step=1) == 1

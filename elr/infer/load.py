@@ -21,6 +21,7 @@ from elr.config import config_from_dict
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import Tokenizer, build_tokenizer
+from elr.train.checkpoint import check_format
 
 # Loading without a process group is what we want; DCP warns that it assumed so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -48,6 +49,7 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
         raise FileNotFoundError(f"{checkpoint} is not a DCP checkpoint folder (no .metadata)")
     cfg = run_config(checkpoint)
     saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    check_format(checkpoint, saved)
     prefix = TRAINING_PREFIX if any(key.startswith(TRAINING_PREFIX) for key in saved) else ""
     embedding = saved.get(f"{prefix}tok_embeddings.weight")
     if embedding is None:

@@ -49,6 +49,9 @@ from elr.config import UserError
 logger = logging.getLogger(__name__)
 
 MARKER = "commit.json"
+# In the marker since GDP's k/v/beta rows became head-major (2026-12-01, elr/models/gdp.py): a marker
+# without it holds those rows in the earlier order, which would load silently permuted.
+FORMAT = 2
 _STEP_DIR = re.compile(r"step-(\d+)")
 # DCP warns at every save/load without a process group that it assumes one process: we mean that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
@@ -264,6 +267,7 @@ class CheckpointManager:
             saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         except Exception as e:
             raise _Unreadable(f".metadata: {_one_line(e)}") from e
+        check_format(path, saved)
         try:
             _check_keys(state_dict, saved, allow_missing)
         except CheckpointError as e:
@@ -326,6 +330,7 @@ def load_model_export(path: str | Path, model: nn.Module) -> None:
         raise CheckpointError(f"{path} is not a committed export (no {MARKER})")
     state_dict = model.state_dict()
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    check_format(path, saved)
     _check_keys(state_dict, saved, lambda key: False)
     dcp.load(state_dict, checkpoint_id=path, no_dist=True)
     model.load_state_dict(state_dict)
@@ -356,13 +361,25 @@ def _check_keys(state_dict: dict[str, Any], saved: dict[str, Any], allow_missing
         raise CheckpointError("; ".join(problems))
 
 
+def check_format(path: Path, saved_keys) -> None:
+    """Refuse a committed checkpoint whose GDP weights are in the pre-2026-12-01 row order."""
+    marker = Path(path) / MARKER
+    if not marker.is_file() or not any("k_proj" in key.split(".") for key in saved_keys):
+        return
+    if json.loads(marker.read_text()).get("format", 1) < FORMAT:
+        raise CheckpointError(
+            f"{path} holds GDP k/v/beta weights in the order used before 2026-12-01 (checkpoint format 1, now "
+            f"{FORMAT}: head-major rows); this version would load them permuted, so it does not load them"
+        )
+
+
 def _write_marker(folder: Path, step: int) -> None:
     files = {
         str(p.relative_to(folder)): p.stat().st_size
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MARKER
     }
-    marker = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+    marker = {"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
     with open(folder / MARKER, "w") as f:
         json.dump(marker, f, indent=1)
         f.flush()
