@@ -7,10 +7,11 @@ FSDP units: each input/output layer, the whole recurrent block (its layers toget
 k-loop, called exactly once per microbatch so ranks running different k stay in step), and the
 root (embeddings, final norm, head). Recurrent layers are compiled once and reused on every loop.
 When all ranks run the same k (one data-parallel rank split by CP/TP alone, or one expert group
-spanning every data-parallel rank), each recurrent layer becomes its own unit instead, gathered k times per microbatch (tests/distributed/
-expert_parallel_ops.py checks a unit called k times against one process): the unsharded peak is one
-layer, not the whole block (2.35B dense parameters at 30B-A3B). Expert weights split by expert
-parallelism stay out of FSDP.
+spanning every data-parallel rank), each recurrent layer becomes its own unit instead, gathered k
+times per microbatch (tests/distributed/expert_parallel_ops.py checks a unit called k times against
+one process): the unsharded peak is one layer, not the whole block (2.35B dense parameters at
+30B-A3B). Expert weights split by expert parallelism stay out of FSDP. A weight TP splits unevenly
+along dim 0 is FSDP-sharded along dim 1 (`fsdp_shard_dim`).
 """
 
 from __future__ import annotations
