@@ -33,7 +33,8 @@ from elr.models import build_model, flavors  # noqa: E402
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
 from elr.parallel.activation_memory import forward_activation_bytes  # noqa: E402
 from elr.parallel.memory_plan import GiB, microbatch_bytes  # noqa: E402
-from elr.train.trainer import Trainer, summed_loss  # noqa: E402
+from elr.train.loss import summed_loss  # noqa: E402
+from elr.train.trainer import Trainer  # noqa: E402
 
 DEBUG_TOML = ROOT / "train_configs" / "debug.toml"
 AC_MODES = [("none", "op"), ("selective", "op"), ("selective", "2"), ("full", "op")]

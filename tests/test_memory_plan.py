@@ -21,8 +21,7 @@ from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
 from elr.train.optimizer import build_optimizer
 from elr.models.from_config import model_args_from_config
-from elr.train.loss import chunked_cross_entropy
-from elr.train.trainer import summed_loss
+from elr.train.loss import chunked_cross_entropy, summed_loss
 from trainer_utils import DEBUG_TOML, ROOT
 
 MODES = [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")]

@@ -127,6 +127,13 @@ class ELRModel(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
+    def set_sequence_group(self, group) -> None:
+        """The ranks each sequence is split over (TP and/or CP): the MoE balance loss and the per-loop
+        statistics are reduced over them, so both describe whole sequences, as in one process."""
+        for moe in self.moe_layers():
+            moe.sequence_group = group
+        self.recurrent.sequence_group = group
+
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sequence-level balance loss of the last training forward, summed over MoE routing calls
         (every layer, every loop that routed); None without MoE layers or outside training.

@@ -46,11 +46,11 @@ from elr.models import build_model
 from elr.models.ffn import MoE
 from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
-from elr.parallel.activation_memory import LiveTensors, forward_activation_bytes, storage_key
+from elr.parallel.activation_memory import LiveTensors, storage_key
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.context_parallel import enable_context_parallel
 from elr.parallel.tensor_parallel import apply_tensor_parallel
-from elr.train.loss import chunked_cross_entropy, summed_loss, vocab_parallel_chunked_cross_entropy
+from elr.train.loss import model_loss
 from elr.train.optimizer import muon_params
 
 GiB = 2**30
@@ -168,15 +168,10 @@ def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_me
     model = meta_model(args, dtype, tp_mesh, cp_mesh)
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
+    own = {storage_key(x) for x in [*model.parameters(), *model.buffers()]}
     with fused_attention(), loss_parallel() if tp_mesh is not None else contextlib.nullcontext():
-        if not t.loss_chunk_tokens:
-            return forward_activation_bytes(model, tokens, loops, summed_loss)
-        own = {storage_key(x) for x in [*model.parameters(), *model.buffers()]}
-        with LiveTensors() as live:  # the trainer's chunked path: hidden state, then the loss
-            hidden = model(tokens, loops=loops, head=False)
-            chunked = vocab_parallel_chunked_cross_entropy if tp_mesh is not None else chunked_cross_entropy
-            loss = chunked(hidden, model.output.weight, tokens, t.loss_chunk_tokens)
-            del hidden
+        with LiveTensors() as live:  # the trainer's loss, whole or chunked
+            loss = model_loss(model, tokens, tokens, loops, t.loss_chunk_tokens, tensor_parallel=tp_mesh is not None)
             total = live.live_bytes(own)
         del loss
         return total

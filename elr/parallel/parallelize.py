@@ -45,11 +45,8 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
         apply_tensor_parallel(model, dims.tp_mesh, experts_elsewhere=dims.ep_mesh is not None)
     if dims.cp_mesh is not None:
         enable_context_parallel(model, dims.cp_mesh)
-    if dims.sequence_mesh is not None:  # each sequence is split over cp x tp ranks: its balance loss
-        group = dims.sequence_mesh.get_group()  # and loop statistics are reduced over them
-        for moe in model.moe_layers():
-            moe.sequence_group = group
-        model.recurrent.sequence_group = group
+    if dims.sequence_mesh is not None:
+        model.set_sequence_group(dims.sequence_mesh.get_group())
     expert_weights = apply_expert_parallel(model, dims.ep_mesh) if dims.ep_mesh is not None else []
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)

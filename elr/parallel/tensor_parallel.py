@@ -16,7 +16,7 @@ local weights, and reduce-scatters its partial output back to sequence slices. P
                        slice, a token-wise layer needing no collective; expert memory is split by
                        expert parallelism, not TP (under EP the expert stacks are DTensors on the ep
                        mesh, not the TP mesh). The balance loss counts routes over the whole sequence
-                       (`MoE.sequence_group`; parallelize widens it to cp x tp under CP)
+                       (`ELRModel.set_sequence_group`, called by parallelize)
     ELR step size,     replicated, run on the sequence slice (SP)
     loop conditioning
     output head        vocab columns split; logits stay vocab-sharded for loss_parallel
@@ -47,6 +47,13 @@ from torch.distributed.tensor.parallel import (
 from elr.config import ConfigError
 from elr.models.args import ModelArgs
 from elr.models.model import ELRModel
+
+
+def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole sequence (dim 1) from every TP rank's slice; backward reduce-scatters, summing the
+    ranks' partial gradients of it."""
+    whole = DTensor.from_local(x, mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
+    return whole.to_local(grad_placements=[Partial()])
 
 
 @dataclass(frozen=True)
@@ -100,8 +107,7 @@ class LocalCompute(ParallelStyle):
                     rule = self.placements.get(f"{prefix}.{name}" if prefix else name)
                     owner.__dict__[name] = self._local_view(param, rule, mesh)
         if self.gather:
-            x = DTensor.from_local(args[0], mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
-            args = (x.to_local(grad_placements=[Partial()]), *args[1:])
+            args = (gather_sequence(args[0], mesh), *args[1:])
         return args
 
     def _exit(self, mesh: DeviceMesh, module: nn.Module, args: tuple, output):
@@ -176,8 +182,6 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: 
         plan.update({f"sublayer.{name}" if name else "sublayer": style
                      for name, style in sublayer_plan(layer.kind, args, tp, experts_elsewhere).items()})
         parallelize_module(layer, mesh, plan)
-        if layer.kind == "E":  # the balance loss is per sequence: count routes over the TP slices
-            layer.sublayer.sequence_group = mesh.get_group()
     for name in ("step_size", "conditioning"):
         if getattr(model.recurrent, name) is not None:
             parallelize_module(model.recurrent, mesh, {name: LocalCompute(gather=False)})

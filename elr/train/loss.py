@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
+
+from elr.parallel.tensor_parallel import gather_sequence
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such labels add nothing to the loss or gradients
 
@@ -37,15 +39,21 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, weight).float()
 
 
+def _label_columns(labels, vocab_start, n_ids):
+    """Each label's column among this rank's ids vocab_start..vocab_start + n_ids (clamped into range),
+    and whether this rank owns it (ignored labels, -100, are owned by no rank)."""
+    local = labels - vocab_start
+    return local.clamp(0, n_ids - 1), (local >= 0) & (local < n_ids)
+
+
 def _lse_and_label_logit(logits, labels, vocab_start, group):
     """Per token: log-sum-exp over the whole vocabulary and the label's logit (0 where ignored).
 
     logits [n, V_local] hold ids vocab_start..vocab_start + V_local; with a TP group the other ranks
     hold the rest: their maxima, sums of exponentials and the owner's label logit are all-reduced.
     """
-    local = labels - vocab_start
-    owned = (local >= 0) & (local < logits.shape[1])  # ignored labels (-100) are owned by no rank
-    label_logit = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1) * owned
+    column, owned = _label_columns(labels, vocab_start, logits.shape[1])
+    label_logit = logits.gather(1, column[:, None]).squeeze(1) * owned
     if group is None:
         return torch.logsumexp(logits, dim=-1), label_logit
     peak = logits.amax(dim=-1)
@@ -85,11 +93,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             h, kept = hidden[rows], (labels[rows] != IGNORE_INDEX).float()
-            local = labels[rows] - ctx.vocab_start
-            owned = ((local >= 0) & (local < weight.shape[0])).float()  # the label's id is in this weight
+            column, owned = _label_columns(labels[rows], ctx.vocab_start, weight.shape[0])
             # d(lse - logit[y]) / d logits = softmax - one_hot(y), zero on ignored rows; in place.
             grad = _chunk_logits(h, weight).sub_(lse[rows, None]).exp_()
-            grad.scatter_add_(1, local.clamp(0, weight.shape[0] - 1)[:, None], -owned[:, None])
+            grad.scatter_add_(1, column[:, None], -owned.float()[:, None])
             grad = grad.mul_((kept * grad_total)[:, None]).to(hidden.dtype)
             if need_hidden:
                 torch.mm(grad, weight, out=grad_hidden[rows])
@@ -105,6 +112,22 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     hidden: [..., D] (the model's normed final hidden state), weight: [V, D] (the head), labels: [...].
     """
     return ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk_tokens)
+
+
+def model_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loops: int, chunk_tokens: int,
+               tensor_parallel: bool) -> torch.Tensor:
+    """Summed cross entropy of the model at `loops`; chunked (chunk_tokens > 0) or whole.
+
+    The chunked loss applies the head outside the model's forward: under FSDP the root unit keeps
+    its weights (the head's among them) gathered from forward until its backward. Under TP the head
+    is vocab-sharded (a DTensor) and the model returns this rank's sequence slice: the vocab-parallel
+    variant takes both as they are. (Under TP the caller runs forward and backward in loss_parallel.)
+    """
+    if chunk_tokens == 0:
+        return summed_loss(model(inputs, loops=loops), labels)
+    hidden, weight = model(inputs, loops=loops, head=False), model.output.weight
+    chunked = vocab_parallel_chunked_cross_entropy if tensor_parallel else chunked_cross_entropy
+    return chunked(hidden, weight, labels, chunk_tokens)
 
 
 def vocab_parallel_chunked_cross_entropy(hidden: torch.Tensor, weight: DTensor, labels: torch.Tensor,
@@ -123,7 +146,6 @@ def vocab_parallel_chunked_cross_entropy(hidden: torch.Tensor, weight: DTensor, 
     rows_per_rank = -(-weight.shape[0] // mesh.size())
     vocab_start = min(mesh.get_local_rank() * rows_per_rank, weight.shape[0])
     assert local.shape[0] == min(weight.shape[0] - vocab_start, rows_per_rank), (local.shape, vocab_start)
-    whole = DTensor.from_local(hidden, mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
-    hidden = whole.to_local(grad_placements=[Partial()])
+    hidden = gather_sequence(hidden, mesh)
     return ChunkedCrossEntropy.apply(hidden.flatten(0, -2), local, labels.flatten(), chunk_tokens, vocab_start,
                                      mesh.get_group())

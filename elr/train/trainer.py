@@ -31,7 +31,7 @@ from elr.parallel.parallelize import parallelize
 from elr.parallel.tensor_parallel import reduce_partial_grads
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
 from elr.train.data import build_train_loader, val_batches
-from elr.train.loss import chunked_cross_entropy, summed_loss, vocab_parallel_chunked_cross_entropy
+from elr.train.loss import model_loss
 from elr.train.loop_sampler import LoopSampler
 from elr.train.metrics import MetricsLogger, console_line, memory_gib, throughput
 from elr.train.optimizer import build_lr_scheduler, build_optimizer
@@ -324,20 +324,9 @@ class Trainer:
         return loss_parallel() if self.dims.tp_mesh is not None else contextlib.nullcontext()
 
     def model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
-        """Summed cross entropy of the model at k loops; chunked (training.loss_chunk_tokens) or whole.
-
-        The chunked loss applies the head outside the model's forward: under FSDP the root unit keeps
-        its weights (the head's among them) gathered from forward until its backward. Under TP the
-        head is vocab-sharded (a DTensor) and the model returns this rank's sequence slice: the
-        vocab-parallel variant takes both as they are.
-        """
-        chunk = self.cfg.training.loss_chunk_tokens
-        if chunk == 0:
-            return summed_loss(self.model(inputs, loops=k), labels)
-        hidden, weight = self.model(inputs, loops=k, head=False), self.model.output.weight
-        if self.dims.tp_mesh is not None:
-            return vocab_parallel_chunked_cross_entropy(hidden, weight, labels, chunk)
-        return chunked_cross_entropy(hidden, weight, labels, chunk)
+        """Summed cross entropy at k loops, as training.loss_chunk_tokens and the layout ask."""
+        return model_loss(self.model, inputs, labels, k, self.cfg.training.loss_chunk_tokens,
+                          tensor_parallel=self.dims.tp_mesh is not None)
 
     def _clip_gradients(self, max_norm: float) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

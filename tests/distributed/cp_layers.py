@@ -139,8 +139,7 @@ def main():
     for loops, ac in ((1, "none"), (3, "none"), (3, "full"), (3, "selective")):
         reference, sharded = copy.deepcopy(model), copy.deepcopy(model)
         enable_context_parallel(sharded, mesh)
-        for moe in sharded.moe_layers():  # as parallelize() does: routes counted over the whole sequence
-            moe.sequence_group = group
+        sharded.set_sequence_group(group)  # as parallelize() does: routes counted over the whole sequence
         apply_activation_checkpointing(sharded, ac)  # the recomputed forward gathers again in backward
         want = reference(inputs, loops=loops)
         got = sharded(shard_sequence(inputs, rank, cp), loops=loops)

@@ -84,6 +84,7 @@ def check_planned_activations(mesh, failures: list) -> None:
     with torch.device("meta"):
         model = build_model(args)
     apply_tensor_parallel(model, mesh)
+    model.set_sequence_group(mesh.get_group())
     model.to_empty(device="cpu")
     model.init_weights()
     tokens = torch.randint(0, args.vocab_size, (2, 64))

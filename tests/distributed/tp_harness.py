@@ -32,12 +32,14 @@ def plain_name(name: str) -> str:
 
 def tp_copy(ref: torch.nn.Module, args, mesh: DeviceMesh, before_tp: Callable = None, after_tp: Callable = None):
     """The reference's weights in a model split over `mesh`, built on the meta device as the trainer
-    builds it: before_tp(model) (float8), apply_tensor_parallel, after_tp(model) (AC, compile)."""
+    builds it: before_tp(model) (float8), apply_tensor_parallel and the sequence group, after_tp(model)
+    (AC, compile)."""
     with torch.device("meta"):
         model = build_model(args)
     if before_tp:
         before_tp(model)
     apply_tensor_parallel(model, mesh)
+    model.set_sequence_group(mesh.get_group())  # as parallelize() does
     if after_tp:
         after_tp(model)
     model.to_empty(device="cpu")
