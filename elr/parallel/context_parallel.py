@@ -1,7 +1,7 @@
 """Context parallelism of our own: each rank of a CP group holds one contiguous slice of every sequence.
 
 torch's `context_parallel` has no CPU path, so this is built from plain torch.distributed
-collectives (gloo and NCCL alike) wrapped in autograd functions; torch derives every backward.
+collectives (gloo and NCCL alike) with autograd; torch derives every backward.
 
     attention  all-gathers K and V over the group (backward: reduce-scatter of dK, dV) and masks
                causally from the shard's start: the query at global position p sees keys <= p.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
@@ -58,29 +59,11 @@ def shard_start(group: dist.ProcessGroup, shard_len: int) -> int:
     return dist.get_rank(group) * shard_len
 
 
-class _AllGather(torch.autograd.Function):
-    """Concatenate every rank's x along dim 0; the backward sums the gradients and keeps this
-    rank's piece (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
-        dist.all_gather_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = grad.new_empty(grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:])
-        dist.reduce_scatter_single(out, grad, group=ctx.group)
-        return out, None
-
-
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """Every rank's x concatenated along `dim` in rank order, differentiably."""
-    return _AllGather.apply(x.movedim(dim, 0), group).movedim(0, dim)
+    """Every rank's x concatenated along `dim` in rank order, differentiably (backward: a
+    reduce-scatter, summing the gradients and keeping this rank's piece)."""
+    gathered = funcol.all_gather_single_autograd(x.movedim(dim, 0).contiguous(), gather_dim=0, group=group)
+    return gathered.movedim(0, dim)
 
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
