@@ -13,6 +13,8 @@ from pathlib import Path
 
 import tomli
 
+from elr.tasks import TASKS
+
 
 class UserError(Exception):
     """A mistake in what the job asks for (config, data, tokenizer, checkpoint), not a bug in the code:
@@ -47,6 +49,12 @@ class ELR:
     step_lr_scale: float = 1.0  # the step's parameters train at optimizer.lr x this
     step_weight_decay: float = 0.0  # weight decay of the step's parameters (pulls the step towards 1)
     conditioning: bool = True  # loop-index/budget embeddings + zero-initialised FiLM heads
+    conditioning_budget: bool = True  # E_budget[k] in the conditioning; false: the loop index alone
+    conditioning_gate: bool = True  # the FiLM gate (1 + gate) on each sublayer's output; false: scale, shift only
+    conditioning_first_loop: bool = True  # false: loop 1 unconditioned (k=1 is exactly the shared block)
+    loss_every_loop: bool = False  # loss at the exit of every loop 1..k of a slot (their mean); needs
+    # no budget embedding (conditioning_budget = false or conditioning = false): one forward at k is then
+    # the model at every budget up to k
     sampling: str = "independent"  # independent (each slot draws k) | synchronized (one k per update)
     one_loop_override: float = 0.0  # fraction f of data-parallel ranks that run k=1 on every microbatch (rotating;
     # whole expert groups under expert parallelism, microbatch slots when one group spans every rank)
@@ -96,6 +104,12 @@ class LRScheduler:
 class Data:
     path: str = "data/tinyprose"  # folder with train.bin, val.bin and meta.json (scripts/prepare_data.py)
     shuffle: bool = True
+    # A depth-bound task generated on the fly instead of token files (elr/tasks.py): its own tiny
+    # vocabulary, loss on the answer only, validation accuracy per difficulty at every k.
+    task: str = ""  # "" (token files) | pointer_chase | var_chain
+    task_items: int = 8  # pairs in the context (pointer_chase) or statements (var_chain)
+    task_max_difficulty: int = 6  # hops (pointer_chase) or binding depth (var_chain): 1..this
+    task_curriculum_steps: int = 0  # updates over which the hardest difficulty drawn grows to the max; 0: off
 
 
 @dataclass
@@ -185,6 +199,7 @@ class JobConfig:
 
 CHOICES = {
     "elr.sampling": ("independent", "synchronized"),
+    "data.task": ("", *TASKS),
     "training.mixed_precision_param": ("float32", "bfloat16"),
     "optimizer.name": ("adamw", "muon"),
     "lr_scheduler.decay_type": ("cosine", "wsd"),
@@ -319,6 +334,10 @@ def validate(cfg: JobConfig) -> None:
     _check(e.step_lr_scale > 0, "elr.step_lr_scale", "must be > 0", e.step_lr_scale)
     _check(e.step_weight_decay >= 0, "elr.step_weight_decay", "must be >= 0", e.step_weight_decay)
     _check(0.0 <= e.switch_at < 1.0, "elr.switch_at", "must lie in [0, 1)", e.switch_at)
+    if e.loss_every_loop:
+        _check(not (e.conditioning and e.conditioning_budget), "elr.loss_every_loop",
+               "needs elr.conditioning_budget = false (with the budget embedding loop i of a k-loop run is "
+               "not the model at budget i)", e.loss_every_loop)
     if not e.enabled:
         _check(e.max_loops == 1, "elr.max_loops", "must be 1 when elr.enabled = false (the baseline)", e.max_loops)
         _check(not e.conditioning, "elr.conditioning", "needs elr.enabled = true", e.conditioning)
@@ -358,6 +377,16 @@ def validate(cfg: JobConfig) -> None:
     if e.switch_at > 0:
         _check(c.enable, "checkpoint.enable", "must be true when elr.switch_at > 0 (the switch saves and reloads)",
                c.enable)
+
+    d = cfg.data
+    if d.task:
+        _check(d.task_items >= 2, "data.task_items", "must be >= 2", d.task_items)
+        _check(1 <= d.task_max_difficulty, "data.task_max_difficulty", "must be >= 1", d.task_max_difficulty)
+        _check(d.task_curriculum_steps >= 0, "data.task_curriculum_steps", "must be >= 0 (0 = off)",
+               d.task_curriculum_steps)
+        _check(cfg.parallelism.context_parallel_degree == 1 and cfg.parallelism.tensor_parallel_degree == 1,
+               "data.task", "runs under data parallelism only (its sequences are tens of tokens): set "
+               "parallelism.context_parallel_degree and tensor_parallel_degree to 1", d.task)
 
     _check(cfg.metrics.log_freq >= 1, "metrics.log_freq", "must be >= 1", cfg.metrics.log_freq)
     _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops", "must be > 0", cfg.metrics.peak_tflops)

@@ -51,6 +51,9 @@ class ModelArgs:
     step_input: str = "state"  # what adaptive_delta's step sees: one of recurrence.STEP_INPUTS
     conditioning: bool = False
     cond_dim: int = 256
+    cond_budget: bool = True  # E_budget[k] in the conditioning (false: the loop index alone)
+    cond_gate: bool = True  # FiLM's gate term (1 + gate) on the sublayer's output
+    cond_first_loop: bool = True  # false: loop 1 unconditioned, so k=1 is exactly the shared block
 
     def __post_init__(self):
         unknown = set(self.layer_pattern) - set("GAFE")

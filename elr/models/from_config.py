@@ -67,4 +67,7 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, before_switch: bool 
         update=e.update,
         step_input=e.step_input,
         conditioning=e.conditioning and not before_switch,
+        cond_budget=e.conditioning_budget,
+        cond_gate=e.conditioning_gate,
+        cond_first_loop=e.conditioning_first_loop,
     )

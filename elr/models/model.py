@@ -40,9 +40,11 @@ class Layer(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route: dict | None = None,
                 cache=None) -> torch.Tensor:
         h = self.norm(x)
+        gate = None
         if film is not None:
-            scale, shift, gate = film
+            scale, shift, *gate = film
             h = h * (1 + scale) + shift
+            gate = gate[0] if gate else None
         if self.kind == "A":
             y = self.sublayer(h, rope, cache)
         elif self.kind == "G":
@@ -51,7 +53,7 @@ class Layer(nn.Module):
             y = self.sublayer(h, route)
         else:
             y = self.sublayer(h)
-        return x + (y if film is None else (1 + gate) * y)
+        return x + (y if gate is None else (1 + gate) * y)
 
 
 class ELRModel(nn.Module):
@@ -89,11 +91,14 @@ class ELRModel(nn.Module):
         cutoff = 3 * a.dim ** -0.5
         nn.init.trunc_normal_(self.output.weight, std=a.dim ** -0.5, a=-cutoff, b=cutoff)
 
-    def forward(self, tokens: torch.Tensor, loops: int = 1, cache=None, head: bool = True) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, loops: int = 1, cache=None, head: bool = True,
+                every_loop: bool = False) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times.
 
         head=False returns the normed final hidden state [B, T, dim] instead, for a loss that applies
-        `self.output` itself a chunk of tokens at a time (elr/train/loss.py).
+        `self.output` itself a chunk of tokens at a time (elr/train/loss.py). every_loop=True (training,
+        a prefix-consistent block) runs the output block on the state after each loop i = 1..k, one
+        batch of k x B rows: [k, B, T, ...], the model at every budget up to k in one forward.
 
         With `cache` (inference, elr/infer/cache.py) `tokens` continue the cached sequences: each
         row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
@@ -116,13 +121,16 @@ class ELRModel(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
             h = layer(h, rope, cache=slot(layer))
-        h = self.recurrent(h, rope, loops, cache)
+        h = self.recurrent(h, rope, loops, cache, every_loop=every_loop)
+        if every_loop:
+            h = torch.cat(h)
         for layer in self.output_layers:
             h = layer(h, rope, cache=slot(layer))
         if cache is not None:
             cache.advance()
         h = self.norm(h)
-        return self.output(h) if head else h
+        h = self.output(h) if head else h
+        return h.unflatten(0, (loops, tokens.shape[0])) if every_loop else h
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

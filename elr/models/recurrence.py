@@ -83,24 +83,37 @@ class LoopConditioning(nn.Module):
 
     The heads start at exactly zero (weights and bias) so adding them changes nothing yet still
     receives gradients; the embeddings start small (std 0.02) so the heads' first updates are too.
+    Options (ModelArgs.cond_*), each a remedy measured against the later loops being switched off
+    (docs/LOG.md, 2026-12-01): `budget` false drops E_budget, so the first i loops of any budget are
+    the same computation (a budget-k run holds every shorter one); `gate` false drops the gate term,
+    the sublayer's output then is never scaled per loop; `first_loop` false leaves loop 1
+    unconditioned, so k=1 is exactly the shared block.
     """
 
-    def __init__(self, n_layers: int, max_loops: int, dim: int, cond_dim: int):
+    def __init__(self, n_layers: int, max_loops: int, dim: int, cond_dim: int, budget: bool = True,
+                 gate: bool = True, first_loop: bool = True):
         super().__init__()
+        self.budget, self.gate, self.first_loop = budget, gate, first_loop
         self.loop_embed = nn.Embedding(max_loops, cond_dim)
-        self.budget_embed = nn.Embedding(max_loops, cond_dim)
-        self.heads = nn.ModuleList(nn.Linear(cond_dim, 3 * dim) for _ in range(n_layers))
+        self.budget_embed = nn.Embedding(max_loops, cond_dim) if budget else None
+        self.heads = nn.ModuleList(nn.Linear(cond_dim, (3 if gate else 2) * dim) for _ in range(n_layers))
 
     def init_weights(self):
         nn.init.normal_(self.loop_embed.weight, std=0.02)
-        nn.init.normal_(self.budget_embed.weight, std=0.02)
+        if self.budget_embed is not None:
+            nn.init.normal_(self.budget_embed.weight, std=0.02)
         for head in self.heads:
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
 
-    def forward(self, loop: int, loops: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        c = self.loop_embed.weight[loop - 1] + self.budget_embed.weight[loops - 1]
-        return [tuple(head(c).chunk(3)) for head in self.heads]
+    def forward(self, loop: int, loops: int) -> list[tuple[torch.Tensor, ...] | None]:
+        """Per recurrent layer (scale, shift, gate), (scale, shift) without the gate, or None."""
+        if loop == 1 and not self.first_loop:
+            return [None] * len(self.heads)
+        c = self.loop_embed.weight[loop - 1]
+        if self.budget_embed is not None:
+            c = c + self.budget_embed.weight[loops - 1]
+        return [tuple(head(c).chunk(3 if self.gate else 2)) for head in self.heads]
 
 
 class RecurrentBlock(nn.Module):
@@ -120,7 +133,8 @@ class RecurrentBlock(nn.Module):
             )
         self.step_size = AdaptiveStep(args.dim, args.norm_eps, args.step_input) if args.update == "adaptive_delta" else None
         self.conditioning = (
-            LoopConditioning(len(layers), args.max_loops, args.dim, args.cond_dim) if args.conditioning else None
+            LoopConditioning(len(layers), args.max_loops, args.dim, args.cond_dim, args.cond_budget, args.cond_gate,
+                             args.cond_first_loop) if args.conditioning else None
         )
         self.route_replay = args.moe_route_replay
         # When set, forward records per-loop statistics in `loop_stats` (for the metrics).
@@ -130,14 +144,24 @@ class RecurrentBlock(nn.Module):
         # are then reduced over them, so they describe whole sequences, as in one process.
         self.sequence_group = None
 
-    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None) -> torch.Tensor:
-        """`cache` (inference only) hands each layer its key/value or state slot for loop i."""
+    @property
+    def prefix_consistent(self) -> bool:
+        """Whether the first i loops are the same computation at every budget k >= i, so one forward
+        at k yields the states of every shorter budget (no budget embedding)."""
+        return self.conditioning is None or not self.conditioning.budget
+
+    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None,
+                every_loop: bool = False) -> torch.Tensor | list[torch.Tensor]:
+        """s_k; with `every_loop`, [s_1, ..., s_k] (needs a prefix-consistent block). `cache`
+        (inference only) hands each layer its key/value or state slot for loop i."""
         if not 1 <= loops <= self.max_loops:
             raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model was built for")
         routes = [Route() if self.route_replay and layer.kind == "E" else None for layer in self.layers]
         no_film = [None] * len(self.layers)
+        if every_loop and not self.prefix_consistent:
+            raise ValueError("every_loop needs loop conditioning without the budget embedding (cond_budget = False)")
         self.loop_stats = []
-        s = h_in
+        s, states = h_in, []
         for i in range(1, loops + 1):
             s_in = s + h_in if self.recurrent_input == "state_plus_input" and i > 1 else s
             films = self.conditioning(i, loops) if self.conditioning is not None else no_film
@@ -150,7 +174,8 @@ class RecurrentBlock(nn.Module):
             if self.track_stats:
                 self._record(s, s_next, step, films)
             s = s_next
-        return s
+            states.append(s)
+        return states if every_loop else s
 
     def _update(self, s, r, step):
         if self.update == "adaptive_delta":
@@ -171,6 +196,6 @@ class RecurrentBlock(nn.Module):
         stats = {"update_norm": parts[0].sqrt() / parts[1].sqrt().clamp(min=1e-12)}
         if step is not None:
             stats["step_size_mean"] = parts[2]
-        if self.conditioning is not None:
-            stats["film_gate_mean"] = torch.stack([1 + gate.float().mean() for _, _, gate in films]).mean()
+        if self.conditioning is not None and self.conditioning.gate and films[0] is not None:
+            stats["film_gate_mean"] = torch.stack([1 + film[2].float().mean() for film in films]).mean()
         self.loop_stats.append(stats)

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from elr import tasks
 from elr.config import UserError
 
 # torchdata 0.11 warns on every loader that it calls a deprecated torch API; nothing for us to act on.
@@ -123,37 +124,22 @@ class WindowPermutation:
         return x
 
 
-class TokenWindowDataset(IterableDataset):
-    """Endless stream of this rank's microbatches; `position` (global samples consumed) is the
-    whole state. Yields (inputs, labels), each [local_batch_size, seq_len] int64."""
+class GlobalStream(IterableDataset):
+    """A stream of samples g = 0, 1, 2, ... cut into global microbatches of dp_world x
+    local_batch_size; rank r takes the r-th run of local_batch_size samples of each. `position`
+    (global samples consumed, equal on every rank) is the whole state, so it reshards."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        seq_len: int,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_world: int,
-        seed: int,
-        shuffle: bool = True,
-    ):
+    def __init__(self, local_batch_size: int, dp_rank: int, dp_world: int):
         super().__init__()
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank {dp_rank} is outside dp_world {dp_world}")
         if local_batch_size < 1:
             raise ValueError(f"local_batch_size must be positive, got {local_batch_size}")
-        self.path = Path(path)
-        self.tokens = load_tokens(path)
-        self.seq_len = seq_len
-        self.num_windows = num_windows(self.tokens, seq_len, path)
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.global_batch_size = local_batch_size * dp_world
-        self.seed = seed
-        self.shuffle = shuffle
         self._position = 0
-        self._perm = WindowPermutation(self.num_windows, seed, epoch=0)  # of the current epoch
 
     @property
     def position(self) -> int:
@@ -170,6 +156,46 @@ class TokenWindowDataset(IterableDataset):
             )
         self._position = value
 
+    def samples(self, first: int) -> Batch:
+        """This rank's microbatch: global samples first .. first + local_batch_size - 1."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:  # reads self.position each time, so a state loaded mid-iteration holds
+            batch = self.samples(self.position + self.dp_rank * self.local_batch_size)
+            self.position += self.global_batch_size
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+class TokenWindowDataset(GlobalStream):
+    """Endless stream of this rank's windows of a token file. Yields (inputs, labels), each
+    [local_batch_size, seq_len] int64."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world: int,
+        seed: int,
+        shuffle: bool = True,
+    ):
+        super().__init__(local_batch_size, dp_rank, dp_world)
+        self.path = Path(path)
+        self.tokens = load_tokens(path)
+        self.seq_len = seq_len
+        self.num_windows = num_windows(self.tokens, seq_len, path)
+        self.seed = seed
+        self.shuffle = shuffle
+        self._perm = WindowPermutation(self.num_windows, seed, epoch=0)  # of the current epoch
+
     def window(self, g: int) -> int:
         """The window that global sample g reads."""
         epoch, i = divmod(g, self.num_windows)
@@ -179,19 +205,37 @@ class TokenWindowDataset(IterableDataset):
             self._perm = WindowPermutation(self.num_windows, self.seed, epoch)
         return self._perm(i)
 
-    def __iter__(self) -> Iterator[Batch]:
-        while True:  # reads self.position each time, so a state loaded mid-iteration holds
-            first = self.position + self.dp_rank * self.local_batch_size
-            windows = [self.window(g) for g in range(first, first + self.local_batch_size)]
-            batch = windows_to_batch(self.tokens, windows, self.seq_len)
-            self.position += self.global_batch_size
-            yield batch
+    def samples(self, first: int) -> Batch:
+        windows = [self.window(g) for g in range(first, first + self.local_batch_size)]
+        return windows_to_batch(self.tokens, windows, self.seq_len)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.position = int(state["position"])
+class TaskDataset(GlobalStream):
+    """Endless stream of a depth-bound task's training examples (elr/tasks.py), generated from
+    (seed, sample index): nothing to read, and the same stream on any number of ranks.
+
+    Curriculum: over the first `curriculum_steps` updates the hardest difficulty drawn grows from 1
+    to the task's maximum in equal stages (0: every difficulty from the start); a sample's stage
+    follows from its index, so the position stays the whole state.
+    """
+
+    def __init__(self, task, local_batch_size: int, dp_rank: int, dp_world: int, seed: int,
+                 samples_per_update: int, curriculum_steps: int = 0):
+        super().__init__(local_batch_size, dp_rank, dp_world)
+        self.task, self.seed = task, seed
+        self.samples_per_update, self.curriculum_steps = samples_per_update, curriculum_steps
+
+    def hardest(self, g: int) -> int:
+        """The hardest difficulty drawn for global sample g."""
+        top = self.task.max_difficulty
+        if not self.curriculum_steps:
+            return top
+        return min(top, 1 + (g // self.samples_per_update) * top // self.curriculum_steps)
+
+    def samples(self, first: int) -> Batch:
+        rows = np.stack([tasks.draw(self.task, self.seed, tasks.TRAIN, g, self.hardest(g))[0]
+                         for g in range(first, first + self.local_batch_size)])
+        return tuple(torch.from_numpy(x.copy()) for x in tasks.inputs_and_labels(rows))
 
 
 def build_train_loader(
@@ -208,6 +252,13 @@ def build_train_loader(
     Batches are already formed by the dataset (batch_size=None) and read in the main process
     (num_workers=0): a memmap slice is cheap, and the state stays the single `position`."""
     dataset = TokenWindowDataset(path, seq_len, local_batch_size, dp_rank, dp_world, seed, shuffle)
+    return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+
+
+def build_task_loader(task, local_batch_size: int, dp_rank: int, dp_world: int, seed: int,
+                      samples_per_update: int, curriculum_steps: int = 0) -> StatefulDataLoader:
+    """The training loader of a generated task, shaped as build_train_loader's."""
+    dataset = TaskDataset(task, local_batch_size, dp_rank, dp_world, seed, samples_per_update, curriculum_steps)
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
 
 
@@ -239,3 +290,15 @@ def val_batches(
             yield windows_to_batch(tokens, list(range(first, first + local_batch_size)), seq_len)
 
     return batches()
+
+
+def val_task_batches(task, seed: int, local_batch_size: int, num_batches: int, dp_rank: int,
+                     dp_world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This rank's share of the task's first num_batches * dp_world * local_batch_size validation
+    examples: (inputs, labels, difficulties), the same each call."""
+    global_batch = dp_world * local_batch_size
+    for b in range(num_batches):
+        rows, difficulties = tasks.batch(task, seed, tasks.VAL, b * global_batch + dp_rank * local_batch_size,
+                                         local_batch_size)
+        inputs, labels = tasks.inputs_and_labels(rows)
+        yield torch.from_numpy(inputs.copy()), torch.from_numpy(labels), torch.from_numpy(difficulties)

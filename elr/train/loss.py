@@ -115,19 +115,24 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
 
 def model_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loops: int, chunk_tokens: int,
-               tensor_parallel: bool) -> torch.Tensor:
-    """Summed cross entropy of the model at `loops`; chunked (chunk_tokens > 0) or whole.
+               tensor_parallel: bool, every_loop: bool = False) -> torch.Tensor:
+    """Summed cross entropy of the model at `loops`; chunked (chunk_tokens > 0) or whole. every_loop:
+    each token's loss is the mean over the exits after loops 1..k (ELRModel.forward's every_loop).
 
     The chunked loss applies the head outside the model's forward: under FSDP the root unit keeps
     its weights (the head's among them) gathered from forward until its backward. Under TP the head
     is vocab-sharded (a DTensor) and the model returns this rank's sequence slice: the vocab-parallel
     variant takes both as they are. (Under TP the caller runs forward and backward in loss_parallel.)
     """
+    out = model(inputs, loops=loops, head=chunk_tokens == 0, every_loop=every_loop)
+    if every_loop:
+        out, labels = out.flatten(0, 1), labels.repeat(loops, 1)
     if chunk_tokens == 0:
-        return summed_loss(model(inputs, loops=loops), labels)
-    hidden, weight = model(inputs, loops=loops, head=False), model.output.weight
-    chunked = vocab_parallel_chunked_cross_entropy if tensor_parallel else chunked_cross_entropy
-    return chunked(hidden, weight, labels, chunk_tokens)
+        loss = summed_loss(out, labels)
+    else:
+        chunked = vocab_parallel_chunked_cross_entropy if tensor_parallel else chunked_cross_entropy
+        loss = chunked(out, model.output.weight, labels, chunk_tokens)
+    return loss / loops if every_loop else loss
 
 
 def vocab_parallel_chunked_cross_entropy(hidden: torch.Tensor, weight: DTensor, labels: torch.Tensor,

@@ -30,8 +30,9 @@ from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
 from elr.parallel.tensor_parallel import reduce_partial_grads
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
-from elr.train.data import build_train_loader, val_batches
-from elr.train.loss import model_loss
+from elr.tasks import build_task, score_answers
+from elr.train.data import build_task_loader, build_train_loader, val_batches, val_task_batches
+from elr.train.loss import IGNORE_INDEX, model_loss, summed_loss
 from elr.train.loop_sampler import LoopSampler
 from elr.train.metrics import MetricsLogger, console_line, memory_gib, throughput
 from elr.train.optimizer import build_lr_scheduler, build_optimizer
@@ -74,17 +75,27 @@ class Trainer:
         self.global_batch = global_batch
 
         self.dump_folder = Path(cfg.job.dump_folder)
-        data_dir = Path(cfg.data.path)
-        self.tokenizer = build_tokenizer(cfg.tokenizer.path)
-        self._check_data_vocab(data_dir)
-        self.train_loader = build_train_loader(
-            str(data_dir / "train.bin"), t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world, t.seed,
-            cfg.data.shuffle,
-        )
+        self.task = self._build_task() if cfg.data.task else None
+        if self.task is not None:  # generated examples in the task's own vocabulary: no files, no tokenizer
+            self.vocab_size = self.task.vocab_size
+            self.train_loader = build_task_loader(
+                self.task, t.local_batch_size, self.dp_rank, self.dp_world, t.seed, global_batch,
+                cfg.data.task_curriculum_steps,
+            )
+        else:
+            data_dir = Path(cfg.data.path)
+            self.tokenizer = build_tokenizer(cfg.tokenizer.path)
+            self.vocab_size = self.tokenizer.n_vocab
+            self._check_data_vocab(data_dir)
+            self.train_loader = build_train_loader(
+                str(data_dir / "train.bin"), t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world, t.seed,
+                cfg.data.shuffle,
+            )
+            self.val_path = str(data_dir / "val.bin")
+            if cfg.validation.freq:  # fail now, not at the first evaluation, if the val split is too small
+                val_batches(self.val_path, t.seq_len, t.local_batch_size, cfg.validation.steps, self.dp_rank,
+                            self.dp_world)
         self.data_iter = iter(self.train_loader)
-        self.val_path = str(data_dir / "val.bin")
-        if cfg.validation.freq:  # fail now, not at the first evaluation, if the val split is too small
-            val_batches(self.val_path, t.seq_len, t.local_batch_size, cfg.validation.steps, self.dp_rank, self.dp_world)
 
         self.sampler = LoopSampler(
             cfg.elr.max_loops, cfg.elr.sampling, cfg.elr.one_loop_override, cfg.elr.loop_weights, t.seed
@@ -119,6 +130,17 @@ class Trainer:
             dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         return (dist.get_rank() if world_size > 1 else 0), world_size, device
 
+    def _build_task(self):
+        d, seq_len = self.cfg.data, self.cfg.training.seq_len
+        try:
+            task = build_task(d.task, d.task_items, d.task_max_difficulty)
+        except ValueError as e:
+            raise ConfigError(f"data.task: {e}") from None
+        if seq_len != task.row_len - 1:
+            raise ConfigError(f"training.seq_len: {d.task} with {d.task_items} items takes inputs of "
+                              f"{task.row_len - 1} tokens; set training.seq_len = {task.row_len - 1} (got {seq_len})")
+        return task
+
     def _check_data_vocab(self, data_dir: Path) -> None:
         meta_path = data_dir / "meta.json"
         if not meta_path.is_file():
@@ -138,7 +160,7 @@ class Trainer:
         """
         cfg = self.cfg
         self.mixed = mixed
-        self.model_args = model_args_from_config(cfg, self.tokenizer.n_vocab, before_switch=not mixed)
+        self.model_args = model_args_from_config(cfg, self.vocab_size, before_switch=not mixed)
         torch.manual_seed(cfg.training.seed)
         with torch.device("meta"):
             model = build_model(self.model_args)
@@ -240,19 +262,25 @@ class Trainer:
         ks = self.loop_counts(step)
         track = step % cfg.metrics.log_freq == 0
         self.model.recurrent.track_stats = track
-        # this rank's tokens: FSDP's mean over dp_shard x cp then weighs every token of the update alike
-        tokens_per_rank = self.n_micro * cfg.training.local_batch_size * cfg.training.seq_len // self.dims.cp
+        batches = [self._slice(*next(self.data_iter)) for _ in range(self.n_micro)]
+        # The update's loss is its mean over scored tokens (labels not ignored). FSDP averages gradients
+        # over the world / tp ranks that hold different tokens, so each rank's summed loss is scaled by
+        # (world / tp) / scored, with `scored` counted over all ranks (tp times over: TP ranks share
+        # their tokens): world / that count. Without ignored labels it is 1 / this rank's tokens.
+        scored = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum().double()
+        if dist.is_initialized():
+            dist.all_reduce(scored)
+        loss_scale = self.world_size / max(scored.item(), 1.0)
         # Row 0: summed loss per k, row 1: tokens per k (this rank), reduced over ranks below.
         per_k = torch.zeros(2, K, dtype=torch.float64, device=self.device)
         loop_stats: dict[str, list[torch.Tensor]] = {}  # kept on the device until the step ends
         aux_sum = torch.zeros((), device=self.device)  # balance loss summed over microbatches
         # Every TP rank of a data-parallel rank reads the same batches and runs the same k: ks is drawn
         # per data-parallel rank, the same on every process.
-        for micro, k in enumerate(ks[self.dp_rank].tolist()):
-            inputs, labels = self._slice(*next(self.data_iter))
+        for (inputs, labels), k in zip(batches, ks[self.dp_rank].tolist()):
             with self._loss_context():
-                loss_sum = self.model_loss(inputs, labels, k)
-                micro_loss = loss_sum / tokens_per_rank
+                loss_sum = self.model_loss(inputs, labels, k, every_loop=cfg.elr.loss_every_loop and self.mixed)
+                micro_loss = loss_sum * loss_scale
                 # Under TP or CP: this rank's share of its sequences' balance loss. FSDP averages over
                 # the cp ranks (the token loss is per rank) but the shares add up: hence x cp.
                 aux = self.model.moe_aux_loss()
@@ -262,7 +290,7 @@ class Trainer:
                         micro_loss = micro_loss + cfg.moe.aux_loss_coeff * aux * self.dims.cp / self.n_micro
                 micro_loss.backward()
             per_k[0, k - 1] += loss_sum.detach().double()
-            per_k[1, k - 1] += labels.numel()
+            per_k[1, k - 1] += (labels != IGNORE_INDEX).sum()
             if track:
                 for i, stats in enumerate(self.model.recurrent.loop_stats, start=1):
                     for name, value in stats.items():
@@ -323,10 +351,10 @@ class Trainer:
         """loss_parallel under TP (forward and backward of the loss on vocab-sharded logits)."""
         return loss_parallel() if self.dims.tp_mesh is not None else contextlib.nullcontext()
 
-    def model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+    def model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, k: int, every_loop: bool = False) -> torch.Tensor:
         """Summed cross entropy at k loops, as training.loss_chunk_tokens and the layout ask."""
         return model_loss(self.model, inputs, labels, k, self.cfg.training.loss_chunk_tokens,
-                          tensor_parallel=self.dims.tp_mesh is not None)
+                          tensor_parallel=self.dims.tp_mesh is not None, every_loop=every_loop)
 
     def _clip_gradients(self, max_norm: float) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -337,24 +365,43 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Validation loss at every k in 1..K on the same held-out batches."""
+        """Validation loss at every k in 1..K on the same held-out batches; on a task also answer
+        accuracy at every k, overall and per difficulty."""
         cfg = self.cfg
+        K = cfg.elr.max_loops
         self.model.eval()
         self.model.recurrent.track_stats = False
-        sums = torch.zeros(2, cfg.elr.max_loops, dtype=torch.float64, device=self.device)
-        for inputs, labels in val_batches(
-            self.val_path, cfg.training.seq_len, cfg.training.local_batch_size, cfg.validation.steps,
-            self.dp_rank, self.dp_world,
-        ):
+        sums = torch.zeros(2, K, dtype=torch.float64, device=self.device)
+        if self.task is None:
+            batches = ((*b, None) for b in val_batches(self.val_path, cfg.training.seq_len,
+                       cfg.training.local_batch_size, cfg.validation.steps, self.dp_rank, self.dp_world))
+        else:
+            batches = val_task_batches(self.task, cfg.training.seed, cfg.training.local_batch_size,
+                                       cfg.validation.steps, self.dp_rank, self.dp_world)
+            answers = torch.zeros(K, 2, self.task.max_difficulty, dtype=torch.float64, device=self.device)
+        for inputs, labels, difficulties in batches:
             inputs, labels = self._slice(inputs, labels)
-            for k in range(1, cfg.elr.max_loops + 1):
-                with self._loss_context():
-                    sums[0, k - 1] += self.model_loss(inputs, labels, k)
-                sums[1, k - 1] += labels.numel()
+            for k in range(1, K + 1):
+                if difficulties is None:
+                    with self._loss_context():
+                        sums[0, k - 1] += self.model_loss(inputs, labels, k)
+                else:  # tasks run without TP / CP: the logits are whole
+                    logits = self.model(inputs, loops=k)
+                    sums[0, k - 1] += summed_loss(logits, labels)
+                    answers[k - 1] += score_answers(logits, labels, difficulties, self.task.max_difficulty)
+                sums[1, k - 1] += (labels != IGNORE_INDEX).sum()
         if dist.is_initialized():
             dist.all_reduce(sums)
         self.model.train()
-        return {f"val/loss_k{k}": (sums[0, k - 1] / sums[1, k - 1]).item() for k in range(1, cfg.elr.max_loops + 1)}
+        val = {f"val/loss_k{k}": (sums[0, k - 1] / sums[1, k - 1]).item() for k in range(1, K + 1)}
+        if self.task is not None:
+            if dist.is_initialized():
+                dist.all_reduce(answers)
+            for k in range(1, K + 1):
+                correct, count = answers[k - 1].tolist()
+                val[f"val/acc_k{k}"] = sum(correct) / sum(count)
+                val.update({f"val/acc_k{k}_d{d}": c / n for d, (c, n) in enumerate(zip(correct, count), 1) if n})
+        return val
 
     def _switch_to_mixed_depth(self, step: int) -> None:
         """The late switch: save, rebuild with zero-initialised conditioning, reload, continue.
@@ -437,7 +484,11 @@ class Trainer:
     def _log_validation(self, step: int) -> None:
         val = self.validate()
         self.metrics.log(step, val)
-        logger.info(f"validation at step {step}: " + " | ".join(f"k={n.split('_k')[-1]} {v:.4f}" for n, v in val.items()))
+        losses = " | ".join(f"k={k} {val[f'val/loss_k{k}']:.4f}" for k in range(1, self.cfg.elr.max_loops + 1))
+        line = f"validation at step {step}: {losses}"
+        if self.task is not None:
+            line += " | accuracy " + " ".join(f"k{k} {val[f'val/acc_k{k}']:.3f}" for k in range(1, self.cfg.elr.max_loops + 1))
+        logger.info(line)
 
     def close(self) -> None:
         if dist.is_initialized():
