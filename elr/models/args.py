@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -107,6 +107,11 @@ flavors: dict[str, ModelArgs] = {
         n_heads=4, n_kv_heads=4, head_dim=32, moe_experts=8, moe_top_k=2, moe_expert_dim=128,
         moe_shared_dim=128,
     ),
+    # the depth-bound tasks (elr/tasks.py): study_gpt at half the width; tiny vocabularies, tens of tokens
+    "task_gpt": ModelArgs(
+        dim=64, layer_pattern="AF" * 4, partition=(2, 4, 2), vocab_size=128, max_seq_len=64,
+        n_heads=4, n_kv_heads=4, head_dim=32, ffn_dim=384, ffn_activation="swiglu",
+    ),
     "gpt_0p5b": ModelArgs(
         dim=1024, layer_pattern="AF" * 15, partition=(8, 14, 8), n_heads=16, n_kv_heads=4, head_dim=64,
         ffn_dim=3968, ffn_activation="swiglu",
@@ -119,3 +124,19 @@ flavors: dict[str, ModelArgs] = {
         moe_experts=128, moe_top_k=6, moe_expert_dim=1856, moe_shared_dim=3712, moe_routed_scale=2.5,
     ),
 }
+
+
+def untied(flavor: ModelArgs, loops: int) -> ModelArgs:
+    """The non-recurrent model as deep as `flavor` run at `loops` loops: its recurrent layers written
+    out `loops` times as unique layers (the yardstick for what loops can buy at that depth)."""
+    n_in, n_rec, n_out = flavor.partition
+    pattern = flavor.layer_pattern
+    middle = pattern[n_in:n_in + n_rec] * loops
+    return replace(flavor, layer_pattern=pattern[:n_in] + middle + pattern[n_in + n_rec:],
+                   partition=(n_in, n_rec * loops, n_out))
+
+
+# Untied controls of the study flavors: the depth of k = 2 and k = 4 loops in unique layers.
+for _name in ("study_gpt", "task_gpt"):
+    for _loops in (2, 4):
+        flavors[f"{_name}_untied_k{_loops}"] = untied(flavors[_name], _loops)
