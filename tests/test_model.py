@@ -173,12 +173,22 @@ def test_reinjection_leaves_one_loop_alone_and_changes_later_loops():
         assert not torch.allclose(state(x, loops=k), reinjected(x, loops=k)), k
 
 
-@pytest.mark.parametrize("conditioning", [False, True])
-def test_model_refuses_loop_counts_beyond_max_loops(conditioning):
-    with pytest.raises(ValueError, match="outside 1..1"):
-        make(base=BASELINE)(tokens(), loops=2)
+def test_conditioned_model_refuses_loop_counts_its_embeddings_do_not_cover():
     with pytest.raises(ValueError, match="outside 1..3"):
-        make(conditioning=conditioning)(tokens(), loops=4)
+        make(conditioning=True)(tokens(), loops=4)
+    with pytest.raises(ValueError, match="outside 1..3"):
+        make(conditioning=True)(tokens(), loops=0)
+
+
+def test_unconditioned_model_extrapolates_past_max_loops():
+    """Nothing limits an unconditioned block to 1..K: k = K + 1 is one more loop of the same block."""
+    model, x = make(conditioning=False), tokens()
+    with torch.no_grad():
+        model.recurrent.step_size.proj.bias.fill_(0.5)  # a step other than 1, so loops differ
+        assert not torch.allclose(model(x, loops=3), model(x, loops=4))
+        assert torch.isfinite(model(x, loops=6)).all()
+    with pytest.raises(ValueError, match="outside"):
+        make(base=BASELINE)(x, loops=0)
 
 
 @pytest.mark.parametrize("recurrent_input", ["state", "state_plus_input"])
@@ -402,3 +412,66 @@ def test_flops_grow_linearly_with_loops():
     model = make()
     f1, f2, f3 = (model.num_flops_per_token(128, k) for k in (1, 2, 3))
     assert f3 - f2 == f2 - f1 > 0
+
+
+def perturb_conditioning(model):
+    """Non-zero FiLM heads, so the conditioning is visible (at init it is exactly zero)."""
+    with torch.no_grad():
+        for head in model.recurrent.conditioning.heads:
+            head.weight.normal_(std=0.5)
+            head.bias.normal_(std=0.1)
+    return model
+
+
+def test_every_loop_forward_is_the_model_at_each_budget():
+    """Without the budget embedding the first i loops of a k-loop forward are the i-loop model, so
+    every_loop's exits equal separate forwards at k = 1..K."""
+    model, x = perturb_conditioning(make(conditioning=True, cond_budget=False)), tokens()
+    with torch.no_grad():
+        exits = model(x, loops=3, every_loop=True)
+        assert exits.shape == (3, *x.shape, DEBUG.vocab_size)
+        for k in (1, 2, 3):
+            torch.testing.assert_close(exits[k - 1], model(x, loops=k), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="every_loop needs"):
+        make(conditioning=True)(x, loops=2, every_loop=True)
+
+
+def test_budget_embedding_changes_loop_one_with_the_budget():
+    budget = perturb_conditioning(make(conditioning=True))
+    loop_only = perturb_conditioning(make(conditioning=True, cond_budget=False))
+    with torch.no_grad():
+        assert not torch.equal(budget.recurrent.conditioning(1, 1)[0][0], budget.recurrent.conditioning(1, 2)[0][0])
+        assert torch.equal(loop_only.recurrent.conditioning(1, 1)[0][0], loop_only.recurrent.conditioning(1, 3)[0][0])
+
+
+def test_unconditioned_first_loop_is_exactly_the_shared_block():
+    x = tokens()
+    plain = make(conditioning=False)
+    first_free = perturb_conditioning(make(conditioning=True, cond_first_loop=False))
+    copy_shared_weights(plain, first_free)
+    with torch.no_grad():
+        assert torch.equal(plain(x, loops=1), first_free(x, loops=1))
+        assert not torch.allclose(plain(x, loops=2), first_free(x, loops=2))
+
+
+def test_conditioning_without_gate_has_scale_and_shift_only():
+    model, plain = make(conditioning=True, cond_gate=False), make(conditioning=False)
+    copy_shared_weights(plain, model)
+    assert model.recurrent.conditioning.heads[0].out_features == 2 * DEBUG.dim
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(model(x, loops=2), plain(x, loops=2))  # zero heads: invisible
+        perturb_conditioning(model)
+        assert all(len(film) == 2 for film in model.recurrent.conditioning(2, 3))
+
+
+def test_loss_every_loop_is_the_mean_of_the_exits_losses():
+    from elr.train.loss import model_loss, summed_loss
+
+    model, x = perturb_conditioning(make(conditioning=True, cond_budget=False)), tokens()
+    labels = torch.roll(x, -1, dims=1)
+    with torch.no_grad():
+        expected = sum(summed_loss(model(x, loops=k), labels) for k in (1, 2, 3)) / 3
+        for chunk in (0, 16):
+            got = model_loss(model, x, labels, 3, chunk, tensor_parallel=False, every_loop=True)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)

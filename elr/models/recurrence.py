@@ -154,8 +154,10 @@ class RecurrentBlock(nn.Module):
                 every_loop: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """s_k; with `every_loop`, [s_1, ..., s_k] (needs a prefix-consistent block). `cache`
         (inference only) hands each layer its key/value or state slot for loop i."""
-        if not 1 <= loops <= self.max_loops:
-            raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model was built for")
+        if loops < 1 or (loops > self.max_loops and self.conditioning is not None):
+            raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model's conditioning "
+                             "embeddings cover (an unconditioned model runs any k >= 1; beyond its max_loops it "
+                             "extrapolates)")
         routes = [Route() if self.route_replay and layer.kind == "E" else None for layer in self.layers]
         no_film = [None] * len(self.layers)
         if every_loop and not self.prefix_consistent:
