@@ -7,7 +7,9 @@
 Validation loss uses the run's prepared data folder (or --data); tasks are JSONL files (see
 elr/infer/evaluate.py and scripts/convert_mc_tasks.py). Latency: time to first token of a fixed
 prompt and per-token decode, each also relative to k=1. Prints a Markdown table and writes it, with
-the JSON, next to --out; scripts/plot_loops.py draws figures from the JSON.
+the JSON, next to --out; scripts/plot_loops.py draws figures from the JSON. A run trained on a depth
+task (data.task) is scored instead on its task's validation examples: answer accuracy at each
+difficulty and k (an unconditioned model also beyond its K: --loops 1,2,...,8).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elr.infer.cache import MODES  # noqa: E402
-from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, validation_loss  # noqa: E402
+from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss  # noqa: E402
 from elr.infer.load import load_model, load_tokenizer  # noqa: E402
+from elr.tasks import build_task  # noqa: E402
 
 LATENCY_TEXT = "The old king walked slowly through the quiet garden, thinking of the years behind him. "
 
@@ -40,9 +43,19 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
     model, cfg = load_model(checkpoint, args.device, getattr(torch, args.dtype))
     if args.route_replay:
         model.recurrent.route_replay = True
-    tokenizer = load_tokenizer(cfg, args.tokenizer)
     loops = loops or list(range(1, model.args.max_loops + 1))
     rows: dict[str, dict[int, float]] = {}
+    if cfg["data"].get("task"):  # a depth-task run: answer accuracy per difficulty, nothing text-based
+        d = cfg["data"]
+        task = build_task(d["task"], d["task_items"], d["task_max_difficulty"])
+        for k in loops:
+            accuracy = task_accuracy(model, task, cfg["training"]["seed"], args.task_examples, k)
+            rows.setdefault(f"{task.name}/acc", {})[k] = sum(accuracy) / len(accuracy)
+            for difficulty, value in enumerate(accuracy, 1):
+                rows.setdefault(f"{task.name}/acc_d{difficulty}", {})[k] = value
+            print(f"k={k}: accuracy " + " ".join(f"{a:.3f}" for a in accuracy), file=sys.stderr)
+        return cfg, rows
+    tokenizer = load_tokenizer(cfg, args.tokenizer)
     data = args.data or cfg["data"]["path"]
     val_path = Path(data) / "val.bin"
     if not val_path.is_file():
@@ -87,7 +100,10 @@ def markdown(loops: list[int], rows: dict, baseline: dict | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="step-N (DCP) or step-N-model (export) folder")
-    p.add_argument("--loops", type=parse_loops, help="loop counts, e.g. 1,2,3 (default: every k in 1..K)")
+    p.add_argument("--loops", type=parse_loops, help="loop counts, e.g. 1,2,3 (default: every k in 1..K; an "
+                   "unconditioned model also runs k > K, extrapolating)")
+    p.add_argument("--task-examples", type=int, default=1024,
+                   help="depth-task runs: validation examples scored per k (default %(default)s)")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode for latency (default per_loop)")
     p.add_argument("--tasks", nargs="*", default=[], help="multiple-choice JSONL files")
     p.add_argument("--limit", type=int, default=0, help="first N questions of each task (0: all)")

@@ -1,5 +1,5 @@
-"""scripts/study.py: the byte-level copy keeps the text and split, and the driver trains, skips
-finished runs and reports exactly what the runs measured."""
+"""scripts/study.py and elr/tools/study: the byte-level copy keeps the text and split, and the driver
+trains, skips finished runs and reports exactly what the runs measured, for both suites."""
 
 import json
 import subprocess
@@ -7,12 +7,10 @@ import sys
 
 import numpy as np
 
+from elr.tokenizer import build_tokenizer
+from elr.tools.study.byte_data import byte_level_copy
+from elr.tools.study.runs import final_record, final_validation
 from trainer_utils import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from study import byte_level_copy, final_validation  # noqa: E402
-
-from elr.tokenizer import build_tokenizer  # noqa: E402
 
 
 def documents(ids: np.ndarray, eot: int) -> list[np.ndarray]:
@@ -52,3 +50,20 @@ def test_quick_study_trains_reports_and_skips_finished_runs(tmp_path):
     assert (tmp_path / "out/loss_vs_k_figure_4a.png").stat().st_size > 0
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "2 of 2 runs already finished; training 0" in again.stdout
+
+
+def test_depth_suite_reports_accuracy_per_difficulty_and_past_k(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts/study.py"), "--suite", "depth", "--variants", "baseline_matched", "elr",
+           "--seeds", "0", "--steps", "4", "--val-steps", "1", "--extrapolation-examples", "64",
+           "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((tmp_path / "out/results.json").read_text())["results"]
+    record = final_record(tmp_path / "runs/elr/seed0", 4)
+    assert results["elr"]["accuracy"][3] == [record[f"val/acc_k4_d{d}"] for d in range(1, 7)]
+    # scored again past K from the checkpoint: k <= K reproduce the run's own validation (the same 64 examples)
+    beyond = results["elr"]["beyond"]
+    assert sorted(map(int, beyond)) == list(range(1, 9))
+    assert beyond["4"] == results["elr"]["accuracy"][3]
+    assert "## Verdict" in (tmp_path / "out/results.md").read_text()
+    assert (tmp_path / "out/accuracy_vs_difficulty.png").stat().st_size > 0

@@ -162,3 +162,18 @@ def measure_latency(model, prompt: list[int], loops: int, kv_mode: str, new_toke
         if run:  # the first run warms up
             best_ttft, best_decode = min(best_ttft, ttft), min(best_decode, decode)
     return {"ttft_s": best_ttft, "decode_s_per_token": best_decode}
+
+
+@torch.no_grad()
+def task_accuracy(model, task, seed: int, examples: int, loops: int, batch_size: int = 256) -> list[float]:
+    """Answer accuracy at each difficulty 1..max on a depth task's first `examples` validation
+    examples (elr/tasks.py; the stream the run's own validation reads, seeded by its training seed)."""
+    from elr import tasks
+
+    scored = torch.zeros(2, task.max_difficulty, dtype=torch.float64)
+    for first in range(0, examples, batch_size):
+        rows, difficulties = tasks.batch(task, seed, tasks.VAL, first, min(batch_size, examples - first))
+        inputs, labels = (torch.from_numpy(x.copy()) for x in tasks.inputs_and_labels(rows))
+        logits = model(inputs.to(model.output.weight.device), loops=loops).cpu()
+        scored += tasks.score_answers(logits, labels, torch.from_numpy(difficulties), task.max_difficulty)
+    return (scored[0] / scored[1].clamp(min=1)).tolist()

@@ -1,0 +1,9 @@
+"""The evidence study: suites of ordinary train.py runs (a base config plus each variant's overrides,
+several seeds), and the reports that read them back (README, "Does the recipe work?").
+
+    runs.py          suites, run folders, training them --jobs at a time, reading their results
+    stats.py         means, spreads and paired differences over seeds
+    text_report.py   the text suite: loss per k against the paper's tables, per-loop statistics
+    depth_report.py  the depth suite: answer accuracy per difficulty and k, extrapolation past K
+    byte_data.py     the bundled prose re-encoded as bytes (the text suite's data)
+"""

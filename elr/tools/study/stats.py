@@ -1,0 +1,32 @@
+"""Means, spreads and paired differences over seeds.
+
+Variants that share a seed share their initialisation, data order and loop draws, so they are
+compared seed by seed: the paired difference removes what the seeds have in common.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+
+def summarise(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
+    """a - b over the seeds both have: mean, sample sd, the count below zero, and t = mean / (sd / sqrt n)
+    (inf when every seed agrees exactly); None without a shared seed."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return None
+    diffs = [a[s] - b[s] for s in seeds]
+    mean, sd = summarise(diffs)
+    t = mean / (sd / math.sqrt(len(diffs))) if sd > 0 else (math.inf if mean else 0.0) * (1 if mean >= 0 else -1)
+    return {"mean": mean, "sd": sd, "n": len(diffs), "below": sum(d < 0 for d in diffs), "t": t, "diffs": diffs}
+
+
+def relative(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    """Per seed, a / b - 1 (a relative paired difference)."""
+    return {s: a[s] / b[s] - 1 for s in set(a) & set(b)}

@@ -1,0 +1,250 @@
+"""The text suite's report: validation loss at every k against the paper's tables, and the per-loop
+statistics that show whether the later loops work (docs/study/results.md, README evidence section)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from elr.tools.study.runs import Run, final_validation, latest_checkpoint
+from elr.tools.route_diagnostics import route_drift
+from elr.tools.study.stats import summarise
+
+# What each group reproduces, and the paper's numbers (arXiv 2610.12582; GPT-0.5B, K = 5, k = 1..5).
+GROUPS = {
+    "baseline": ("Baselines", "ELR k=1 should match the matched baseline (the paper: -0.52 points on ten tasks, 4B)."),
+    "figure_4a": ("Figure 4a: update rule", "the learned step preserves one-loop accuracy and gains with loops; "
+                  "parameter-free residual addition or replacement do worse."),
+    "table_3": ("Table 3: loop sampling", "independent draws beat synchronized ones at every k (1.36x step time); "
+                "among one-depth-per-update rows the 15% override is best."),
+    "table_14": ("Table 14: recurrent-block input", "re-injecting h_in is slightly worse at every k."),
+    "table_1": ("Tables 1 and 13: cross-loop route replay (MoE)", "replay costs little loss at k = K (+0.0038 "
+                "trained with it, +0.0055 at inference only) and saves update time (-11.7% mixed depth, -19.6% at k = 4)."),
+    "figure_6": ("Figure 6: late switch and conditioning", "a late switch with zero-initialised conditioning beats "
+                 "mixed depth from scratch at the most loops (1.6147 vs 1.6273 at k = 5)."),
+    "controls": ("Untied depth: what loops could buy", "(not in the paper) untied models as deep as k = 2 and k = 4 "
+                 "bound what looping the recurrent block can gain at this budget."),
+    "remedies": ("Keeping the later loops at work", "(not in the paper) one ingredient changed at a time; wanted: "
+                 "k = 1 at the matched baseline and a best k well below its own k = 1."),
+}
+PAPER = {  # group -> variant -> validation loss at k = 1..5
+    "table_3": {
+    "sync_uniform": [1.7077, 1.6473, 1.6344, 1.6318, 1.6313],
+    "indep_uniform": [1.6937, 1.6330, 1.6193, 1.6157, 1.6147],
+    "sync_weighted": [1.6871, 1.6436, 1.6343, 1.6320, 1.6316],
+    "default": [1.6830, 1.6391, 1.6299, 1.6278, 1.6273],
+    "indep_weighted": [1.6774, 1.6334, 1.6231, 1.6200, 1.6194],
+    },
+    "table_14": {"default": [1.6830, 1.6391, 1.6299, 1.6278, 1.6273], "reinject": [1.6858, 1.6442, 1.6352, 1.6329, 1.6325]},
+}
+PAPER_BASELINE = 1.6852
+
+
+def val_windows(data: Path, cfg: dict, batches: int):
+    """The first validation batches of the run's shape: the same windows its own validation read."""
+    from elr.train.data import val_batches
+
+    t = cfg["training"]
+    return val_batches(str(data / "val.bin"), t["seq_len"], t["local_batch_size"], batches, 0, 1)
+
+
+def loop_statistics(model, batches) -> dict[str, list[float]]:
+    """Per-loop update norm ||s_i - s_{i-1}|| / ||s_{i-1}||, step size and FiLM gate means at k = K,
+    measured on validation batches with the run's final weights: a model that switched its later
+    loops off shows norms near zero there."""
+    import torch
+
+    batches = list(batches)
+    loops = model.args.max_loops
+    model.recurrent.track_stats = True
+    sums: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for inputs, _ in batches:
+            model(inputs, loops=loops)
+            for i, stats in enumerate(model.recurrent.loop_stats):
+                for name, value in stats.items():
+                    sums.setdefault(name, [0.0] * loops)[i] += value.item() / len(batches)
+    model.recurrent.track_stats = False
+    return sums
+
+
+def replay_at_inference_loss(model, batches) -> float:
+    """Validation loss at k = K of a dynamically trained MoE run with route replay switched on,
+    on the batches its own final validation used."""
+    import torch
+
+    from elr.train.loss import summed_loss
+
+    model.recurrent.route_replay = True
+    total = count = 0.0
+    with torch.no_grad():
+        for inputs, labels in batches:
+            total += summed_loss(model(inputs, loops=model.args.max_loops), labels).item()
+            count += labels.numel()
+    model.recurrent.route_replay = False
+    return total / count
+
+
+def mean_per_key(dicts: list[dict]) -> dict:
+    """Element-wise mean of equally shaped {key: list or {metric: value}} results over seeds."""
+    first = dicts[0]
+    if isinstance(first, dict):
+        return {key: mean_per_key([d[key] for d in dicts]) for key in first}
+    if isinstance(first, list):
+        return [statistics.fmean(d[i] for d in dicts) for i in range(len(first))]
+    return statistics.fmean(dicts)
+
+
+def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batches: int,
+            val_steps: int | None) -> dict:
+    results = {}
+    for variant, spec in variants.items():
+        # every finished seed counts: a grid cut short reports each variant over the seeds it has
+        finished = [(r, final_validation(r.folder, steps)) for r in runs if r.variant == variant]
+        finished = [(r, run_losses) for r, run_losses in finished if run_losses is not None]
+        if not finished:
+            continue
+        mine, losses = [r for r, _ in finished], [run_losses for _, run_losses in finished]
+        K = len(losses[0])
+        per_k = [summarise([run_losses[k] for run_losses in losses]) for k in range(K)]
+        entry = {"label": spec["label"], "groups": spec["groups"], "seeds": [r.seed for r in mine],
+                 "loss": [m for m, _ in per_k], "std": [s for _, s in per_k], "per_seed": losses}
+        replay_check = "table_1" in spec["groups"] and not spec["overrides"].get("moe.route_replay")
+        if K > 1:  # one load of each run's final weights for every measurement below
+            from elr.infer.load import load_model
+
+            measured = []
+            for r in mine:
+                model, cfg = load_model(latest_checkpoint(r.folder))
+                m = {"loop_stats": loop_statistics(model, val_windows(data, cfg, stats_batches))}
+                if replay_check:
+                    m["route_drift"] = route_drift(model, val_windows(data, cfg, stats_batches))
+                    m["loss_replay_at_inference"] = replay_at_inference_loss(
+                        model, val_windows(data, cfg, val_steps or cfg["validation"]["steps"]))
+                measured.append(m)
+            entry.update(mean_per_key(measured))
+        results[variant] = entry
+    return results
+
+
+def fmt(mean: float, std: float, seeds: int) -> str:
+    return f"{mean:.4f} ± {std:.4f}" if seeds > 1 else f"{mean:.4f}"
+
+
+def rank_of(values: dict[str, float]) -> dict[str, int]:
+    return {name: i + 1 for i, name in enumerate(sorted(values, key=values.get))}
+
+
+def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> None:
+    K = max(len(r["loss"]) for r in results.values())
+    base = results.get("baseline_matched") or results.get("baseline")
+    lines = [f"# ELR study results (seeds {', '.join(map(str, seeds))}; {steps} updates each)", "",
+             "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over the finished "
+             "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, GPT-0.5B, K = 5 "
+             f"(its baseline {PAPER_BASELINE}); its k = 1..{K} are shown. Made by `python scripts/study.py`.", ""]
+    for group, (title, claim) in GROUPS.items():
+        members = [v for v, r in results.items() if group in r["groups"]]
+        if not members:
+            continue
+        if group == "table_1":
+            lines += replay_section(results, members, title, claim)
+            continue
+        paper = PAPER.get(group, {})
+        lines += [f"## {title}", "", f"Paper: {claim}", ""]
+        header = ("| variant | seeds | " + " | ".join(f"k={k}" for k in range(1, K + 1))
+                  + " | Δ k=1 / best k vs matched baseline |")
+        if paper:
+            header += " paper k=1..K | paper rank k=1 / k=K | our rank k=1 / k=K |"
+        lines += [header, "|" + "---|" * (header.count("|") - 1)]
+        ours_1 = {v: results[v]["loss"][0] for v in members if v in paper}
+        ours_k = {v: results[v]["loss"][-1] for v in members if v in paper}
+        paper_1 = {v: paper[v][0] for v in ours_1}
+        paper_k = {v: paper[v][len(results[v]["loss"]) - 1] for v in ours_k}
+        for v in members:
+            r = results[v]
+            cells = [fmt(m, s, len(r["seeds"])) for m, s in zip(r["loss"], r["std"])] + ["–"] * (K - len(r["loss"]))
+            delta = (f"{100 * (r['loss'][0] / base['loss'][0] - 1):+.2f}% / {100 * (min(r['loss']) / base['loss'][0] - 1):+.2f}%"
+                     if base else "–")
+            row = f"| {r['label']} | {len(r['seeds'])} | " + " | ".join(cells) + f" | {delta} |"
+            if paper:
+                if v in paper:
+                    row += (f" {' / '.join(f'{x:.4f}' for x in paper[v][:len(r['loss'])])} |"
+                            f" {rank_of(paper_1)[v]} / {rank_of(paper_k)[v]} | {rank_of(ours_1)[v]} / {rank_of(ours_k)[v]} |")
+                else:
+                    row += " – | – | – |"
+            lines.append(row)
+        lines.append("")
+    elr = {v: r for v, r in results.items() if "loop_stats" in r}
+    if elr:
+        lines += ["## Later loops at work", "",
+                  "Relative update norm ||s_i − s_{i−1}|| / ||s_{i−1}|| per loop i at k = K (loop 1 starts from the "
+                  "embeddings, so its norm is large); FiLM gate mean 1 + g (1 = unconditioned).", "",
+                  "| variant | " + " | ".join(f"norm loop {i}" for i in range(2, K + 1)) + " | gate mean, loops 1..K |",
+                  "|" + "---|" * (K + 1)]
+        for v, r in elr.items():
+            norms = " | ".join(f"{x:.3f}" for x in r["loop_stats"]["update_norm"][1:])
+            gates = r["loop_stats"].get("film_gate_mean")
+            lines.append(f"| {r['label']} | {norms} | {' / '.join(f'{g:.2f}' for g in gates) if gates else '–'} |")
+        lines.append("")
+    (out / "results.md").write_text("\n".join(lines))
+
+
+def replay_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
+    lines = [f"## {title}", "", f"Paper: {claim}", "", "| routing | val loss k=K | Δ vs dynamic | paper Δ |", "|---|---|---|---|"]
+    dynamic = next((results[v] for v in members if "loss_replay_at_inference" in results[v]), None)
+    trained = [results[v] for v in members if results[v] is not dynamic]
+    if dynamic:
+        d = dynamic["loss"][-1]
+        lines += [f"| dynamic | {d:.4f} | – | – |",
+                  f"| replay at inference only | {dynamic['loss_replay_at_inference']:.4f} | "
+                  f"{dynamic['loss_replay_at_inference'] - d:+.4f} | +0.0055 |"]
+        lines += [f"| replay in training | {r['loss'][-1]:.4f} | {r['loss'][-1] - d:+.4f} | +0.0038 |" for r in trained]
+        lines += ["", "Route drift of the dynamic run (scripts/route_diagnostics.py), per loop i against loop 1; "
+                  "paper at loop 4: kept 0.53, count cosine 0.978, routed cosine 0.767 (shifted 0.227), "
+                  "full cosine 0.918 (shifted 0.718).", "",
+                  "| loop i | kept | count cosine | routed cosine (shifted) | full cosine (shifted) |", "|---|---|---|---|---|"]
+        for i, m in dynamic["route_drift"].items():
+            lines.append(f"| {i} | {m['kept']:.3f} | {m['count_cosine']:.3f} | {m['routed_cosine']:.3f} "
+                         f"({m['routed_cosine_shifted']:.3f}) | {m['full_cosine']:.3f} ({m['full_cosine_shifted']:.3f}) |")
+    return lines + [""]
+
+
+def plot(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    base = results.get("baseline_matched")
+    for group, (title, _) in GROUPS.items():
+        members = [v for v, r in results.items() if group in r["groups"] and len(r["loss"]) > 1]
+        if not members:
+            continue
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for v in members:
+            r = results[v]
+            ks = range(1, len(r["loss"]) + 1)
+            ax.errorbar(ks, r["loss"], yerr=r["std"], marker="o", capsize=3, label=r["label"])
+        if base:
+            ax.axhline(base["loss"][0], color="black", linestyle="--", label=base["label"])
+        ax.set(title=title, xlabel="loop count k", ylabel="validation loss (nats/byte)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"loss_vs_k_{group}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    elr = {v: r for v, r in results.items() if "loop_stats" in r}
+    if elr:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for v, r in elr.items():
+            norms = r["loop_stats"]["update_norm"]
+            ax.plot(range(2, len(norms) + 1), norms[1:], marker="o", label=r["label"])
+        ax.set(title="Update norm per loop at k = K", xlabel="loop i", ylabel="||s_i - s_(i-1)|| / ||s_(i-1)||")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        path = out / "update_norms.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
