@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check: run on a machine with one GPU and paste the tables into README.md and docs/LOG.md.
-#   bash scripts/gpu_check.sh            # GPU: under 8 minutes on one H100/H200
+#   bash scripts/gpu_check.sh            # GPU: about 11 minutes on one H100/H200
 #   bash scripts/gpu_check.sh --dry-run  # CPU, tiny shapes: shows the check runs end to end (the GDP
 #                                        # section under the Triton interpreter, fp32: it computes bf16 wrongly)
 # Sections are independent; each prints its own table and the script's exit code is 1 if any failed.
@@ -34,5 +34,16 @@ fi
 # ---- section: scale (training with compile, memory vs scripts/plan_memory.py per AC mode, float8) ----
 echo "## gpu_check: scale"
 python scripts/gpu_check_memory.py "$@" || status=1
+
+# ---- section: the depth study (pointer chasing: 5 variants x 3 seeds at once on the one GPU, ~3 min) ----
+echo "## gpu_check: depth study"
+if $dry_run; then
+    python scripts/study.py --suite depth --seeds 0 --variants baseline_matched elr --steps 4 --val-steps 1 \
+        --extrapolation-examples 64 --runs outputs/gpu_check/depth/runs --out outputs/gpu_check/depth || status=1
+else
+    python scripts/study.py --suite depth --seeds 0 1 2 --jobs 15 --runs outputs/gpu_check/depth/runs \
+        --out outputs/gpu_check/depth || status=1
+    cat outputs/gpu_check/depth/results.md
+fi
 
 exit $status

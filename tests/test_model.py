@@ -412,6 +412,9 @@ def test_flops_grow_linearly_with_loops():
     model = make()
     f1, f2, f3 = (model.num_flops_per_token(128, k) for k in (1, 2, 3))
     assert f3 - f2 == f2 - f1 > 0
+    # every_loop runs the output block and head after each loop: each loop adds them too
+    e1, e2, e3 = (model.num_flops_per_token(128, k, every_loop=True) for k in (1, 2, 3))
+    assert e1 == f1 and e3 - e2 == e2 - e1 > f2 - f1
 
 
 def perturb_conditioning(model):

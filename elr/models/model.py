@@ -153,8 +153,9 @@ class ELRModel(nn.Module):
             moe.aux_loss = None
         return torch.stack(losses).sum() if losses else None
 
-    def num_flops_per_token(self, seq_len: int, loops: int = 1) -> int:
-        """Training FLOPs per token (forward + backward = 3 x forward), recurrent layers counted k times.
+    def num_flops_per_token(self, seq_len: int, loops: int = 1, every_loop: bool = False) -> int:
+        """Training FLOPs per token (forward + backward = 3 x forward), recurrent layers counted k times
+        (and, with every_loop, the output block and head too: they run after every loop).
 
         Weights count 6 FLOPs per multiply-accumulate; attention scores count 12 * heads * head_dim
         * seq_len (non-causal, the PaLM/torchtitan convention); each GDP head's state update counts
@@ -167,8 +168,10 @@ class ELRModel(nn.Module):
         recurrent = sum(per_layer[n_in:n_in + n_rec])
         if self.recurrent.step_size is not None:
             recurrent += 6 * a.dim * a.dim
-        once = sum(per_layer) - sum(per_layer[n_in:n_in + n_rec])
-        return once + loops * recurrent + 6 * a.dim * a.vocab_size
+        exits = loops if every_loop else 1
+        once = sum(per_layer[:n_in])
+        after = sum(per_layer[n_in + n_rec:]) + 6 * a.dim * a.vocab_size
+        return once + loops * recurrent + exits * after
 
 
 def layer_flops_per_token(kind: str, a: ModelArgs, seq_len: int) -> int:

@@ -453,7 +453,8 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 self.step = step
                 self.tokens_seen += tokens_per_update
-                flops = sum(self.model.num_flops_per_token(t.seq_len, k) for k in ks.flatten().tolist())
+                every_loop = cfg.elr.loss_every_loop and self.mixed
+                flops = sum(self.model.num_flops_per_token(t.seq_len, k, every_loop) for k in ks.flatten().tolist())
                 flops *= t.local_batch_size * t.seq_len
                 scalars.update(throughput(tokens_per_update, flops, elapsed, self.world_size, cfg.metrics.peak_tflops))
                 scalars["memory/max_gib"] = memory_gib(self.device)
