@@ -1,6 +1,8 @@
 """The depth-bound tasks: answers correct by construction (checked by an independent solver),
 deterministic per seed, train and validation disjoint, and a stream that resumes and reshards."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -167,3 +169,24 @@ def test_task_job_errors_name_the_key(tmp_path):
         Trainer(load_config(DEBUG_TOML, [*TASK_JOB, "--data.task_max_difficulty", "8", "--job.dump_folder", str(tmp_path)]))
     with pytest.raises(ConfigError, match="data.task"):
         load_config(DEBUG_TOML, [*TASK_JOB, "--parallelism.tensor_parallel_degree", "2"])
+
+
+def test_task_run_resumes_exactly(tmp_path):
+    """A task run resumed from its step-2 checkpoint continues the same examples, draws and losses."""
+    def train(dump, *extra):
+        cfg = load_config(DEBUG_TOML, [*TASK_JOB, "--training.steps", "4", "--job.dump_folder", str(dump),
+                                       "--validation.freq", "0", "--data.task_curriculum_steps", "2",
+                                       "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+                                       "--checkpoint.keep_latest_k", "0", *extra])
+        trainer = Trainer(cfg)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        return losses(dump)
+
+    full = train(tmp_path / "full")
+    (tmp_path / "resumed" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    resumed = train(tmp_path / "resumed")
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == full[s] for s in (3, 4))
