@@ -23,10 +23,27 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
         return None
     diffs = [a[s] - b[s] for s in seeds]
     mean, sd = summarise(diffs)
-    t = mean / (sd / math.sqrt(len(diffs))) if sd > 0 else (math.inf if mean else 0.0) * (1 if mean >= 0 else -1)
+    t = mean / (sd / math.sqrt(len(diffs))) if sd > 0 else (math.copysign(math.inf, mean) if mean else 0.0)
     return {"mean": mean, "sd": sd, "n": len(diffs), "below": sum(d < 0 for d in diffs), "t": t, "diffs": diffs}
 
 
 def relative(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
     """Per seed, a / b - 1 (a relative paired difference)."""
     return {s: a[s] / b[s] - 1 for s in set(a) & set(b)}
+
+
+def verdict(diffs: list[float], expected_sign: int) -> str:
+    """The word a paired comparison earns against a claimed direction (expected_sign: -1 when the
+    claim is "lower", +1 "higher"): "reproduced" when every seed has the claimed sign (with at least
+    two seeds), or with more than three seeds when the paired t exceeds 2 in that direction;
+    "contradicted" when every seed has the opposite sign; otherwise "inconclusive"."""
+    signs = [(d > 0) - (d < 0) for d in diffs]
+    if len(diffs) >= 2 and all(s == expected_sign for s in signs):
+        return "reproduced"
+    if len(diffs) >= 2 and all(s == -expected_sign for s in signs):
+        return "contradicted"
+    if len(diffs) > 3:
+        mean, sd = summarise(diffs)
+        if sd > 0 and expected_sign * mean / (sd / math.sqrt(len(diffs))) > 2:
+            return "reproduced"
+    return "inconclusive"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from elr.tools.study.runs import Run, final_validation, latest_checkpoint
 from elr.tools.route_diagnostics import route_drift
-from elr.tools.study.stats import summarise
+from elr.tools.study.stats import paired, relative, summarise
 
 # What each group reproduces, and the paper's numbers (arXiv 2610.12582; GPT-0.5B, K = 5, k = 1..5).
 GROUPS = {
@@ -149,6 +149,11 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> No
         if group == "table_1":
             lines += replay_section(results, members, title, claim)
             continue
+        if group in ("controls", "remedies"):
+            extra = [v for v in ("default",) if v in results and v not in members] if group == "remedies" else []
+            section = controls_section if group == "controls" else remedies_section
+            lines += section(results, extra + members, title, claim)
+            continue
         paper = PAPER.get(group, {})
         lines += [f"## {title}", "", f"Paper: {claim}", ""]
         header = ("| variant | seeds | " + " | ".join(f"k={k}" for k in range(1, K + 1))
@@ -187,6 +192,60 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> No
             lines.append(f"| {r['label']} | {norms} | {' / '.join(f'{g:.2f}' for g in gates) if gates else '–'} |")
         lines.append("")
     (out / "results.md").write_text("\n".join(lines))
+
+
+def per_seed(entry: dict, k: int) -> dict[int, float]:
+    """{seed: validation loss at k} of one variant (k is 1-based)."""
+    return {seed: losses[k - 1] for seed, losses in zip(entry["seeds"], entry["per_seed"])}
+
+
+def fmt_paired(p: dict | None) -> str:
+    return "–" if p is None else f"{100 * p['mean']:+.2f}% ± {100 * p['sd']:.2f} ({p['below']}/{p['n']} below)"
+
+
+def controls_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
+    """Untied depth against the matched baseline, seed by seed: does depth help at this budget?"""
+    base = results.get("baseline_matched")
+    lines = [f"## {title}", "", f"{claim} Paired relative difference to the matched baseline (mean ± sd over "
+             "seeds); 'helps' needs the mean below zero by more than three paired sd.", "",
+             "| variant | seeds | loss | vs matched baseline | helps |", "|---|---|---|---|---|"]
+    for v in members:
+        r = results[v]
+        p = paired(relative(per_seed(r, 1), per_seed(base, 1)), {s: 0.0 for s in r["seeds"]}) if base else None
+        helps = "–" if p is None or p["n"] < 2 else ("yes" if p["mean"] < 0 and -p["mean"] > 3 * p["sd"] else "no")
+        lines.append(f"| {r['label']} | {len(r['seeds'])} | {fmt(r['loss'][0], r['std'][0], len(r['seeds']))} | "
+                     f"{fmt_paired(p)} | {helps} |")
+    return lines + [""]
+
+
+def remedies_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
+    """Both properties at once, seed by seed: k = 1 against the matched baseline, and the best k
+    against the run's own k = 1, with the later loops' update norms."""
+    base = results.get("baseline_matched")
+    lines = [f"## {title}", "", f"Wanted: {claim.split('wanted: ')[-1]} Paired relative differences (mean ± sd "
+             "over seeds). Targets: k = 1 no worse than the matched baseline by more than its seed spread; best k "
+             "at least 1% below the run's own k = 1 and by more than three paired sd; every later loop's update "
+             "norm above 0.05.", "",
+             "| variant | seeds | k = 1 vs matched baseline | best k | best k vs own k = 1 | later-loop update norms | targets |",
+             "|---|---|---|---|---|---|---|"]
+    spread = base["std"][0] / base["loss"][0] if base else None
+    for v in members:
+        r = results[v]
+        K = len(r["loss"])
+        if K < 2:
+            continue
+        one = paired(relative(per_seed(r, 1), per_seed(base, 1)), {s: 0.0 for s in r["seeds"]}) if base else None
+        best = 2 + min(range(K - 1), key=lambda i: r["loss"][i + 1])
+        gain = paired(relative(per_seed(r, best), per_seed(r, 1)), {s: 0.0 for s in r["seeds"]})
+        norms = r.get("loop_stats", {}).get("update_norm", [])[1:]
+        met = [one is not None and one["mean"] <= spread, gain["mean"] <= -0.01 and -gain["mean"] > 3 * gain["sd"],
+               bool(norms) and min(norms) > 0.05]
+        lines.append(f"| {r['label']} | {len(r['seeds'])} | {fmt_paired(one)} | {best} | {fmt_paired(gain)} | "
+                     f"{' / '.join(f'{n:.3f}' for n in norms) or '–'} | "
+                     f"{'all met' if all(met) else ', '.join(n for n, ok in zip(('parity', 'loop gain', 'norms'), met) if not ok) + ' not met'} |")
+    if spread is not None:
+        lines += ["", f"Matched baseline's seed spread at k = 1: {100 * spread:.2f}% (sd / mean)."]
+    return lines + [""]
 
 
 def replay_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
