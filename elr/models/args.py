@@ -107,10 +107,11 @@ flavors: dict[str, ModelArgs] = {
         n_heads=4, n_kv_heads=4, head_dim=32, moe_experts=8, moe_top_k=2, moe_expert_dim=128,
         moe_shared_dim=128,
     ),
-    # the depth-bound tasks (elr/tasks.py): study_gpt at half the width; tiny vocabularies, tens of tokens
+    # the depth-bound tasks (elr/tasks.py): study_gpt's layers at half the width; tiny vocabularies,
+    # tens of tokens
     "task_gpt": ModelArgs(
         dim=64, layer_pattern="AF" * 4, partition=(2, 4, 2), vocab_size=128, max_seq_len=64,
-        n_heads=4, n_kv_heads=4, head_dim=32, ffn_dim=384, ffn_activation="swiglu",
+        n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=256, ffn_activation="swiglu",
     ),
     "gpt_0p5b": ModelArgs(
         dim=1024, layer_pattern="AF" * 15, partition=(8, 14, 8), n_heads=16, n_kv_heads=4, head_dim=64,
