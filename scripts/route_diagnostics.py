@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from elr.config import UserError  # noqa: E402
 from elr.infer.load import load_model  # noqa: E402
 from elr.models.ffn import MoE  # noqa: E402
 from elr.train.data import val_batches  # noqa: E402
@@ -114,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         drift = drift_for_checkpoint(args.checkpoint, args.data, args.batches)
-    except (FileNotFoundError, ValueError) as e:
+    except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"route_diagnostics: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print("| loop i | kept | count cosine | routed cosine (shifted) | full cosine (shifted) |")
     print("|---|---|---|---|---|")
     for i, m in drift.items():
