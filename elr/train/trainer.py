@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
+from elr.checkpoint import first_nonfinite
 from elr.config import ConfigError, JobConfig, switch_step
 from elr.models import build_model
 from elr.models.ffn import update_expert_biases
@@ -29,7 +30,6 @@ from elr.parallel.expert_parallel import grad_norm_by_mesh, reduce_expert_gradie
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
 from elr.parallel.tensor_parallel import reduce_partial_grads
-from elr.checkpoint import first_nonfinite
 from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
 from elr.train.data import build_train_loader, read_meta, val_batches
 from elr.train.loss import model_loss
