@@ -82,7 +82,9 @@ def load_tokens(path: str | Path) -> np.memmap:
     vocab = meta.get("vocab_size")
     if vocab is not None:
         largest = meta.get("splits", {}).get(path.stem, {}).get("max_token_id")
-        if not isinstance(largest, int):
+        # A refusal is always checked against the file: a meta.json copied from another tokenization
+        # (e.g. scripts/study.py's byte copy) may carry that data's value.
+        if not isinstance(largest, int) or largest >= vocab:
             largest = int(tokens.max())
             _cache_max_token_id(meta_path, path.stem, largest, n_tokens)
         if largest >= vocab:
