@@ -115,6 +115,7 @@ class Data:
 @dataclass
 class Tokenizer:
     path: str = "data/tokenizer/elr8k.tiktoken"  # a tiktoken ranks file, or a tiktoken encoding name
+    sha256: str = ""  # the ranks file's SHA-256, checked when set; the trainer records it in config.json
 
 
 @dataclass
@@ -303,6 +304,11 @@ def _apply(cfg: JobConfig, raw: dict) -> None:
             _set(cfg, f"{section_name}.{name}", value)
 
 
+def switch_step(cfg: JobConfig) -> int:
+    """The step at which the late switch happens (elr.switch_at of training.steps, rounded)."""
+    return round(cfg.elr.switch_at * cfg.training.steps)
+
+
 def _check(ok: bool, key: str, message: str, value) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message} (got {value!r})")
@@ -338,6 +344,11 @@ def validate(cfg: JobConfig) -> None:
         _check(not (e.conditioning and e.conditioning_budget), "elr.loss_every_loop",
                "needs elr.conditioning_budget = false (with the budget embedding loop i of a k-loop run is "
                "not the model at budget i)", e.loss_every_loop)
+    if e.switch_at > 0:
+        step = switch_step(cfg)
+        _check(0 < step < cfg.training.steps, "elr.switch_at",
+               f"x training.steps = {cfg.training.steps} rounds to step {step}; the switch must fall after "
+               f"step 0 and before the last step {cfg.training.steps}", e.switch_at)
     if not e.enabled:
         _check(e.max_loops == 1, "elr.max_loops", "must be 1 when elr.enabled = false (the baseline)", e.max_loops)
         _check(not e.conditioning, "elr.conditioning", "needs elr.enabled = true", e.conditioning)
@@ -368,6 +379,10 @@ def validate(cfg: JobConfig) -> None:
     _check(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0", s.warmup_steps)
     _check(0 < s.decay_fraction <= 1, "lr_scheduler.decay_fraction", "must lie in (0, 1]", s.decay_fraction)
     _check(0 <= s.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "must lie in [0, 1]", s.min_lr_ratio)
+
+    sha = cfg.tokenizer.sha256
+    _check(sha == "" or (len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha)), "tokenizer.sha256",
+           "must be empty or 64 lowercase hex digits", sha)
 
     c = cfg.checkpoint
     _check(c.interval >= 1, "checkpoint.interval", "must be >= 1", c.interval)

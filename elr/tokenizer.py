@@ -43,11 +43,12 @@ class Tokenizer:
     """Text <-> token ids. `encode` never emits special tokens, even if the text spells one:
     document boundaries are added by the data preparation, not by the text itself."""
 
-    def __init__(self, encoding: tiktoken.Encoding, source: str):
+    def __init__(self, encoding: tiktoken.Encoding, source: str, sha256: str | None = None):
         if EOT not in encoding.special_tokens_set:
             raise TokenizerError(f"tokenizer {source!r} has no {EOT} special token")
         self.encoding = encoding
         self.source = source
+        self.sha256 = sha256  # of the ranks file (None for a tiktoken encoding name): what meta.json records
         self.eot_id: int = encoding.encode_single_token(EOT)
         # One past the largest id (specials included): the smallest usable embedding size.
         self.n_vocab: int = encoding.n_vocab
@@ -67,14 +68,19 @@ class Tokenizer:
 
 
 def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """Hex SHA-256 of a file, read 16 MiB at a time (checkpoint shards use it too)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def load_ranks(path: str | Path) -> dict[bytes, int]:
+def load_ranks(path: str | Path, sha256: str | None = None) -> dict[bytes, int]:
     """Read a tiktoken ranks file and check that its ranks are exactly 0..n-1."""
     # tiktoken caches every file it reads under a key made from the path alone, so a file that
     # was rebuilt in place would come back stale; passing the current hash makes it re-read.
-    ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=file_sha256(path))
+    ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=sha256 or file_sha256(path))
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise TokenizerError(f"{path}: ranks are not the contiguous range 0..{len(ranks) - 1}")
     return ranks
@@ -84,14 +90,15 @@ def build_tokenizer(path_or_name: str) -> Tokenizer:
     """A local ranks file if `path_or_name` is an existing file, else a tiktoken encoding name."""
     path = Path(path_or_name)
     if path.is_file():
-        ranks = load_ranks(path)
+        sha256 = file_sha256(path)
+        ranks = load_ranks(path, sha256)
         encoding = tiktoken.Encoding(
             name=path.stem,
             pat_str=SPLIT_PATTERN,
             mergeable_ranks=ranks,
             special_tokens={EOT: len(ranks)},
         )
-        return Tokenizer(encoding, str(path))
+        return Tokenizer(encoding, str(path), sha256)
 
     if path_or_name not in tiktoken.list_encoding_names():
         raise FileNotFoundError(

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from elr.config import UserError  # noqa: E402
 from elr.infer.cache import MODES  # noqa: E402
 from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss  # noqa: E402
 from elr.infer.load import load_model, load_tokenizer  # noqa: E402
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             _, baseline = evaluate(args.baseline, [1], args)
             with_relative_latency(baseline, rows)
         with_relative_latency(rows, rows)
-    except (FileNotFoundError, ValueError) as e:
+    except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
     table = markdown(loops, rows, baseline)

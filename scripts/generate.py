@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from elr.config import UserError  # noqa: E402
 from elr.infer.cache import MODES  # noqa: E402
 from elr.infer.generate import Sampling, generate  # noqa: E402
 from elr.infer.load import load_model, load_tokenizer, run_config  # noqa: E402
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             longest = max(len(t) for t in prompts) + args.max_new_tokens
         model, _ = load_model(args.checkpoint, args.device, dtype,
                               max_seq_len=None if args.memory is not None else longest)
-    except (FileNotFoundError, ValueError) as e:
+    except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
     if args.memory is not None:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             outputs = generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id, args.kv, sampling, generator)
-        except ValueError as e:
+        except (UserError, ValueError) as e:
             print(f"generate: error: {e}", file=sys.stderr)
             return 2
         elapsed = time.perf_counter() - start

@@ -8,7 +8,7 @@ Inputs are .txt files (one document per file) and .jsonl files (one document per
     train.bin, val.bin   flat token streams; every document (or part of one, with --split tail)
                          is followed by <|endoftext|>
     meta.json            dtype, vocab size, tokenizer file and sha256, split kind, documents /
-                         tokens / UTF-8 text bytes per split, val fraction, sources
+                         tokens / UTF-8 text bytes / largest token id per split, val fraction, sources
 
 --split document (the default, right for large corpora): a document goes to val when a hash of
 its text falls below --val-fraction. The split is the same on every run and machine whatever the
@@ -174,7 +174,8 @@ def prepare(
     try:
         for name in (*SPLITS, "meta"):  # hidden names of this process; "x" never shares a file
             tmp[name] = open(out / f".{name}.{os.getpid()}.tmp", "xb")
-        counts = {s: {"documents": 0, "tokens": 0, "text_bytes": 0} for s in SPLITS}
+        # max_token_id: checked against vocab_size whenever the data is opened (elr/train/data.py)
+        counts = {s: {"documents": 0, "tokens": 0, "text_bytes": 0, "max_token_id": 0} for s in SPLITS}
         start = last_report = time.monotonic()
         token_bytes = tokenizer.encoding.decode_single_token_bytes
         tails: list[tuple[int, np.ndarray]] = []  # --split tail: (document hash, val part)
@@ -186,6 +187,7 @@ def prepare(
             c["documents"] += 1
             c["tokens"] += len(tokens)
             c["text_bytes"] += text_bytes
+            c["max_token_id"] = max(c["max_token_id"], int(tokens.max()))
             return tokens
 
         def flush(texts: list[str]) -> None:

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from elr.config import UserError
 from elr.tools.route_diagnostics import drift_for_checkpoint
 
 
@@ -23,9 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         drift = drift_for_checkpoint(args.checkpoint, args.data, args.batches)
-    except (FileNotFoundError, ValueError) as e:
+    except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"route_diagnostics: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print("| loop i | kept | count cosine | routed cosine (shifted) | full cosine (shifted) |")
     print("|---|---|---|---|---|")
     for i, m in drift.items():

@@ -2,6 +2,7 @@
 past a corrupt newest checkpoint, the late switch's narrow allow_missing, async save, export, and
 resharding 2 -> 1 and 1 -> 2 with torchrun (tests/distributed/ckpt_reshard.py)."""
 
+import hashlib
 import json
 import logging
 import os
@@ -19,14 +20,8 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # also imported by tests/distributed/ckpt_reshard.py
-from elr.train.checkpoint import (  # noqa: E402
-    MARKER,
-    CheckpointError,
-    CheckpointManager,
-    ModelState,
-    OptimizerState,
-    load_model_export,
-)
+from elr.checkpoint import load_model_export  # noqa: E402
+from elr.train.checkpoint import MARKER, CheckpointError, CheckpointManager, ModelState, OptimizerState  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -224,10 +219,12 @@ def _truncate(path: Path) -> None:
 
 
 def _truncate_and_fix_marker(folder: Path) -> None:
-    """Damage that the size check cannot see, so that DCP itself fails (CheckpointException)."""
+    """Damage that neither sizes nor hashes can see (the marker rewritten to match), so that DCP
+    itself fails (CheckpointException)."""
     _truncate(folder / "__0_0.distcp")
     marker = json.loads((folder / MARKER).read_text())
     marker["files"]["__0_0.distcp"] = (folder / "__0_0.distcp").stat().st_size
+    marker["sha256"]["__0_0.distcp"] = hashlib.sha256((folder / "__0_0.distcp").read_bytes()).hexdigest()
     (folder / MARKER).write_text(json.dumps(marker))
 
 

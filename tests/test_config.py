@@ -37,6 +37,12 @@ def test_shipped_configs_load(name):
     load_config(ROOT / "train_configs" / name)
 
 
+def test_tokenizer_sha256_is_a_hex_digest_or_empty():
+    assert load_config(None, ["--tokenizer.sha256", "0a" * 32]).tokenizer.sha256 == "0a" * 32
+    with pytest.raises(ConfigError, match="tokenizer.sha256: must be empty or 64 lowercase hex digits"):
+        load_config(None, ["--tokenizer.sha256", "0A" * 32])
+
+
 @pytest.mark.parametrize(
     "toml, overrides, key",
     [
@@ -58,6 +64,9 @@ def test_shipped_configs_load(name):
         ("", ["--optimizer.muon_momentum", "1.0"], "optimizer.muon_momentum"),
         ("", ["--moe.aux_loss_coeff", "-1e-4"], "moe.aux_loss_coeff"),
         ("", ["--training.steps"], "training.steps"),  # missing value
+        # a switch rounding to step 0 (never one loop) or to the last step (never mixed depth)
+        ("[checkpoint]\nenable = true\n", ["--training.steps", "4", "--elr.switch_at", "0.1"], "elr.switch_at"),
+        ("[checkpoint]\nenable = true\n", ["--training.steps", "10", "--elr.switch_at", "0.95"], "elr.switch_at"),
     ],
 )
 def test_bad_input_names_the_key(tmp_path, toml, overrides, key):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -385,3 +387,40 @@ def test_loader_errors_name_the_file(tmp_path):
         build_train_loader(str(path), 4, 1, 0, 1, 0)
     with pytest.raises(ValueError, match="dp_rank 2"):
         build_train_loader(str(make_token_file(tmp_path / "ok", 50)), 4, 1, 2, 2, 0)
+
+
+def test_token_ids_past_the_vocabulary_and_a_wrong_dtype_fail_when_the_data_is_opened(tmp_path):
+    """Caught by a max over the file (cached in meta.json), not by an IndexError (a device assert on
+    GPU) in the embedding at the first batch that holds one."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    np.array([1, 2, 99, 3] * 8, dtype=np.uint16).tofile(folder / "train.bin")
+    meta = {"dtype": "uint16", "vocab_size": 64, "splits": {"train": {"file": "train.bin", "tokens": 32}}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="train.bin: holds token id 99, but .* gives vocab_size 64"):
+        load_tokens(folder / "train.bin")
+    assert json.loads((folder / "meta.json").read_text())["splits"]["train"]["max_token_id"] == 99  # cached
+
+    np.array([1, 2, 3, 4] * 8, dtype=np.uint16).tofile(folder / "train.bin")  # uint16 data, meta says uint32
+    (folder / "meta.json").write_text(json.dumps({**meta, "dtype": "uint32", "splits": {}}))
+    with pytest.raises(ValueError, match=r"holds token id \d+, .*not written as uint32"):
+        load_tokens(folder / "train.bin")
+    (folder / "meta.json").write_text(json.dumps({**meta, "splits": {}}))
+    assert int(load_tokens(folder / "train.bin").max()) == 4
+
+    (folder / "meta.json").write_text('{"dtype": "uint16",')  # cut short
+    with pytest.raises(ValueError, match="meta.json is not readable JSON"):
+        load_tokens(folder / "train.bin")
+
+
+def test_train_py_ends_a_malformed_meta_json_in_one_line(tmp_path, caplog):
+    data = tmp_path / "data"
+    shutil.copytree(TINYPROSE, data)
+    (data / "meta.json").write_text("{not json")
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+    with caplog.at_level(logging.ERROR):
+        assert train_script.main(["--data.path", str(data), "--job.dump_folder", str(tmp_path / "run")]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "meta.json is not readable JSON" in errors[0], errors

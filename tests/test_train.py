@@ -1,6 +1,7 @@
 """End-to-end training on the bundled data: metrics, accumulation, exact resume, the late switch,
 bad numbers and preemption."""
 
+import logging
 import math
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from elr.config import load_config
+from elr.train.optimizer import lr_lambda
 from elr.train.trainer import NonFiniteLossError, Trainer
 from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, losses, overrides, records, run
 
@@ -45,6 +47,24 @@ def test_gradient_accumulation_equals_one_large_microbatch(tmp_path):
     single = run(tmp_path / "b", 3, *one_loop, "--training.local_batch_size", "4")
     for step in accumulated:
         assert accumulated[step] == pytest.approx(single[step], rel=1e-5)
+
+
+def test_resume_applies_this_jobs_optimizer_settings(tmp_path, caplog):
+    """The checkpoint's param groups and scheduler base lrs load, then the job's config wins: the
+    peak lr, weight decay and betas it sets, and its schedule at the loaded step."""
+    dump = tmp_path / "run"
+    run(dump, 2, *CKPT)
+    changed = ["--optimizer.lr", "1e-3", "--optimizer.weight_decay", "0.05", "--optimizer.betas", "0.8,0.9"]
+    cfg = load_config(DEBUG_TOML, overrides(dump, 4, *CKPT, *changed))
+    with caplog.at_level(logging.INFO, logger="elr"):
+        trainer = Trainer(cfg)
+    trainer.close()
+    groups = trainer.optimizer.param_groups
+    assert trainer.step == 2 and [g["initial_lr"] for g in groups] == trainer.lr_scheduler.base_lrs == [1e-3] * len(groups)
+    assert [g["lr"] for g in groups] == [1e-3 * lr_lambda(2, cfg.lr_scheduler, 4)] * len(groups)
+    assert groups[0]["weight_decay"] == 0.05 and all(g["betas"] == (0.8, 0.9) for g in groups)
+    lines = [r.getMessage() for r in caplog.records if "optimizer settings" in r.getMessage()]
+    assert len(lines) == 1 and "peak lr 0.006 -> 0.001" in lines[0] and "weight_decay 0.1 -> 0.05" in lines[0], lines
 
 
 def test_resume_is_bit_exact_at_every_checkpoint(tmp_path):

@@ -113,8 +113,13 @@ def score_multiple_choice(model, tokenizer: Tokenizer, items: list[dict], loops:
 def read_tokens(path: str | Path) -> np.ndarray:
     """A token file written by scripts/prepare_data.py, with the dtype from meta.json beside it."""
     path = Path(path)
-    meta = json.loads((path.parent / "meta.json").read_text())
-    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+    meta_path = path.parent / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        dtype = {"uint16": np.uint16, "uint32": np.uint32}[meta["dtype"]]
+    except (ValueError, KeyError, TypeError) as e:  # user errors: scripts print ValueError in one line
+        raise ValueError(f"{meta_path}: no valid dtype ({type(e).__name__}: {e})") from None
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 @torch.no_grad()
@@ -123,10 +128,12 @@ def validation_loss(model, tokens: np.ndarray, seq_len: int, loops: int, batches
     windows = min(batches * batch_size, (len(tokens) - 1) // seq_len)
     if windows < 1:
         raise ValueError(f"{len(tokens)} validation tokens are too few for one window of {seq_len + 1}")
-    device = model.output.weight.device
+    device, vocab = model.output.weight.device, model.tok_embeddings.num_embeddings
     total, count = 0.0, 0
     for start in range(0, windows, batch_size):
         rows = np.stack([tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(start, min(start + batch_size, windows))])
+        if rows.max() >= vocab:  # another tokenizer's data, or the wrong dtype: an index error (a device assert on GPU)
+            raise ValueError(f"validation data holds token id {rows.max()}, outside this model's vocabulary of {vocab}")
         rows = torch.from_numpy(rows.astype(np.int64)).to(device)
         logits = model(rows[:, :-1], loops)
         total += F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(), reduction="sum").item()

@@ -2,29 +2,38 @@
 
 Accepted: a DCP training checkpoint folder `.../checkpoint/step-N` (saved by any number of ranks,
 before or after the late switch: a pre-switch checkpoint has no loop-conditioning parameters, so
-the model is built without them), or a model-only export `.../checkpoint/step-N-model`. The model
-config comes from the run's `config.json`, found in the first folder above the checkpoint holding one.
-DCP reshards on load, so the world size the checkpoint was saved from does not matter.
+the model is built without them), or a model-only export `.../checkpoint/step-N-model`. DCP
+reshards on load, so the world size the checkpoint was saved from does not matter.
+
+What is loaded is what was saved: the folder must be committed (commit.json) and every file must
+match its size and SHA-256; the model is built from the config.json inside the step folder, never
+from the run's config.json above it, which a later run in the same dump folder may have rewritten;
+every checkpoint weight must be used (no key dropped) and be finite; the tokenizer must have the hash
+the run recorded. A checkpoint saved before 2026-12-01 (format 2: no checksums, no config inside)
+still loads, with the run's config.json and one warning line saying so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from elr.config import config_from_dict
+from elr.checkpoint import CheckpointError, UnusableCheckpoint, check_format, check_keys, first_nonfinite
+from elr.checkpoint import load_state_dict, read_config, read_marker, read_metadata, verify
+from elr.config import ConfigError, config_from_dict
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
-from elr.tokenizer import Tokenizer, build_tokenizer
-from elr.train.checkpoint import check_format
+from elr.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 
 # Loading without a process group is what we want; DCP warns that it assumed so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+logger = logging.getLogger("elr")
 
 TRAINING_PREFIX = "model."  # a training checkpoint stores the model under this top-level name
 
@@ -37,23 +46,38 @@ def find_run_config(checkpoint: Path) -> Path:
 
 
 def run_config(checkpoint: str | Path) -> dict:
-    return json.loads(find_run_config(Path(checkpoint)).read_text())
+    """The config the checkpoint was trained with: its own config.json (format >= 3), or for an older
+    checkpoint the run's config.json above it, with a warning that it may have been rewritten."""
+    checkpoint = Path(checkpoint)
+    marker = read_marker(checkpoint)
+    raw = read_config(checkpoint, marker)
+    if raw is None:
+        path = find_run_config(checkpoint)
+        logger.warning(f"warning: {checkpoint} predates checkpoint format 3 (no checksums, no config inside): "
+                       f"building the model from {path}, which later runs in that folder may have rewritten")
+        try:
+            raw = json.loads(path.read_text())
+        except ValueError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: not a config")
+    return config_from_dict(raw).to_dict()  # validated, and keys added since it was written at their defaults
 
 
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                max_seq_len: int | None = None) -> tuple[ELRModel, dict]:
     """Model (eval mode) and run config. `max_seq_len` enlarges the RoPE table past the training
-    length (positions beyond it were never trained)."""
+    length (positions beyond it were never trained). Any problem with the checkpoint is a
+    CheckpointError (a UserError) naming it."""
     checkpoint = Path(checkpoint)
-    if not (checkpoint / ".metadata").is_file():
-        raise FileNotFoundError(f"{checkpoint} is not a DCP checkpoint folder (no .metadata)")
+    marker = verify(checkpoint)  # committed, sizes and SHA-256 of every file, a format this code reads
     cfg = run_config(checkpoint)
-    saved = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
-    check_format(checkpoint, saved)
+    saved = read_metadata(checkpoint).state_dict_metadata
+    check_format(checkpoint, marker, saved)
     prefix = TRAINING_PREFIX if any(key.startswith(TRAINING_PREFIX) for key in saved) else ""
     embedding = saved.get(f"{prefix}tok_embeddings.weight")
     if embedding is None:
-        raise ValueError(f"{checkpoint} holds no model weights (no {prefix}tok_embeddings.weight)")
+        raise CheckpointError(f"{checkpoint} holds no model weights (no {prefix}tok_embeddings.weight)")
     conditioning = any(key.startswith(prefix) and ".conditioning." in key for key in saved)
     # the trainer's own config -> ModelArgs step; a checkpoint without conditioning keys predates the switch
     args = model_args_from_config(config_from_dict(cfg), embedding.size[0], before_switch=not conditioning)
@@ -64,18 +88,28 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     model.to_empty(device=device)
     model.init_weights()  # fills the RoPE table; every parameter is then overwritten
     state_dict = model.state_dict()
-    missing = [key for key in state_dict if prefix + key not in saved]
-    if missing:
-        raise ValueError(f"{checkpoint} does not fit the model of {find_run_config(checkpoint)}: "
-                         f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    dcp.load({"model": state_dict} if prefix else state_dict, checkpoint_id=checkpoint, no_dist=True)
+    request = {"model": state_dict} if prefix else state_dict
+    try:  # strict both ways: a checkpoint weight the built model lacks means another network was built
+        check_keys(request, saved, lambda key: False, only_requested_roots=bool(prefix))
+    except CheckpointError as e:
+        raise CheckpointError(f"{checkpoint} does not fit the model its config describes ({e})") from None
+    load_state_dict(request, checkpoint)
+    bad = first_nonfinite(state_dict)
+    if bad:
+        raise UnusableCheckpoint(checkpoint, f"holds NaN/Inf in {bad}")
     model.load_state_dict(state_dict)
     return model.to(dtype).eval(), cfg
 
 
 def load_tokenizer(cfg: dict, path: str | None = None) -> Tokenizer:
     """The run's tokenizer: `path` if given, else the config's path, relative to the working
-    directory or else to this repository (where the bundled tokenizer lives)."""
+    directory or else to this repository (where the bundled tokenizer lives). It must have the
+    SHA-256 the run recorded (`tokenizer.sha256`), when the run recorded one."""
     path = path or cfg["tokenizer"]["path"]
     in_repo = Path(__file__).resolve().parents[2] / path
-    return build_tokenizer(str(in_repo) if not Path(path).is_file() and in_repo.is_file() else path)
+    tokenizer = build_tokenizer(str(in_repo) if not Path(path).is_file() and in_repo.is_file() else path)
+    want = cfg["tokenizer"].get("sha256", "")
+    if want and tokenizer.sha256 != want:
+        raise TokenizerError(f"tokenizer {tokenizer.source} has SHA-256 {tokenizer.sha256}, but the checkpoint "
+                             f"was trained with {want} (tokenizer.sha256 in its config.json): another vocabulary")
+    return tokenizer

@@ -1,19 +1,25 @@
-"""Checkpoints: torch.distributed.checkpoint (DCP) with an atomic commit, keep-last-k, fallback.
+"""The trainer's checkpoints: DCP with an atomic commit, checksums, keep-last-k, fallback, rollback.
 
 Everything goes through DCP, so a checkpoint saved by N ranks (FSDP2/TP shards as DTensors) loads
-into M ranks or into a plain module with no process group. Layout under `folder`:
+into M ranks or into a plain module with no process group. Layout under `folder` (elr/checkpoint/
+says what a committed folder holds and reads it without running anything stored in it):
 
     step-{N}.tmp/      a save in progress: DCP files (`__{rank}_0.distcp`, `.metadata`)
-    step-{N}/          a committed save: the same files plus `commit.json`, written last
+    step-{N}/          a committed save: the same files, config.json, and `commit.json`, written last
     step-{N}-model/    model weights only (`export_model`), committed the same way
+    step-{N}.abandoned-{time}/   a checkpoint newer than the one a run resumed from, kept aside
 
-Commit: all ranks wrote their files -> rank 0 writes `commit.json` (step, time, each file's size)
--> rank 0 renames `step-N.tmp` to `step-N` (atomic). A killed save leaves a `.tmp` folder, never
-loaded, deleted at the next save. A committed folder whose files no longer match `commit.json`, or
-that DCP fails to read, is skipped with one warning line and the next older one is loaded.
-No checksums: sizes catch what we expect (a killed save, a cut copy, a deleted shard); a crc32 of
-every file cost ~30% of the save time here, and checking it would make rank 0 re-read the whole
-checkpoint (tens of GB at 4B/30B) before every resume.
+Commit: all ranks wrote their files -> rank 0 writes config.json -> the ranks hash the files (SHA-256,
+split between them) -> rank 0 writes `commit.json` (step, sizes, hashes) and renames `step-N.tmp` to
+`step-N` (atomic). A killed save leaves its `.tmp` folder, never loaded, deleted at the next save (only
+`step-N.tmp` folders: nothing else in the folder is touched).
+
+Loading checks the marker, sizes and hashes first; a folder that fails, or that DCP cannot read, or
+whose tensors hold NaN/Inf, is skipped with one warning line and the next older one is tried. If the
+folder holds checkpoints and none loads, the load is an error listing why each failed: a run never
+restarts from step 0 over checkpoints it could not read. After a resume, checkpoints newer than the
+one loaded are moved aside (`set_aside_after`), so pruning, which keeps the newest k up to the step
+just saved, never deletes them and a later resume never picks them.
 """
 
 from __future__ import annotations
@@ -35,34 +41,27 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from elr.config import UserError
+from elr.checkpoint import CONFIG, MARKER, CheckpointError, UnusableCheckpoint, check_format, check_hashes
+from elr.checkpoint import check_keys, check_sizes, committed_files, first_nonfinite, hash_files, load_state_dict
+from elr.checkpoint import read_marker, read_metadata, write_marker
 
 logger = logging.getLogger(__name__)
 
-MARKER = "commit.json"
-# In the marker since GDP's k/v/beta rows became head-major (2026-12-01, elr/models/gdp.py): a marker
-# without it holds those rows in the earlier order, which would load silently permuted.
-FORMAT = 2
+__all__ = ["MARKER", "CheckpointError", "CheckpointManager", "ModelState", "OptimizerState"]
+
 _STEP_DIR = re.compile(r"step-(\d+)")
+_OWN_TMP = re.compile(r"step-\d+(-model)?\.tmp")  # what a killed save or export of ours leaves
+_STEP_OR_EXPORT = re.compile(r"step-(\d+)(-model)?")
 # DCP warns at every save/load without a process group that it assumes one process: we mean that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
-
-
-class CheckpointError(UserError):
-    """A checkpoint cannot be used as asked: keys or shapes differ, or the requested step is bad."""
-
-
-class _Unreadable(Exception):
-    """The checkpoint's own files are damaged (not the caller's fault): try an older one."""
 
 
 class ModelState(Stateful):
@@ -126,15 +125,15 @@ class OptimizerState(Stateful):
 class CheckpointManager:
     """Saves and loads `states` ({name: Stateful or plain value}) as `{folder}/step-{N}`.
 
-    With a process group, save/load/wait/export_model are collective (call them on every rank).
-    The manager makes its own gloo group for its and DCP's small collectives: async save runs them
-    in a background thread, which must not share a group with training, and DCP's async save needs
-    a CPU backend even when training uses NCCL.
+    `config` (the job's config as a dict) is written into every step folder, so what was trained
+    can be rebuilt from the folder alone. With a process group, save/load/wait/export_model/
+    set_aside_after are collective (call them on every rank). The manager makes its own gloo group
+    for its and DCP's small collectives: async save runs them in a background thread, which must
+    not share a group with training, and DCP's async save needs a CPU backend even under NCCL.
     """
 
-    def __init__(
-        self, folder: str | Path, *, interval: int, keep_latest_k: int = 0, async_save: bool = False
-    ):
+    def __init__(self, folder: str | Path, *, interval: int, keep_latest_k: int = 0, async_save: bool = False,
+                 config: dict | None = None):
         if interval < 1 or keep_latest_k < 0:
             raise ValueError(f"checkpoint: need interval >= 1 and keep_latest_k >= 0, got "
                              f"{interval} and {keep_latest_k}")
@@ -142,9 +141,11 @@ class CheckpointManager:
         self.interval = interval
         self.keep_latest_k = keep_latest_k
         self.async_save = async_save
+        self.config = config
         self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._rank = dist.get_rank() if self._pg is not None else 0
-        self._pending: tuple[int, Future] | None = None  # async save: (step, upload future)
+        self._world = dist.get_world_size() if self._pg is not None else 1
+        self._pending: tuple[int, Future, int] | None = None  # async save: (step, upload future, bytes)
 
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0
@@ -153,42 +154,65 @@ class CheckpointManager:
 
     def save(self, step: int, states: dict[str, Any]) -> None:
         """Write `states` as `step-{step}`. Returns once committed, or with async_save once the
-        state is copied to host memory; the commit then happens at the next save/wait/load."""
+        state is copied to host memory; the commit then happens at the next save/wait/load.
+        Refuses (CheckpointError, nothing written) when the disk lacks the room the save needs."""
         self.wait()  # one save in flight at a time
         tmp = self.folder / f"step-{step}.tmp"
         if self._rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
-            for stale in self.folder.glob("*.tmp"):  # left behind by a killed save
-                shutil.rmtree(stale)
-        self._barrier()
+            for stale in self.folder.iterdir():  # left behind by a killed save of ours
+                if _OWN_TMP.fullmatch(stale.name) and stale.is_dir():
+                    shutil.rmtree(stale)
         state_dict = _state_dicts(states)
+        needed = self._bytes_needed(state_dict)
+        problem = self._on_rank0(lambda: _space_problem(self.folder, step, needed, shutil.disk_usage(self.folder).free))
+        if problem:
+            raise CheckpointError(problem)
         kwargs = dict(checkpoint_id=tmp, process_group=self._pg, no_dist=self._pg is None)
         if self.async_save:
-            self._pending = (step, dcp.async_save(state_dict, **kwargs))
-        else:
+            self._pending = (step, dcp.async_save(state_dict, **kwargs), needed)
+            return
+        try:
             dcp.save(state_dict, **kwargs)
-            self._commit(step)
+        except (Exception, CheckpointException) as e:
+            self._raise_if_disk_full(step, needed, e)
+            raise
+        self._commit(step)
 
     def wait(self) -> None:
         """Block until a pending async save is written, then commit it. Call before exiting."""
         if self._pending is not None:
-            step, future = self._pending
+            step, future, needed = self._pending
             self._pending = None
-            future.result()  # re-raises an upload failure (DCP raises it on every rank)
+            try:
+                future.result()  # re-raises an upload failure (DCP raises it on every rank)
+            except (Exception, CheckpointException) as e:
+                self._raise_if_disk_full(step, needed, e)
+                raise
             self._commit(step)
 
     def _commit(self, step: int) -> None:
         # DCP returns only once every rank's files and rank 0's `.metadata` are written; the first
         # barrier states that rule here instead of relying on it.
         self._barrier()
+        tmp = self.folder / f"step-{step}.tmp"
+        self._seal(tmp, step)
         if self._rank == 0:
-            tmp = self.folder / f"step-{step}.tmp"
-            _write_marker(tmp, step)
             _replace_dir(tmp, self.folder / f"step-{step}")
-            if self.keep_latest_k > 0:
-                for old in self._committed_steps()[self.keep_latest_k :]:
+            if self.keep_latest_k > 0:  # never a checkpoint newer than this one (set_aside_after moved those)
+                for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k:]:
                     shutil.rmtree(self.folder / f"step-{old}")
         self._barrier()  # no rank goes on before the checkpoint is visible
+
+    def _seal(self, tmp: Path, step: int) -> None:
+        """config.json, then the hashes of every file (split over the ranks), then the marker."""
+        if self._rank == 0 and self.config is not None:
+            (tmp / CONFIG).write_text(json.dumps(self.config, indent=2))
+        self._barrier()
+        names = self._on_rank0(lambda: committed_files(tmp))
+        hashes = self._hash_share(tmp, names)
+        if self._rank == 0:
+            write_marker(tmp, step, hashes)
 
     def export_model(self, step: int, model: nn.Module, dtype: torch.dtype) -> Path:
         """Write the model's weights only, cast to `dtype`, as full tensors to `step-{N}-model/`.
@@ -208,17 +232,40 @@ class CheckpointManager:
         if self._rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             dcp.save(full, checkpoint_id=tmp, no_dist=True)
-            _write_marker(tmp, step)
+            if self.config is not None:
+                (tmp / CONFIG).write_text(json.dumps(self.config, indent=2))
+            write_marker(tmp, step, hash_files(tmp, committed_files(tmp)))
             _replace_dir(tmp, final)
         self._barrier()
         return final
 
+    def _bytes_needed(self, state_dict: dict[str, Any]) -> int:
+        """Bytes this save writes on all ranks together: every tensor shard, plus 1 MiB per rank."""
+        flat, _ = flatten_state_dict(state_dict)
+        local = sum((v.to_local() if isinstance(v, DTensor) else v).nbytes
+                    for v in flat.values() if isinstance(v, torch.Tensor)) + 2**20
+        if self._pg is None:
+            return local
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total, group=self._pg)
+        return int(total.item())
+
+    def _raise_if_disk_full(self, step: int, needed: int, error: BaseException) -> None:
+        """A failed write on a full disk surfaces as whatever the writer hit ("unexpected pos ..."):
+        name the disk and the bytes instead, and free what the half-written save took."""
+        tmp = self.folder / f"step-{step}.tmp"
+        problem = _space_problem(self.folder, step, needed, shutil.disk_usage(self.folder).free)
+        if problem:
+            if self._rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"{problem} (the save failed: {_one_line(error)})") from None
+
     # ---- loading ----
 
     def latest_step(self) -> int | None:
-        """Newest committed checkpoint whose files match its marker (reads the folder, no
-        collectives; `load` itself falls back further if DCP then fails to read it)."""
-        return next((s for s in self._committed_steps() if self._verify(s) is None), None)
+        """Newest committed checkpoint whose marker and sizes hold (reads the folder, no collectives,
+        no hashing; `load` checks the hashes and falls back further if it must)."""
+        return next((s for s in self._committed_steps() if isinstance(_marker_or_reason(self.folder, s), dict)), None)
 
     def load(self, states: dict[str, Any], *, step: int | None = None,
              allow_missing: Callable[[str], bool] = lambda key: False) -> int | None:
@@ -228,87 +275,113 @@ class CheckpointManager:
         in the checkpoint unless `allow_missing(key)`, and then keeps its current value; each
         checkpoint key under a requested top-level name must be requested. Top-level names that
         are not requested are ignored (evaluation loads only "model").
-        Returns the step loaded, or None when no checkpoint is usable (only with step=None).
+        Returns the step loaded; None only with step=None and no `step-N` folder at all. A folder
+        holding checkpoints none of which loads is a CheckpointError naming why each failed.
         """
         self.wait()
-        candidates = [step] if step is not None else self._on_rank0(self._committed_steps)
+        candidates = [step] if step is not None else self._on_rank0(self._step_folders)
+        skipped = []  # (step, why): one warning line each once an older one loads, else one error
         for s in candidates:
             path = self.folder / f"step-{s}"
-            reason = self._on_rank0(lambda: self._verify(s))
-            if reason is None:
-                try:
-                    self._load_from(path, states, allow_missing)
-                    return s
-                except (_Unreadable, CheckpointException) as e:  # the latter is a BaseException
-                    reason = f"cannot be read: {_one_line(e)}"
+            try:
+                marker = self._check(s)
+                self._load_from(path, marker, states, allow_missing)
+            except UnusableCheckpoint as e:
+                reason = e.reason
+            except CheckpointException as e:  # a BaseException: DCP failed to read the files
+                reason = f"cannot be read ({_one_line(e)})"
+            else:
+                for bad, why in skipped if self._rank == 0 else []:
+                    logger.warning("skipped checkpoint %s: %s; loaded step-%d instead", self.folder / f"step-{bad}", why, s)
+                return s
             if step is not None:
                 raise CheckpointError(f"checkpoint {path} {reason}")
-            if self._rank == 0:
-                logger.warning("skipping checkpoint %s: %s; trying an older one", path, reason)
+            skipped.append((s, reason))
+        if skipped:
+            raise CheckpointError(
+                f"checkpoint: none of the {len(skipped)} checkpoints in {self.folder} can be loaded ("
+                + "; ".join(f"step-{bad} {why}" for bad, why in skipped)
+                + "); nothing was changed. Repair or move them, or start afresh with another job.dump_folder")
         return None
 
     def load_initial(self, path: str | Path, states: dict[str, Any],
                      allow_missing: Callable[[str], bool] = lambda key: False) -> int | None:
         """Load `states` from another run's checkpoint: `path` is a committed `step-N` folder, or a
         checkpoint folder whose newest usable step is taken. Returns that step, or None when `path`
-        holds no committed checkpoint. Same key rules and collectives as `load`."""
+        holds no checkpoint. Same key rules, checks and collectives as `load`; nothing is moved."""
         path = Path(path)
         named = _STEP_DIR.fullmatch(path.name)
         source = copy.copy(self)  # the same process group, reading the other folder
         source.folder, source._pending = (path.parent if named else path), None
-        step = int(named[1]) if named else source._on_rank0(source.latest_step)
-        if step is None or source._on_rank0(lambda: source._verify(step)) is not None:
-            return None
-        return source.load(states, step=step, allow_missing=allow_missing)
+        return source.load(states, step=int(named[1]) if named else None, allow_missing=allow_missing)
 
-    def _load_from(self, path: Path, states: dict[str, Any], allow_missing) -> None:
+    def set_aside_after(self, step: int) -> list[str]:
+        """Rename every checkpoint and export newer than `step` (a rollback with `load_step`, or a
+        fallback past unusable ones) to `<name>.abandoned-<time>`: kept, but never resumed,
+        pruned or overwritten. Returns the new names (logged in one line)."""
+        moved = []
+        if self._rank == 0 and self.folder.is_dir():
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for p in sorted(self.folder.iterdir()):
+                m = _STEP_OR_EXPORT.fullmatch(p.name)
+                if m and int(m[1]) > step and p.is_dir():
+                    target, n = p.with_name(f"{p.name}.abandoned-{stamp}"), 1
+                    while target.exists():
+                        n += 1
+                        target = p.with_name(f"{p.name}.abandoned-{stamp}-{n}")
+                    os.rename(p, target)
+                    moved.append(target.name)
+            if moved:
+                logger.warning(f"resuming from step-{step} in {self.folder}: moved the {len(moved)} newer "
+                               f"checkpoint(s) aside as {', '.join(moved)} (kept, never resumed or pruned; "
+                               "delete them when no longer needed)")
+        self._barrier()
+        return moved
+
+    def _check(self, step: int) -> dict:
+        """The marker of `step-{step}` once its sizes and hashes hold; UnusableCheckpoint, alike on
+        every rank, if not. Rank 0 reads the marker; the ranks share the hashing."""
+        folder = self.folder / f"step-{step}"
+        marker = self._on_rank0(lambda: _marker_or_reason(self.folder, step))
+        if isinstance(marker, str):
+            raise UnusableCheckpoint(folder, marker)
+        if "sha256" in marker:
+            check_hashes(folder, marker, self._hash_share(folder, sorted(marker["sha256"])))
+        elif self._rank == 0:
+            logger.warning(f"checkpoint {folder} predates checksums (format {marker.get('format', 1)}): "
+                           "its sizes are checked, corruption inside a file would not be found")
+        return marker
+
+    def _load_from(self, path: Path, marker: dict, states: dict[str, Any], allow_missing) -> None:
         state_dict = _state_dicts(states)
+        saved = read_metadata(path).state_dict_metadata
+        check_format(path, marker, saved)
         try:
-            saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        except Exception as e:
-            raise _Unreadable(f".metadata: {_one_line(e)}") from e
-        check_format(path, saved)
-        try:
-            _check_keys(state_dict, saved, allow_missing)
+            check_keys(state_dict, saved, allow_missing)
         except CheckpointError as e:
             raise CheckpointError(f"{path} does not fit this job ({e}); was it saved with another "
                                   "model config? Use a new job.dump_folder or the matching config") from None
-        planner = DefaultLoadPlanner(allow_partial_load=True)  # missing keys were vetted above
-        dcp.load(state_dict, checkpoint_id=path, planner=planner, process_group=self._pg,
-                 no_dist=self._pg is None)
+        # missing keys were vetted above
+        load_state_dict(state_dict, path, process_group=self._pg, allow_partial_load=True)
+        bad = self._gather(first_nonfinite(state_dict))
+        if bad:
+            raise UnusableCheckpoint(path, f"holds NaN/Inf in {bad[0]}")
         for name, value in states.items():
             if isinstance(value, Stateful):
                 value.load_state_dict(state_dict[name])
             else:  # containers were filled in place; a bare value is replaced
                 states[name] = state_dict[name]
 
-    def _verify(self, step: int) -> str | None:
-        """Why `step-{step}` must not be loaded, or None when its files match its marker."""
-        folder = self.folder / f"step-{step}"
-        if not folder.is_dir():
-            return "does not exist"
-        try:
-            marker = json.loads((folder / MARKER).read_text())
-        except FileNotFoundError:
-            return f"has no {MARKER} (an unfinished save)"
-        except (OSError, ValueError) as e:
-            return f"has an unreadable {MARKER}: {e}"
-        if marker.get("step") != step:
-            return f"has a {MARKER} for step {marker.get('step')}"
-        for name, size in marker["files"].items():
-            file = folder / name
-            if not file.is_file():
-                return f"file {name} is missing"
-            if file.stat().st_size != size:
-                return f"file {name} has {file.stat().st_size} bytes, {MARKER} says {size}"
-        return None
+    def _step_folders(self) -> list[int]:
+        """Steps of every `step-N` folder, committed or not, newest first."""
+        folders = self.folder.iterdir() if self.folder.is_dir() else []
+        return sorted((int(m[1]) for p in folders if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()), reverse=True)
 
     def _committed_steps(self) -> list[int]:
-        """Steps of `step-N` folders with a marker, newest first (not yet `_verify`-ed)."""
-        folders = self.folder.iterdir() if self.folder.is_dir() else []
-        matches = [(m, p) for p in folders if (m := _STEP_DIR.fullmatch(p.name))]
-        steps = [int(m[1]) for m, p in matches if (p / MARKER).is_file()]
-        return sorted(steps, reverse=True)
+        """Steps of `step-N` folders with a marker, newest first (not yet checked)."""
+        return [s for s in self._step_folders() if (self.folder / f"step-{s}" / MARKER).is_file()]
+
+    # ---- collectives ----
 
     def _barrier(self) -> None:
         if self._pg is not None:
@@ -322,68 +395,40 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=0, group=self._pg)
         return box[0]
 
+    def _gather(self, value: Any) -> list:
+        """Every rank's non-None `value`, on every rank."""
+        if self._pg is None:
+            return [value] if value is not None else []
+        values = [None] * self._world
+        dist.all_gather_object(values, value, group=self._pg)
+        return [v for v in values if v is not None]
 
-def load_model_export(path: str | Path, model: nn.Module) -> None:
-    """Load an `export_model` folder into a plain module (no process group), casting the dtype."""
-    path = Path(path)
-    if not (path / MARKER).is_file():
-        raise CheckpointError(f"{path} is not a committed export (no {MARKER})")
-    state_dict = model.state_dict()
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    check_format(path, saved)
-    _check_keys(state_dict, saved, lambda key: False)
-    dcp.load(state_dict, checkpoint_id=path, no_dist=True)
-    model.load_state_dict(state_dict)
-
-
-def _check_keys(state_dict: dict[str, Any], saved: dict[str, Any], allow_missing) -> None:
-    """Raise CheckpointError naming the keys unless the request and the checkpoint agree."""
-    requested, _ = flatten_state_dict(state_dict)  # the same keys DCP's planner uses
-    missing = [k for k in requested if k not in saved and not allow_missing(k)]
-    roots = tuple(f"{name}." for name in state_dict)
-    unexpected = [k for k in saved if k not in requested and f"{k}.".startswith(roots)]
-    misshapen = [
-        f"{k} {tuple(saved[k].size)} vs {tuple(v.shape)}"
-        for k, v in requested.items()
-        if isinstance(v, torch.Tensor) and isinstance(saved.get(k), TensorStorageMetadata)
-        and tuple(saved[k].size) != tuple(v.shape)
-    ]
-    problems = [
-        f"{len(keys)} {what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}"
-        for what, keys in [
-            ("requested keys missing from the checkpoint", missing),
-            ("checkpoint keys not requested", unexpected),
-            ("shapes differ (checkpoint vs requested)", misshapen),
-        ]
-        if keys
-    ]
-    if problems:
-        raise CheckpointError("; ".join(problems))
+    def _hash_share(self, folder: Path, names: list[str]) -> dict[str, str]:
+        """SHA-256 of `names`, each rank hashing every world-th file; every rank gets them all."""
+        mine = hash_files(folder, names[self._rank :: self._world])
+        return {k: v for part in self._gather(mine) for k, v in part.items()}
 
 
-def check_format(path: Path, saved_keys) -> None:
-    """Refuse a committed checkpoint whose GDP weights are in the pre-2026-12-01 row order."""
-    marker = Path(path) / MARKER
-    if not marker.is_file() or not any("k_proj" in key.split(".") for key in saved_keys):
-        return
-    if json.loads(marker.read_text()).get("format", 1) < FORMAT:
-        raise CheckpointError(
-            f"{path} holds GDP k/v/beta weights in the order used before 2026-12-01 (checkpoint format 1, now "
-            f"{FORMAT}: head-major rows); this version would load them permuted, so it does not load them"
-        )
+def _marker_or_reason(folder: Path, step: int) -> dict | str:
+    """The marker of `folder/step-{step}` if its sizes hold, else why not (cheap: no hashing)."""
+    path = folder / f"step-{step}"
+    try:
+        marker = read_marker(path, step)
+        check_sizes(path, marker)
+        return marker
+    except UnusableCheckpoint as e:
+        return e.reason
 
 
-def _write_marker(folder: Path, step: int) -> None:
-    files = {
-        str(p.relative_to(folder)): p.stat().st_size
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MARKER
-    }
-    marker = {"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
-    with open(folder / MARKER, "w") as f:
-        json.dump(marker, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+def _space_problem(folder: Path, step: int, needed: int, free: int) -> str | None:
+    if free >= needed:
+        return None
+    mount = folder.resolve()
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    return (f"checkpoint: not enough space to save step-{step}: the disk holding {folder} (mounted at {mount}) "
+            f"has {free / 1e6:,.1f} MB free, the save needs about {needed / 1e6:,.1f} MB ({needed:,} bytes); "
+            "free space there or point checkpoint.folder at another disk")
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
@@ -418,6 +463,8 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, CheckpointException) and e.failures:
         rank, (inner, _) = next(iter(e.failures.items()))
         return f"rank {rank}: {_one_line(inner)}"
+    if isinstance(e, UnusableCheckpoint):
+        return e.reason
     text = str(e).strip().split("\n")[0]
     text = text if len(text) <= 160 else text[:157] + "..."
-    return text if isinstance(e, _Unreadable) else f"{type(e).__name__}: {text}"
+    return f"{type(e).__name__}: {text}"

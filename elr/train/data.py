@@ -16,6 +16,7 @@ without repeating or skipping a sample.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,15 +45,30 @@ _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _MASK64 = (1 << 64) - 1
 
 
+def read_meta(data_dir: str | Path) -> dict:
+    """A prepared data folder's meta.json (scripts/prepare_data.py), or one DataError saying why not."""
+    meta_path = Path(data_dir) / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"data.path: {meta_path} not found (make it with scripts/prepare_data.py)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{meta_path} is not readable JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size", 0), int):
+        raise DataError(f"{meta_path}: expected a JSON object with an integer vocab_size")
+    return meta
+
+
 def load_tokens(path: str | Path) -> np.memmap:
-    """Open a token file read-only, with the dtype from the meta.json beside it."""
+    """Open a token file read-only, with the dtype from the meta.json beside it; every token id must
+    be below meta.json's vocab_size (the largest id is computed once and cached in meta.json)."""
     path = Path(path)
     meta_path = path.parent / "meta.json"
     if not path.is_file():
         raise FileNotFoundError(f"token file {path} does not exist (see scripts/prepare_data.py)")
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} is missing: it gives the dtype of {path}")
-    meta = json.loads(meta_path.read_text())
+    meta = read_meta(path.parent)
     if meta.get("dtype") not in _DTYPES:
         raise DataError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {list(_DTYPES)}")
     dtype = np.dtype(_DTYPES[meta["dtype"]])
@@ -63,7 +79,33 @@ def load_tokens(path: str | Path) -> np.memmap:
     expected = meta.get("splits", {}).get(path.stem, {}).get("tokens")
     if expected is not None and expected != n_tokens:
         raise DataError(f"{path}: holds {n_tokens} tokens but {meta_path} says {expected}")
-    return np.memmap(path, dtype=dtype, mode="r")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    vocab = meta.get("vocab_size")
+    if vocab is not None:
+        largest = meta.get("splits", {}).get(path.stem, {}).get("max_token_id")
+        # A refusal is always checked against the file: a meta.json copied from another tokenization
+        # (e.g. scripts/study.py's byte copy) may carry that data's value.
+        if not isinstance(largest, int) or largest >= vocab:
+            largest = int(tokens.max())
+            _cache_max_token_id(meta_path, path.stem, largest, n_tokens)
+        if largest >= vocab:
+            raise DataError(f"{path}: holds token id {largest}, but {meta_path} gives vocab_size {vocab}: "
+                            f"tokenized with another vocabulary, or not written as {dtype.name}")
+    return tokens
+
+
+def _cache_max_token_id(meta_path: Path, split: str, largest: int, n_tokens: int) -> None:
+    """Record a split's largest token id in meta.json (atomically); a read-only folder keeps none."""
+    try:
+        meta = json.loads(meta_path.read_text())
+        entry = meta.setdefault("splits", {}).setdefault(split, {})
+        entry.setdefault("tokens", n_tokens)
+        entry["max_token_id"] = largest
+        tmp = meta_path.with_name(f".meta.json.{os.getpid()}")
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp, meta_path)
+    except OSError:
+        pass
 
 
 def num_windows(tokens: np.ndarray, seq_len: int, path: str | Path) -> int:

@@ -173,3 +173,35 @@ def lr_lambda(step: int, cfg: LRScheduler, total_steps: int) -> float:
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_lambda(step, cfg, total_steps))
+
+
+# The hyperparameters a job sets per param group (optimizer.lr as each group's peak lr, weight decay,
+# betas, eps, Muon momentum). A checkpoint stores them too; on resume the job's values apply.
+JOB_SETTINGS = ("initial_lr", "weight_decay", "betas", "eps", "momentum")
+
+
+def job_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's job settings, taken from a freshly built optimizer and schedule."""
+    return [{k: group[k] for k in JOB_SETTINGS if k in group} for group in optimizer.param_groups]
+
+
+def apply_job_settings(optimizer: torch.optim.Optimizer, scheduler, settings: list[dict]) -> list[str]:
+    """After a checkpoint load, put back this job's settings (`job_settings` before the load) and
+    its schedule: the lr of the next update is the configured peak x this job's schedule at the
+    loaded step. Returns "name saved -> now" for each setting that differs from the checkpoint's."""
+    changes: dict[str, set] = {}
+    for group, want in zip(optimizer.param_groups, settings, strict=True):
+        for key, value in want.items():
+            if group[key] != value:
+                changes.setdefault(key, set()).add((group[key], value))
+                group[key] = value
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        if group["lr"] != lr:
+            changes.setdefault("lr", set()).add((group["lr"], lr))
+            group["lr"] = lr
+    scheduler._last_lr = lrs
+    name = {"initial_lr": "peak lr", "lr": "lr now"}
+    return [f"{name.get(k, k)} {', '.join(f'{a:g} -> {b:g}' if isinstance(a, float) else f'{a} -> {b}' for a, b in sorted(v))}"
+            for k, v in changes.items()]

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from elr.config import ConfigError, JobConfig
+from elr.checkpoint import first_nonfinite
+from elr.config import ConfigError, JobConfig, switch_step
 from elr.models import build_model
 from elr.models.ffn import update_expert_biases
 from elr.models.from_config import check_model_config, model_args_from_config
@@ -29,13 +30,14 @@ from elr.parallel.expert_parallel import grad_norm_by_mesh, reduce_expert_gradie
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
 from elr.parallel.tensor_parallel import reduce_partial_grads
-from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
 from elr.tasks import build_task, score_answers
-from elr.train.data import build_task_loader, build_train_loader, val_batches, val_task_batches
+from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
+from elr.train.data import build_task_loader, build_train_loader, read_meta, val_batches, val_task_batches
 from elr.train.loss import IGNORE_INDEX, model_loss, summed_loss
 from elr.train.loop_sampler import LoopSampler
 from elr.train.metrics import MetricsLogger, console_line, memory_gib, throughput
-from elr.train.optimizer import build_lr_scheduler, build_optimizer
+from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
+from elr.train.run_lock import RunLock
 from elr.tokenizer import build_tokenizer
 
 logger = logging.getLogger("elr")
@@ -100,22 +102,33 @@ class Trainer:
         self.sampler = LoopSampler(
             cfg.elr.max_loops, cfg.elr.sampling, cfg.elr.one_loop_override, cfg.elr.loop_weights, t.seed
         )
-        self.switch_step = round(cfg.elr.switch_at * t.steps)
+        self.switch_step = switch_step(cfg)
+        checkpoint_folder = self.dump_folder / cfg.checkpoint.folder
         self.checkpointer = CheckpointManager(
-            self.dump_folder / cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
-            keep_latest_k=cfg.checkpoint.keep_latest_k, async_save=cfg.checkpoint.async_save,
+            checkpoint_folder, interval=cfg.checkpoint.interval, keep_latest_k=cfg.checkpoint.keep_latest_k,
+            async_save=cfg.checkpoint.async_save, config=cfg.to_dict(),
         )
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_streak = 0
         self.stop_requested = False
 
-        self._build_and_resume()
-        self.metrics = MetricsLogger(self.dump_folder, cfg.metrics.enable_tensorboard, self.rank)
-        if self.rank == 0:
-            self.dump_folder.mkdir(parents=True, exist_ok=True)
-            (self.dump_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        self._log_setup()
+        # One run per folder, taken before anything is written; a checkpoint folder outside the dump
+        # folder (an absolute checkpoint.folder) is locked as well.
+        folders = {"job.dump_folder": self.dump_folder}
+        if cfg.checkpoint.enable and not checkpoint_folder.resolve().is_relative_to(self.dump_folder.resolve()):
+            folders["checkpoint.folder"] = checkpoint_folder
+        self.lock = RunLock.acquire(folders, self.rank)
+        try:
+            self._build_and_resume()
+            self.metrics = MetricsLogger(self.dump_folder, cfg.metrics.enable_tensorboard, self.rank)
+            if self.rank == 0:
+                (self.dump_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            self._log_setup()
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -142,15 +155,21 @@ class Trainer:
         return task
 
     def _check_data_vocab(self, data_dir: Path) -> None:
-        meta_path = data_dir / "meta.json"
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"data.path: {meta_path} not found (make it with scripts/prepare_data.py)")
-        vocab = json.loads(meta_path.read_text())["vocab_size"]
+        """The data was tokenized by this tokenizer: same vocabulary size and, where recorded, the same
+        file (a shuffled ranks file has the size but not the ids). Records the hash in the config."""
+        meta = read_meta(data_dir)
+        vocab, tok = meta["vocab_size"], self.cfg.tokenizer
         if vocab != self.tokenizer.n_vocab:
             raise ConfigError(
                 f"data.path: {data_dir} was tokenized with a vocabulary of {vocab}, but tokenizer.path "
-                f"{self.cfg.tokenizer.path} has {self.tokenizer.n_vocab}"
+                f"{tok.path} has {self.tokenizer.n_vocab}"
             )
+        have = self.tokenizer.sha256
+        for key, want in (("data.path", meta.get("tokenizer_sha256")), ("tokenizer.sha256", tok.sha256)):
+            if want and have and want != have:
+                raise ConfigError(f"{key}: {'the data was tokenized by' if key == 'data.path' else 'expects'} a tokenizer "
+                                  f"with SHA-256 {want}, but tokenizer.path {tok.path} has {have}")
+        tok.sha256 = tok.sha256 or have or ""
 
     def _build(self, mixed: bool) -> None:
         """Model, optimizer and schedule for one phase: one-loop (no conditioning) or mixed depth.
@@ -183,11 +202,12 @@ class Trainer:
         if ckpt.enable:
             planned = self.checkpointer.latest_step() if ckpt.load_step == -1 else ckpt.load_step
         self._build(mixed=(planned or 0) >= self.switch_step)
-        if planned is None:
+        # None only when the folder holds no checkpoint at all; one that none can be loaded from stops here
+        loaded = self._load(None if ckpt.load_step == -1 else ckpt.load_step) if ckpt.enable else None
+        if loaded is None:
             if ckpt.initial_load_path:
                 self._load_initial(ckpt.initial_load_path)
             return
-        self._load(None if ckpt.load_step == -1 else ckpt.load_step)
         if (self.step >= self.switch_step) != self.mixed:
             self._build(mixed=not self.mixed)
             if self.step:
@@ -215,12 +235,20 @@ class Trainer:
         self.train_loader.dataset.position = int(state["data_position"])
         torch.set_rng_state(state["rng"])
 
-    def _load(self, step: int | None) -> None:
+    def _load(self, step: int | None) -> int | None:
+        """Resume from `step` (None: the newest usable), with this job's optimizer settings; newer
+        checkpoints (a rollback, or unusable ones skipped) are moved aside, never resumed or pruned."""
+        settings = job_settings(self.optimizer)
         loaded = self.checkpointer.load(
             self.states(), step=step, allow_missing=is_conditioning_key if self.model_args.conditioning else (lambda key: False)
         )
         if loaded is not None:
             logger.info(f"resumed from {self.checkpointer.folder}/step-{loaded} (step {self.step})")
+            self.checkpointer.set_aside_after(loaded)
+            changes = apply_job_settings(self.optimizer, self.lr_scheduler, settings)
+            if changes:
+                logger.info("resume: this job's optimizer settings replace the checkpoint's: " + "; ".join(changes))
+        return loaded
 
     def _load_initial(self, path: str) -> None:
         """Start from another run's weights (a later stage of training); everything else is fresh."""
@@ -408,15 +436,27 @@ class Trainer:
 
         Going through the checkpoint makes the in-run switch and a resume at the switch one path.
         """
-        self.checkpointer.save(step, self.states())
+        self._save(step)
         self.checkpointer.wait()
         self._build(mixed=True)
         self._load(step)
         logger.info(f"step {step}: switched to mixed depth (K={self.cfg.elr.max_loops}), loop conditioning "
                     f"{'added at zero' if self.model_args.conditioning else 'off'}")
 
+    def _save(self, step: int) -> None:
+        """Save a checkpoint, never one whose weights hold NaN/Inf (every rank checks its shards)."""
+        bad = torch.tensor([first_nonfinite(ModelState(self.model).state_dict()) is not None],
+                           dtype=torch.float32, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise NonFiniteLossError(f"step {step}: the model weights hold NaN/Inf; not saving a checkpoint of them. "
+                                     "Lower optimizer.lr or resume from the last checkpoint.")
+        self.checkpointer.save(step, self.states())
+
     def _request_stop(self, signum, frame) -> None:
-        logger.warning(f"received {signal.Signals(signum).name}: saving a checkpoint at the end of this step")
+        action = "saving a checkpoint" if self.cfg.checkpoint.enable else "stopping (checkpoint.enable is false: no save)"
+        logger.warning(f"received {signal.Signals(signum).name}: {action} at the end of this step")
         self.stop_requested = True
         signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
 
@@ -431,7 +471,7 @@ class Trainer:
             raise ConfigError("checkpoint.create_seed: run it in one process (python train.py ...)")
         if self.step:
             raise ConfigError(f"checkpoint.create_seed: {self.checkpointer.folder} already holds step {self.step}")
-        self.checkpointer.save(0, self.states())
+        self._save(0)
         self.checkpointer.wait()
         logger.info(f"saved the initial weights to {self.checkpointer.folder}/step-0")
 
@@ -468,10 +508,11 @@ class Trainer:
                 stop = self._should_stop()
                 if step == self.switch_step and step < t.steps:
                     self._switch_to_mixed_depth(step)
-                elif stop or (cfg.checkpoint.enable and (self.checkpointer.should_save(step) or step == t.steps)):
-                    self.checkpointer.save(step, self.states())
+                elif cfg.checkpoint.enable and (stop or self.checkpointer.should_save(step) or step == t.steps):
+                    self._save(step)
                 if stop:
-                    logger.info(f"stopped at step {step}; resume with the same command")
+                    logger.info(f"stopped at step {step}; resume with the same command" if cfg.checkpoint.enable
+                                else f"stopped at step {step} without saving (checkpoint.enable is false)")
                     break
             self.checkpointer.wait()
             if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
@@ -492,5 +533,7 @@ class Trainer:
         logger.info(line)
 
     def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()

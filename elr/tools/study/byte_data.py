@@ -40,7 +40,7 @@ def byte_level_copy(src: Path, out: Path, src_tokenizer: Path) -> None:
         tmp = out / f".{info['file']}.tmp"
         data.tofile(tmp)
         os.replace(tmp, out / info["file"])
-        new_meta["splits"][split] = {**info, "tokens": int(len(data))}
+        new_meta["splits"][split] = {**info, "tokens": int(len(data)), "max_token_id": int(data.max())}
     (out / "meta.json").write_text(json.dumps(new_meta, indent=2) + "\n")  # last: marks the folder complete
 
 

@@ -1,0 +1,32 @@
+"""Checkpoint folders, below both training and inference (both load models; neither imports the other).
+
+`format` says what a committed folder holds (commit.json with sizes and SHA-256 of every file, the job's
+config.json) and checks it; `safe` reads DCP files without running anything stored in them. The
+trainer's CheckpointManager (elr/train/checkpoint.py) writes folders; elr/infer/load.py reads them.
+"""
+
+from elr.checkpoint.format import (
+    CONFIG,
+    FORMAT,
+    MARKER,
+    CheckpointError,
+    UnusableCheckpoint,
+    check_format,
+    check_hashes,
+    check_keys,
+    check_sizes,
+    committed_files,
+    first_nonfinite,
+    hash_files,
+    read_config,
+    read_marker,
+    verify,
+    write_marker,
+)
+from elr.checkpoint.safe import load_model_export, load_state_dict, read_metadata
+
+__all__ = [
+    "CONFIG", "FORMAT", "MARKER", "CheckpointError", "UnusableCheckpoint", "check_format", "check_hashes",
+    "check_keys", "check_sizes", "committed_files", "first_nonfinite", "hash_files", "load_model_export", "load_state_dict",
+    "read_config", "read_marker", "read_metadata", "verify", "write_marker",
+]

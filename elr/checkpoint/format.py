@@ -1,0 +1,210 @@
+"""What a committed checkpoint folder holds, and the checks made before anything in it is loaded.
+
+    step-N/   DCP files (`__{rank}_{i}.distcp`, `.metadata`), `config.json` (the job's config, so
+              inference builds the network that was trained, whatever later runs write elsewhere),
+              and `commit.json`, written last: {"format", "step", "time", "files": {name: bytes},
+              "sha256": {name: hex digest}}
+
+A folder without commit.json is an unfinished save and never loads. Before a load every file's
+size and SHA-256 must match the marker, so a flipped bit, a cut copy or a replaced shard is found
+before it is trained on or evaluated. Formats: 1 (no "format" key) holds GDP k/v/beta rows in the
+order used before 2026-12-01; 2 holds them head-major; 3 adds the checksums and config.json. A
+format-2 checkpoint still loads, its sizes checked, with one line saying it has no checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from elr.config import UserError
+from elr.tokenizer import file_sha256
+
+MARKER = "commit.json"
+CONFIG = "config.json"  # the job config inside a step folder (format >= 3)
+FORMAT = 3
+HEAD_MAJOR_GDP = 2  # from this format on GDP's k/v/beta rows are head-major (elr/models/gdp.py)
+WITH_CHECKSUMS = 3  # from this format on: sha256 of every file, and config.json
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class CheckpointError(UserError):
+    """A checkpoint cannot be used as asked: keys or shapes differ, or the requested step is bad."""
+
+
+class UnusableCheckpoint(CheckpointError):
+    """A folder whose own files rule out loading it (missing, damaged, modified, or written by a
+    newer version): not the caller's mistake, so a resume may fall back to an older checkpoint."""
+
+    def __init__(self, folder: str | Path, reason: str):
+        super().__init__(f"checkpoint {folder} {reason}")
+        self.reason = reason
+
+
+def hash_files(folder: Path, names: list[str]) -> dict[str, str]:
+    """SHA-256 of each named file; hashlib releases the GIL, so a few threads read in parallel."""
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
+        return dict(zip(names, pool.map(lambda name: file_sha256(folder / name), names)))
+
+
+def committed_files(folder: Path) -> list[str]:
+    """The files a marker for `folder` must cover: every file but the marker (DCP writes no subfolders)."""
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MARKER)
+
+
+def write_marker(folder: Path, step: int, sha256: dict[str, str]) -> None:
+    """Commit `folder`: sizes and the given hashes of every file in it, then fsync."""
+    names = committed_files(folder)
+    if sorted(sha256) != names:
+        raise RuntimeError(f"{folder}: hashes given for {sorted(sha256)}, files are {names}")
+    marker = {"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "files": {name: (folder / name).stat().st_size for name in names}, "sha256": sha256}
+    with open(folder / MARKER, "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_marker(folder: str | Path, step: int | None = None) -> dict:
+    """The folder's commit marker, well formed (and for `step`, when given), or UnusableCheckpoint."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UnusableCheckpoint(folder, "does not exist")
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except FileNotFoundError:
+        raise UnusableCheckpoint(folder, f"has no {MARKER} (an unfinished save, or not a checkpoint)") from None
+    except (OSError, ValueError) as e:
+        raise UnusableCheckpoint(folder, f"has an unreadable {MARKER} ({e})") from None
+    problem = _marker_problem(marker)
+    if problem:
+        raise UnusableCheckpoint(folder, f"has a malformed {MARKER} ({problem})")
+    if step is not None and marker["step"] != step:
+        raise UnusableCheckpoint(folder, f"has a {MARKER} for step {marker['step']}")
+    if marker.get("format", 1) > FORMAT:
+        raise UnusableCheckpoint(folder, f"was saved in checkpoint format {marker['format']}, newer than this "
+                                         f"code's {FORMAT}: load it with the version that wrote it")
+    return marker
+
+
+def _marker_problem(marker: Any) -> str | None:
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not isinstance(marker, dict) or not is_int(marker.get("step")) or not is_int(marker.get("format", 1)):
+        return "no integer step and format"
+    files = marker.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(n, str) and Path(n).name == n and n not in (".", "..") and is_int(s) and s >= 0
+            for n, s in files.items()):
+        return "files must map plain file names to sizes"
+    if marker.get("format", 1) >= WITH_CHECKSUMS or "sha256" in marker:
+        sha = marker.get("sha256")
+        if not isinstance(sha, dict) or set(sha) != set(files) or not all(
+                isinstance(h, str) and _HEX64.fullmatch(h) for h in sha.values()):
+            return "sha256 must give a hex digest for every file"
+    return None
+
+
+def check_sizes(folder: Path, marker: dict) -> None:
+    for name, size in marker["files"].items():
+        file = folder / name
+        if not file.is_file():
+            raise UnusableCheckpoint(folder, f"lacks file {name}")
+        if file.stat().st_size != size:
+            raise UnusableCheckpoint(folder, f"has file {name} of {file.stat().st_size} bytes, {MARKER} says {size}")
+
+
+def check_hashes(folder: Path, marker: dict, hashes: dict[str, str]) -> None:
+    """Compare `hashes` (computed by the caller, possibly split over ranks) with the marker's."""
+    for name, digest in sorted(marker.get("sha256", {}).items()):
+        if hashes.get(name) != digest:
+            raise UnusableCheckpoint(folder, f"has file {name} whose SHA-256 differs from {MARKER}'s "
+                                             "(corrupted or modified)")
+
+
+def verify(folder: str | Path, step: int | None = None) -> dict:
+    """Every check, in this process: marker, sizes, the SHA-256 of every file. Returns the marker."""
+    folder = Path(folder)
+    marker = read_marker(folder, step)
+    check_sizes(folder, marker)
+    if "sha256" in marker:
+        check_hashes(folder, marker, hash_files(folder, sorted(marker["sha256"])))
+    return marker
+
+
+def check_format(path: Path, marker: dict, saved_keys) -> None:
+    """Refuse a checkpoint whose GDP weights are in the pre-2026-12-01 row order."""
+    if marker.get("format", 1) < HEAD_MAJOR_GDP and any("k_proj" in key.split(".") for key in saved_keys):
+        raise CheckpointError(
+            f"{path} holds GDP k/v/beta weights in the order used before 2026-12-01 (checkpoint format "
+            f"{marker.get('format', 1)}, now {FORMAT}: head-major rows); this version would load them "
+            "permuted, so it does not load them")
+
+
+def check_keys(state_dict: dict[str, Any], saved: dict[str, Any], allow_missing: Callable[[str], bool],
+               *, only_requested_roots: bool = True) -> None:
+    """Raise CheckpointError naming the keys unless the request and the checkpoint agree.
+
+    Checkpoint keys under a requested top-level name must be requested; with
+    `only_requested_roots=False` (a plain module's state dict) every checkpoint key must be.
+    """
+    requested, _ = flatten_state_dict(state_dict)  # the same keys DCP's planner uses
+    missing = [k for k in requested if k not in saved and not allow_missing(k)]
+    roots = tuple(f"{name}." for name in state_dict)
+    unexpected = [k for k in saved if k not in requested and (not only_requested_roots or f"{k}.".startswith(roots))]
+    misshapen = [
+        f"{k} {tuple(saved[k].size)} vs {tuple(v.shape)}"
+        for k, v in requested.items()
+        if isinstance(v, torch.Tensor) and isinstance(saved.get(k), TensorStorageMetadata)
+        and tuple(saved[k].size) != tuple(v.shape)
+    ]
+    problems = [
+        f"{len(keys)} {what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}"
+        for what, keys in [
+            ("requested keys missing from the checkpoint", missing),
+            ("checkpoint keys not requested", unexpected),
+            ("shapes differ (checkpoint vs requested)", misshapen),
+        ]
+        if keys
+    ]
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+def first_nonfinite(state_dict: dict[str, Any]) -> str | None:
+    """The first floating-point tensor holding a NaN or Inf (this rank's shard of a DTensor), or None."""
+    flat, _ = flatten_state_dict(state_dict)
+    for key, value in flat.items():
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+            return key
+    return None
+
+
+def read_config(folder: Path, marker: dict) -> dict | None:
+    """The job config saved inside the folder (format >= 3), or None for an older checkpoint."""
+    if marker.get("format", 1) < WITH_CHECKSUMS:
+        return None
+    if CONFIG not in marker["files"]:
+        raise UnusableCheckpoint(folder, f"has no {CONFIG} although its format ({marker['format']}) has one")
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise UnusableCheckpoint(folder, f"has an unreadable {CONFIG} ({e})") from None
+    if not isinstance(config, dict):
+        raise UnusableCheckpoint(folder, f"has a {CONFIG} that is not a config")
+    return config
+
