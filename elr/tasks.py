@@ -28,7 +28,8 @@ TRAIN, VAL = 0, 1  # stream ids
 
 class PointerChase:
     """k-hop pointer chasing over a random N-cycle (Sattolo's algorithm: a single cycle, so pi^d(x)
-    differs from pi^e(x) for d != e < N and no short cycle lets a model stop early).
+    differs from pi^e(x) for d != e < N and no short cycle lets a model stop early). Hops stop at
+    N / 2: on an N-cycle pi^d is pi^-(N-d), so d > N / 2 hops forward are N - d lookups backward.
 
     Each pair x -> pi(x) is one token (x N + pi(x)), so one hop is one attention lookup: the query
     position holds the current symbol and reads the pair whose source it is. (With a pair as two
@@ -42,9 +43,9 @@ class PointerChase:
     def __init__(self, symbols: int = 16, max_difficulty: int = 8):
         if symbols < 2:
             raise ValueError(f"pointer_chase needs at least 2 symbols, got {symbols}")
-        if not 1 <= max_difficulty < symbols:
-            raise ValueError(f"pointer_chase: hops must lie in 1..{symbols - 1} for {symbols} symbols, "
-                             f"got {max_difficulty}")
+        if not 1 <= max_difficulty <= symbols // 2:
+            raise ValueError(f"pointer_chase: hops must lie in 1..{symbols // 2} for {symbols} symbols (more "
+                             f"would be fewer hops backwards), got {max_difficulty}")
         self.symbols, self.max_difficulty = symbols, max_difficulty
         self.vocab_size = symbols * symbols + symbols + 1 + max_difficulty
         self.row_len = symbols + 4
