@@ -52,6 +52,7 @@ class ELR:
     conditioning_budget: bool = True  # E_budget[k] in the conditioning; false: the loop index alone
     conditioning_gate: bool = True  # the FiLM gate (1 + gate) on each sublayer's output; false: scale, shift only
     conditioning_first_loop: bool = True  # false: loop 1 unconditioned (k=1 is exactly the shared block)
+    conditioning_silu: bool = False  # a SiLU on c = E_loop[i] + E_budget[k] before the FiLM heads (DiT's adaLN)
     loss_every_loop: bool = False  # loss at the exit of every loop 1..k of a slot (their mean); needs
     # no budget embedding (conditioning_budget = false or conditioning = false): one forward at k is then
     # the model at every budget up to k

@@ -478,3 +478,15 @@ def test_loss_every_loop_is_the_mean_of_the_exits_losses():
         for chunk in (0, 16):
             got = model_loss(model, x, labels, 3, chunk, tensor_parallel=False, every_loop=True)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_silu_conditioning_is_not_additive_in_loop_and_budget():
+    """A head fed W(E_loop[i] + E_budget[k]) is additive: film(i,k) - film(i,k') is the same for every i.
+    Through a SiLU it is not, so it can single out a pair such as the last loop of k."""
+    for silu, additive in ((False, True), (True, False)):
+        cond = perturb_conditioning(make(conditioning=True, cond_silu=silu)).recurrent.conditioning
+        with torch.no_grad():
+            cond.loop_embed.weight.normal_()
+            cond.budget_embed.weight.normal_()
+            shift = [cond(i, 3)[0][0] - cond(i, 2)[0][0] for i in (1, 2)]
+        assert torch.allclose(shift[0], shift[1], atol=1e-5) == additive

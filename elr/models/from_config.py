@@ -70,4 +70,5 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, before_switch: bool 
         cond_budget=e.conditioning_budget,
         cond_gate=e.conditioning_gate,
         cond_first_loop=e.conditioning_first_loop,
+        cond_silu=e.conditioning_silu,
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
@@ -87,13 +88,15 @@ class LoopConditioning(nn.Module):
     (docs/LOG.md, 2026-12-01): `budget` false drops E_budget, so the first i loops of any budget are
     the same computation (a budget-k run holds every shorter one); `gate` false drops the gate term,
     the sublayer's output then is never scaled per loop; `first_loop` false leaves loop 1
-    unconditioned, so k=1 is exactly the shared block.
+    unconditioned, so k=1 is exactly the shared block; `silu` passes c through a SiLU before the
+    heads (as DiT's adaLN does), so a head is no longer additive in i and k and can single out a pair
+    such as "the last loop of k".
     """
 
     def __init__(self, n_layers: int, max_loops: int, dim: int, cond_dim: int, budget: bool = True,
-                 gate: bool = True, first_loop: bool = True):
+                 gate: bool = True, first_loop: bool = True, silu: bool = False):
         super().__init__()
-        self.budget, self.gate, self.first_loop = budget, gate, first_loop
+        self.budget, self.gate, self.first_loop, self.silu = budget, gate, first_loop, silu
         self.loop_embed = nn.Embedding(max_loops, cond_dim)
         self.budget_embed = nn.Embedding(max_loops, cond_dim) if budget else None
         self.heads = nn.ModuleList(nn.Linear(cond_dim, (3 if gate else 2) * dim) for _ in range(n_layers))
@@ -113,6 +116,8 @@ class LoopConditioning(nn.Module):
         c = self.loop_embed.weight[loop - 1]
         if self.budget_embed is not None:
             c = c + self.budget_embed.weight[loops - 1]
+        if self.silu:
+            c = F.silu(c)
         return [tuple(head(c).chunk(3 if self.gate else 2)) for head in self.heads]
 
 
@@ -134,7 +139,7 @@ class RecurrentBlock(nn.Module):
         self.step_size = AdaptiveStep(args.dim, args.norm_eps, args.step_input) if args.update == "adaptive_delta" else None
         self.conditioning = (
             LoopConditioning(len(layers), args.max_loops, args.dim, args.cond_dim, args.cond_budget, args.cond_gate,
-                             args.cond_first_loop) if args.conditioning else None
+                             args.cond_first_loop, args.cond_silu) if args.conditioning else None
         )
         self.route_replay = args.moe_route_replay
         # When set, forward records per-loop statistics in `loop_stats` (for the metrics).
