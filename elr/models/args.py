@@ -108,10 +108,10 @@ flavors: dict[str, ModelArgs] = {
         n_heads=4, n_kv_heads=4, head_dim=32, moe_experts=8, moe_top_k=2, moe_expert_dim=128,
         moe_shared_dim=128,
     ),
-    # the depth-bound tasks (elr/tasks.py): study_gpt's layers at half the width; tiny vocabularies,
-    # tens of tokens
+    # the depth-bound tasks (elr/tasks.py): study_gpt's layer kinds at half the width, split 1/2/1 so the
+    # recurrent block holds one attention layer (one pointer-chasing hop per loop); tiny vocabularies
     "task_gpt": ModelArgs(
-        dim=64, layer_pattern="AF" * 4, partition=(2, 4, 2), vocab_size=128, max_seq_len=64,
+        dim=64, layer_pattern="AF" * 2, partition=(1, 2, 1), vocab_size=128, max_seq_len=64,
         n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=256, ffn_activation="swiglu",
     ),
     "gpt_0p5b": ModelArgs(
