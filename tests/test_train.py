@@ -121,9 +121,9 @@ def test_nonfinite_updates_are_skipped_then_abort(tmp_path):
     forward, optimizer_step = trainer.model.forward, trainer.optimizer.step
     stepped = []
 
-    def maybe_nan(tokens, loops=1):
-        logits = forward(tokens, loops=loops)
-        return logits * float("nan") if trainer.step + 1 in poisoned_steps else logits
+    def maybe_nan(tokens, **kwargs):
+        out = forward(tokens, **kwargs)
+        return out * float("nan") if trainer.step + 1 in poisoned_steps else out
 
     trainer.model.forward = maybe_nan
     trainer.optimizer.step = lambda: (stepped.append(trainer.step + 1), optimizer_step())[1]
