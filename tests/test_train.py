@@ -121,8 +121,8 @@ def test_nonfinite_updates_are_skipped_then_abort(tmp_path):
     forward, optimizer_step = trainer.model.forward, trainer.optimizer.step
     stepped = []
 
-    def maybe_nan(tokens, loops=1):
-        logits = forward(tokens, loops=loops)
+    def maybe_nan(tokens, loops=1, **kwargs):
+        logits = forward(tokens, loops=loops, **kwargs)
         return logits * float("nan") if trainer.step + 1 in poisoned_steps else logits
 
     trainer.model.forward = maybe_nan
