@@ -13,16 +13,8 @@ from pathlib import Path
 
 import tomli
 
+from elr.errors import ConfigError
 from elr.tasks import TASKS
-
-
-class UserError(Exception):
-    """A mistake in what the job asks for (config, data, tokenizer, checkpoint), not a bug in the code:
-    train.py prints its one-line message and exits 2. Every other exception keeps its traceback."""
-
-
-class ConfigError(UserError):
-    """A bad config key or value; the message names the key."""
 
 
 @dataclass

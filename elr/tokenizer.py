@@ -20,7 +20,7 @@ from pathlib import Path
 import tiktoken
 import tiktoken.load
 
-from elr.config import UserError
+from elr.errors import TokenizerError
 
 # The GPT-4 (cl100k_base) pre-tokenization regex, character for character, written out because a
 # ranks file does not carry it: the BPE is trained on the pieces this regex cuts, so encoding must
@@ -33,10 +33,6 @@ SPLIT_PATTERN = (
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
 EOT = "<|endoftext|>"
-
-
-class TokenizerError(UserError, ValueError):
-    """A ranks file or encoding that cannot be this project's tokenizer."""
 
 
 class Tokenizer:

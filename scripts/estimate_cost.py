@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elr.config import ConfigError, load_config  # noqa: E402
+from elr.config import load_config  # noqa: E402
+from elr.errors import ConfigError  # noqa: E402
 from elr.models import build_model  # noqa: E402
 from elr.models.from_config import check_model_config, model_args_from_config  # noqa: E402
 from elr.train.loop_sampler import LoopSampler  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elr.config import UserError  # noqa: E402
+from elr.errors import UserError  # noqa: E402
 from elr.infer.cache import MODES  # noqa: E402
 from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss  # noqa: E402
 from elr.infer.load import load_model, load_tokenizer  # noqa: E402

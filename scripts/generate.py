@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elr.config import UserError  # noqa: E402
+from elr.errors import UserError  # noqa: E402
 from elr.infer.cache import MODES  # noqa: E402
 from elr.infer.generate import Sampling, generate  # noqa: E402
 from elr.infer.load import load_model, load_tokenizer, run_config  # noqa: E402

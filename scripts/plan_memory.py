@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elr.config import ConfigError, load_config  # noqa: E402
+from elr.config import load_config  # noqa: E402
+from elr.errors import ConfigError  # noqa: E402
 from elr.parallel.memory_plan import plan_memory  # noqa: E402
 from elr.models.from_config import model_args_from_config  # noqa: E402
 from estimate_cost import config_vocab  # noqa: E402

@@ -22,9 +22,11 @@ import sys
 import pytest
 import torch
 
-from elr.config import UserError, load_config
+from elr.config import load_config
+from elr.errors import CheckpointError, UserError
 from elr.infer.load import load_model, load_tokenizer
-from elr.train.checkpoint import MARKER, CheckpointError, CheckpointManager, ModelState
+from elr.checkpoint import MARKER
+from elr.train.checkpoint import CheckpointManager, ModelState
 from elr.train.trainer import NonFiniteLossError, Trainer
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from elr.config import ConfigError, JobConfig, load_config
+from elr.config import JobConfig, load_config
+from elr.errors import ConfigError
 from elr.models.from_config import check_model_config, model_args_from_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from elr import tasks
-from elr.config import ConfigError, load_config
+from elr.config import load_config
+from elr.errors import ConfigError
 from elr.train.data import TaskDataset, val_task_batches
 from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, losses, records

@@ -9,8 +9,6 @@ from elr.checkpoint.format import (
     CONFIG,
     FORMAT,
     MARKER,
-    CheckpointError,
-    UnusableCheckpoint,
     check_format,
     check_hashes,
     check_keys,
@@ -26,7 +24,7 @@ from elr.checkpoint.format import (
 from elr.checkpoint.safe import load_model_export, load_state_dict, read_metadata
 
 __all__ = [
-    "CONFIG", "FORMAT", "MARKER", "CheckpointError", "UnusableCheckpoint", "check_format", "check_hashes",
+    "CONFIG", "FORMAT", "MARKER", "check_format", "check_hashes",
     "check_keys", "check_sizes", "committed_files", "first_nonfinite", "hash_files", "load_model_export", "load_state_dict",
     "read_config", "read_marker", "read_metadata", "verify", "write_marker",
 ]

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from elr.config import UserError
+from elr.errors import CheckpointError, UnusableCheckpoint
 from elr.tokenizer import file_sha256
 
 MARKER = "commit.json"
@@ -37,19 +37,6 @@ FORMAT = 3
 HEAD_MAJOR_GDP = 2  # from this format on GDP's k/v/beta rows are head-major (elr/models/gdp.py)
 WITH_CHECKSUMS = 3  # from this format on: sha256 of every file, and config.json
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-class CheckpointError(UserError):
-    """A checkpoint cannot be used as asked: keys or shapes differ, or the requested step is bad."""
-
-
-class UnusableCheckpoint(CheckpointError):
-    """A folder whose own files rule out loading it (missing, damaged, modified, or written by a
-    newer version): not the caller's mistake, so a resume may fall back to an older checkpoint."""
-
-    def __init__(self, folder: str | Path, reason: str):
-        super().__init__(f"checkpoint {folder} {reason}")
-        self.reason = reason
 
 
 def hash_files(folder: Path, names: list[str]) -> dict[str, str]:

@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
-from elr.checkpoint.format import CheckpointError, UnusableCheckpoint, check_format, check_keys, first_nonfinite, verify
+from elr.checkpoint.format import check_format, check_keys, first_nonfinite, verify
+from elr.errors import CheckpointError, UnusableCheckpoint
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # (module, name) -> object, looked up before anything is imported: a name not listed is refused.

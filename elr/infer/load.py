@@ -23,12 +23,13 @@ from pathlib import Path
 
 import torch
 
-from elr.checkpoint import CheckpointError, UnusableCheckpoint, check_format, check_keys, first_nonfinite
+from elr.checkpoint import check_format, check_keys, first_nonfinite
 from elr.checkpoint import load_state_dict, read_config, read_marker, read_metadata, verify
-from elr.config import ConfigError, config_from_dict
+from elr.config import config_from_dict
+from elr.errors import CheckpointError, ConfigError, TokenizerError, UnusableCheckpoint
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
-from elr.tokenizer import Tokenizer, TokenizerError, build_tokenizer
+from elr.tokenizer import Tokenizer, build_tokenizer
 
 # Loading without a process group is what we want; DCP warns that it assumed so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

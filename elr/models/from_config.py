@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from elr.config import ConfigError, JobConfig
+from elr.config import JobConfig
+from elr.errors import ConfigError
 from elr.models.args import ModelArgs, flavors
 from elr.models.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES
 

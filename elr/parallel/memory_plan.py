@@ -41,7 +41,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from elr.config import ConfigError, JobConfig
+from elr.config import JobConfig
+from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.ffn import MoE
 from elr.models.model import ELRModel

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from elr.config import ConfigError
+from elr.errors import ConfigError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 

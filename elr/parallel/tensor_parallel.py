@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from elr.config import ConfigError
+from elr.errors import ConfigError
 from elr.models.args import ModelArgs
 from elr.models.model import ELRModel
 

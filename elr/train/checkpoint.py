@@ -49,13 +49,14 @@ from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from elr.checkpoint import CONFIG, MARKER, CheckpointError, UnusableCheckpoint, check_format, check_hashes
+from elr.checkpoint import CONFIG, MARKER, check_format, check_hashes
 from elr.checkpoint import check_keys, check_sizes, committed_files, first_nonfinite, hash_files, load_state_dict
 from elr.checkpoint import read_marker, read_metadata, write_marker
+from elr.errors import CheckpointError, UnusableCheckpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MARKER", "CheckpointError", "CheckpointManager", "ModelState", "OptimizerState"]
+__all__ = ["CheckpointManager", "ModelState", "OptimizerState"]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 _OWN_TMP = re.compile(r"step-\d+(-model)?\.tmp")  # what a killed save or export of ours leaves

@@ -28,17 +28,12 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from elr import tasks
-from elr.config import UserError
+from elr.errors import DataError
 
 # torchdata 0.11 warns on every loader that it calls a deprecated torch API; nothing for us to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs [local_bs, seq_len], labels [local_bs, seq_len]
-
-
-
-class DataError(UserError, ValueError):
-    """A token file or its meta.json cannot serve this job (wrong dtype or size, too few tokens)."""
 
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from elr.checkpoint import first_nonfinite
-from elr.config import ConfigError, JobConfig, switch_step
+from elr.config import JobConfig, switch_step
+from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.ffn import update_expert_biases
 from elr.models.from_config import check_model_config, model_args_from_config
