@@ -100,7 +100,7 @@ class InferenceCache:
         self.valid = self.attn_mask = None
         recurrent = set(model.recurrent.layers)
         self.slots: dict[tuple[torch.nn.Module, int], AttentionSlot | GDPSlot] = {}
-        for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+        for layer in model.layers():
             copies = loops if mode == "per_loop" and layer in recurrent else 1
             for loop in range(1, copies + 1):
                 if layer.kind == "A":

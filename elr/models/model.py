@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -80,8 +83,7 @@ class ELRModel(nn.Module):
         a = self.args
         self.rope.copy_(rope_table(a.rope_dim, a.max_seq_len, a.rope_theta))
         nn.init.normal_(self.tok_embeddings.weight)
-        layers = [*self.input_layers, *self.recurrent.layers, *self.output_layers]
-        for depth, layer in enumerate(layers):
+        for depth, layer in enumerate(self.layers()):
             layer.init_weights(out_std=0.02 / (2 * (depth + 1)) ** 0.5)
         if self.recurrent.step_size is not None:
             self.recurrent.step_size.init_weights()
@@ -131,6 +133,10 @@ class ELRModel(nn.Module):
         h = self.norm(h)
         h = self.output(h) if head else h
         return h.unflatten(0, (loops, tokens.shape[0])) if every_loop else h
+
+    def layers(self) -> Iterator[nn.Module]:
+        """Every layer once, in order: the input block, the recurrent block, the output block."""
+        return itertools.chain(self.input_layers, self.recurrent.layers, self.output_layers)
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

@@ -186,7 +186,7 @@ def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: Devic
     tp = tp_mesh.size() if tp_mesh is not None else 1  # sequence parallel: a slice enters each layer
     h = torch.zeros(t.local_batch_size, t.seq_len // tp, args.dim, dtype=dtype, device="meta", requires_grad=True)
     rope = model.rope[:, : t.seq_len]
-    layers = {layer.kind: layer for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]}
+    layers = {layer.kind: layer for layer in model.layers()}
     best = 0
     for layer in layers.values():
         own = {storage_key(x) for x in [*layer.parameters(), *layer.buffers(), h, model.rope]}

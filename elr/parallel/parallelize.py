@@ -93,7 +93,7 @@ def convert_to_float8(model: ELRModel, emulate: bool, tp_mesh: DeviceMesh | None
 
 
 def compile_layers(model: ELRModel, dynamic: bool | None = None) -> None:
-    for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+    for layer in model.layers():
         layer.compile(dynamic=dynamic)
 
 

@@ -177,7 +177,7 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: 
     # The embedding's reduce-scatter hands back an AsyncCollectiveTensor; a compiled first layer takes
     # it as a plain input and its backward is lost (measured), so materialise it: one copy of a slice.
     model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
-    for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+    for layer in model.layers():
         plan = {"norm": SequenceParallel(use_local_output=True)}
         plan.update({f"sublayer.{name}" if name else "sublayer": style
                      for name, style in sublayer_plan(layer.kind, args, tp, experts_elsewhere).items()})

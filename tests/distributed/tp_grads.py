@@ -32,7 +32,7 @@ def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
     ref.init_weights()
 
     def split_check_ac_compile(model):
-        for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+        for layer in model.layers():
             if layer.kind == "E":  # MoE: replicated over TP by design
                 continue
             for name, p in layer.sublayer.named_parameters():  # the rest is split in memory
@@ -41,7 +41,7 @@ def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
                     failures.append(f"{layer.kind} layer's {name} is replicated over TP, not split")
         apply_activation_checkpointing(model, ac)
         if compile:
-            for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+            for layer in model.layers():
                 layer.compile(backend="aot_eager", dynamic=False)
 
     model = tp_copy(ref, args, mesh, after_tp=split_check_ac_compile)
