@@ -258,7 +258,7 @@ def bench_replay(args):
 
     def update(replay, loops):
         def run():
-            model.recurrent.route_replay = replay
+            model.route_replay = replay
             for k in loops:
                 F.cross_entropy(model(tokens, loops=k).flatten(0, 1), tokens.flatten()).backward()
             model.zero_grad(set_to_none=True)

@@ -43,7 +43,7 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
     """Run config and {metric: {k: value}} for one checkpoint (loops None: every k in 1..K)."""
     model, cfg = load_model(checkpoint, args.device, getattr(torch, args.dtype))
     if args.route_replay:
-        model.recurrent.route_replay = True
+        model.route_replay = True
     loops = loops or list(range(1, model.args.max_loops + 1))
     rows: dict[str, dict[int, float]] = {}
     if cfg["data"].get("task"):  # a depth-task run: answer accuracy per difficulty, nothing text-based

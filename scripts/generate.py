@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(memory_table(model.args, max(args.loops + [model.args.max_loops]), args.memory, dtype))
         return 0
     if args.route_replay:
-        model.recurrent.route_replay = True
+        model.route_replay = True
 
     for k in args.loops:
         generator = torch.Generator(args.device).manual_seed(args.seed)

@@ -12,7 +12,8 @@ import elr.models.gdp as gdp_module
 from elr.models import build_model, flavors
 from elr.models.attention import apply_partial_rope, rope_table
 import elr.models.ffn as ffn_module
-from elr.models.ffn import MoE, relu2, sequence_balance_loss, update_expert_biases
+from elr.models.ffn import MoE, relu2, sequence_balance_loss
+from elr.train.optimizer import update_expert_biases
 from elr.models.model import Layer
 from kernels.gated_delta_product import gated_delta_product
 

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
-from elr.parallel.context_parallel import gather_kv
 
 
 def rope_table(rope_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -30,7 +29,9 @@ def apply_partial_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    cp_group = None  # context parallel (elr/parallel/context_parallel.py): None runs the whole sequence here
+    # Context parallelism's hook (elr/parallel/context_parallel.py, which sets it): x is then this rank's
+    # slice of each sequence. None: the whole sequence is here.
+    context_parallel = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -55,8 +56,8 @@ class Attention(nn.Module):
         mask = None
         if cache is not None:
             k, v, mask = cache.update(k, v)
-        elif self.cp_group is not None:  # this shard's and every earlier shard's keys, mask offset
-            k, v, mask = gather_kv(k, v, self.cp_group)
+        elif self.context_parallel is not None:  # this shard's and every earlier shard's keys, mask offset
+            k, v, mask = self.context_parallel.gather_kv(k, v)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1],
         )

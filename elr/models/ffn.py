@@ -11,7 +11,6 @@ trainer adds `moe.aux_loss_coeff` times it to the loss.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -47,13 +46,13 @@ def recomputing() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, group=None) -> torch.Tensor:
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, shards=None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, sum_e f_e P_e averaged over sequences (1 when balanced).
 
     scores [B*T, E] (sigmoid), indices [B*T, top_k] (the chosen experts). Per sequence,
     f_e = E / (top_k T) x (tokens routed to e) and P_e = mean over its tokens of s_e / sum_j s_j.
-    Only P carries a gradient, to the router. With each sequence split over the ranks of `group`
-    (sequence parallelism) the counts are summed over it and each rank returns its tokens' share:
+    Only P carries a gradient, to the router. With each sequence split over several ranks (`shards`,
+    MoE.sequence_shards) the counts are summed over them and each rank returns its tokens' share:
     the shares add up to the loss.
     """
     E, top_k = scores.shape[-1], indices.shape[-1]
@@ -63,10 +62,10 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: in
     )
     P = (scores / scores.sum(-1, keepdim=True)).mean(1)
     seq_len = scores.shape[1]
-    if group is not None:
-        dist.all_reduce(counts, group=group)
-        seq_len *= dist.get_world_size(group)
-        P = P / dist.get_world_size(group)  # this rank's tokens' share of the mean
+    if shards is not None:
+        counts = shards.sum(counts)
+        seq_len *= shards.size
+        P = P / shards.size  # this rank's tokens' share of the mean
     f = counts * (E / (top_k * seq_len))
     return (f * P).sum(-1).mean()
 
@@ -113,12 +112,13 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(E, dim, hidden))
         self.shared = FeedForward(dim, args.moe_shared_dim, "relu2") if args.moe_shared_dim else None
-        # The bias only shifts which experts win; it is moved by load, not by gradients.
+        # The bias only shifts which experts win; it is moved by load, not by gradients
+    # (update_expert_biases in elr/train/optimizer.py, once per optimizer step).
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.expert_parallel = None
-        self.sequence_group = None  # the ranks each sequence is split over (tensor or context parallelism)
+        self.sequence_shards = None  # the ranks each sequence is split over (TP / CP): a hook from elr/parallel
 
     def init_weights(self, out_std: float):
         nn.init.trunc_normal_(self.router.weight, std=0.02)
@@ -129,13 +129,15 @@ class MoE(nn.Module):
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
 
-    def _route(self, x: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose_experts(self, x: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router: (indices, weights) [N, top_k] for tokens x [N, dim] of `batch` sequences. In
+        training it also counts the load and adds the balance loss of this routing call."""
         scores = torch.sigmoid(self.router(x).float())
         indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, indices)
         weights = weights / weights.sum(-1, keepdim=True) * self.routed_scale
         if self.training:  # evaluation must not move the balance, nor AC recomputation count it twice
-            aux = sequence_balance_loss(scores, indices, batch, self.sequence_group)  # recomputed too: its backward needs it
+            aux = sequence_balance_loss(scores, indices, batch, self.sequence_shards)  # recomputed too: its backward needs it
             if not recomputing():
                 with torch.no_grad():
                     # index_add_, not bincount: CUDA's bincount reads the max index on the host to size its output
@@ -151,7 +153,7 @@ class MoE(nn.Module):
         if route:
             indices, weights = route["indices"], route["weights"]
         else:
-            indices, weights = self._route(x, B)
+            indices, weights = self.choose_experts(x, B)
             if route is not None:
                 route.update(indices=indices, weights=weights)
 
@@ -170,22 +172,3 @@ class MoE(nn.Module):
             return self.expert_parallel(rows, offsets, self.w1, self.w2)
         return grouped_experts(rows, self.w1, self.w2, offsets)
 
-
-@torch.no_grad()
-def update_expert_biases(moes: list[MoE], rate: float) -> dict[str, float]:
-    """Aux-loss-free balancing: nudge each expert's bias towards the mean load, then reset counts.
-
-    Counts are summed over every rank first (one collective for all layers), so the biases stay
-    identical everywhere. Returns load statistics for the metrics.
-    """
-    if not moes:
-        return {}
-    loads = torch.stack([m.tokens_per_expert for m in moes])
-    if dist.is_initialized():
-        dist.all_reduce(loads)
-    mean = loads.mean(-1, keepdim=True)
-    for moe, load, m in zip(moes, loads, mean):
-        moe.expert_bias += rate * torch.sign(m - load)
-        moe.tokens_per_expert.zero_()
-    imbalance = (loads.max(-1).values / mean.squeeze(-1).clamp(min=1)).mean()
-    return {"moe/max_load_over_mean": imbalance.item()}

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
-from elr.parallel.context_parallel import context_parallel_gated_delta_product, conv_halos
 from kernels.gated_delta_product import gated_delta_product
 
 
@@ -49,7 +48,9 @@ class ShortConv(nn.Module):
 
 
 class GatedDeltaProduct(nn.Module):
-    cp_group = None  # context parallel (elr/parallel/context_parallel.py): None runs the whole sequence here
+    # Context parallelism's hook (elr/parallel/context_parallel.py, which sets it): x is then this rank's
+    # slice of each sequence. None: the whole sequence is here.
+    context_parallel = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -92,8 +93,8 @@ class GatedDeltaProduct(nn.Module):
             valid = cache.valid[..., None]
             x = x * valid.to(x.dtype)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.cp_group is not None:  # the previous shard's last inputs start the convolutions
-            conv_states = conv_halos([q, k, v], self.q_conv.weight.shape[-1] - 1, self.cp_group)
+        if self.context_parallel is not None:  # the previous shard's last inputs start the convolutions
+            conv_states = self.context_parallel.conv_states([q, k, v], self.q_conv.weight.shape[-1] - 1)
         q, q_tail = self.q_conv(q, conv_states[0])
         k, k_tail = self.k_conv(k, conv_states[1])
         v, v_tail = self.v_conv(v, conv_states[2])
@@ -107,9 +108,8 @@ class GatedDeltaProduct(nn.Module):
         beta = beta.view(B, T, H, n_h).transpose(2, 3).reshape(B, T * n_h, H)
         # One token at a time the token loop is the cheapest form (our choice: no decode kernel yet).
         impl = "naive" if cache is not None and T == 1 else self.impl
-        if self.cp_group is not None:
-            o = context_parallel_gated_delta_product(q, k, v, g, beta, num_householder=n_h, impl=impl,
-                                                     group=self.cp_group)
+        if self.context_parallel is not None:
+            o = self.context_parallel.gated_delta_product(q, k, v, g, beta, num_householder=n_h, impl=impl)
         else:
             o, state = gated_delta_product(
                 q, k, v, g, beta, num_householder=n_h, impl=impl,

@@ -6,7 +6,6 @@ import itertools
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elr.models.args import ModelArgs
@@ -60,9 +59,9 @@ class Layer(nn.Module):
 
 
 class ELRModel(nn.Module):
-    # Context parallel (elr/parallel/context_parallel.py): tokens are this rank's slice of each
-    # sequence, so RoPE positions start at cp_rank x slice length. None: the whole sequence is here.
-    cp_group = None
+    # Context parallelism's hook (elr/parallel/context_parallel.py, which sets it): tokens are this
+    # rank's slice of each sequence, whose RoPE positions it gives. None: the whole sequence is here.
+    context_parallel = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -104,16 +103,16 @@ class ELRModel(nn.Module):
 
         With `cache` (inference, elr/infer/cache.py) `tokens` continue the cached sequences: each
         row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
-        Under context parallelism (`cp_group`) `tokens` are this rank's slice of each sequence.
+        Under context parallelism (`context_parallel`) `tokens` are this rank's slice of each sequence.
         """
         if cache is None:
             T, start = tokens.shape[1], 0
-            if self.cp_group is not None:
-                start, T = dist.get_rank(self.cp_group) * T, dist.get_world_size(self.cp_group) * T
+            if self.context_parallel is not None:
+                start, T = self.context_parallel.positions(T)
             if T > self.args.max_seq_len:
                 raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.args.max_seq_len}")
             rope = self.rope[:, start: start + tokens.shape[1]]
-        elif self.cp_group is not None:
+        elif self.context_parallel is not None:
             raise ValueError("inference caches do not run under context parallelism; generate without a CP group")
         else:
             rope = self.rope[:, cache.begin(tokens.shape[1], loops)]  # [2, B, T, rope_dim // 2]
@@ -141,12 +140,32 @@ class ELRModel(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def set_sequence_group(self, group) -> None:
-        """The ranks each sequence is split over (TP and/or CP): the MoE balance loss and the per-loop
-        statistics are reduced over them, so both describe whole sequences, as in one process."""
+    def set_sequence_shards(self, shards) -> None:
+        """Install the hook of the ranks each sequence is split over (TP and/or CP; elr/parallel's
+        SequenceShards): the MoE balance loss and the per-loop statistics sum over them, so both
+        describe whole sequences, as in one process."""
         for moe in self.moe_layers():
-            moe.sequence_group = group
-        self.recurrent.sequence_group = group
+            moe.sequence_shards = shards
+        self.recurrent.sequence_shards = shards
+
+    @property
+    def route_replay(self) -> bool:
+        """Whether recurrent MoE layers reuse loop 1's routes on later loops (moe.route_replay); a model
+        trained without it may still replay at inference."""
+        return self.recurrent.route_replay
+
+    @route_replay.setter
+    def route_replay(self, on: bool) -> None:
+        self.recurrent.route_replay = on
+
+    def record_loop_statistics(self, on: bool) -> None:
+        """Whether forward records the per-loop statistics `loop_statistics` reports (for the metrics)."""
+        self.recurrent.record_statistics = on
+
+    def loop_statistics(self) -> list[dict[str, torch.Tensor]]:
+        """Per loop of the last forward that recorded: update norm, step size and FiLM gate means
+        (RecurrentBlock.loop_statistics; a collective under TP or CP)."""
+        return self.recurrent.loop_statistics()
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sequence-level balance loss of the last training forward, summed over MoE routing calls

@@ -16,7 +16,7 @@ local weights, and reduce-scatters its partial output back to sequence slices. P
                        slice, a token-wise layer needing no collective; expert memory is split by
                        expert parallelism, not TP (under EP the expert stacks are DTensors on the ep
                        mesh, not the TP mesh). The balance loss counts routes over the whole sequence
-                       (`ELRModel.set_sequence_group`, called by parallelize)
+                       (`ELRModel.set_sequence_shards`, called by parallelize)
     ELR step size,     replicated, run on the sequence slice (SP)
     loop conditioning
     output head        vocab columns split; logits stay vocab-sharded for loss_parallel

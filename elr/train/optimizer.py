@@ -10,6 +10,9 @@ dim holds whole matrices on every rank: each rank orthogonalises its own experts
 A 2D matrix split by rows is all-gathered, orthogonalised in full on every rank (the same numbers
 everywhere) and each rank keeps its rows: simple and exact, at the price of one all-gather of each
 such matrix per step and the Newton-Schulz work repeated on every rank.
+
+The MoE's aux-loss-free expert biases move once per optimizer step too, by load rather than by
+gradients: `update_expert_biases` is that step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
@@ -153,6 +157,26 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) ->
         {**no_decay, "muon": False},
         *({**group, "muon": False} for group in step),
     ], **kwargs)
+
+
+@torch.no_grad()
+def update_expert_biases(moes: list[MoE], rate: float) -> dict[str, float]:
+    """Aux-loss-free balancing: nudge each expert's bias towards the mean load, then reset counts.
+
+    Counts are summed over every rank first (one collective for all layers), so the biases stay
+    identical everywhere. Returns load statistics for the metrics.
+    """
+    if not moes:
+        return {}
+    loads = torch.stack([m.tokens_per_expert for m in moes])
+    if dist.is_initialized():
+        dist.all_reduce(loads)
+    mean = loads.mean(-1, keepdim=True)
+    for moe, load, m in zip(moes, loads, mean):
+        moe.expert_bias += rate * torch.sign(m - load)
+        moe.tokens_per_expert.zero_()
+    imbalance = (loads.max(-1).values / mean.squeeze(-1).clamp(min=1)).mean()
+    return {"moe/max_load_over_mean": imbalance.item()}
 
 
 def lr_lambda(step: int, cfg: LRScheduler, total_steps: int) -> float:

@@ -24,7 +24,6 @@ from elr.checkpoint import first_nonfinite
 from elr.config import JobConfig, switch_step
 from elr.errors import ConfigError
 from elr.models import build_model
-from elr.models.ffn import update_expert_biases
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.parallel.context_parallel import shard_sequence
 from elr.parallel.expert_parallel import grad_norm_by_mesh, reduce_expert_gradients
@@ -38,6 +37,7 @@ from elr.train.loss import IGNORE_INDEX, model_loss, summed_loss
 from elr.train.loop_sampler import LoopSampler
 from elr.train.metrics import MetricsLogger, console_line, memory_gib, throughput
 from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
+from elr.train.optimizer import update_expert_biases
 from elr.train.run_lock import RunLock
 from elr.tokenizer import build_tokenizer
 
@@ -290,7 +290,7 @@ class Trainer:
         cfg, K = self.cfg, self.cfg.elr.max_loops
         ks = self.loop_counts(step)
         track = step % cfg.metrics.log_freq == 0
-        self.model.recurrent.track_stats = track
+        self.model.record_loop_statistics(track)
         batches = [self._slice(*next(self.data_iter)) for _ in range(self.n_micro)]
         # The update's loss is its mean over scored tokens (labels not ignored). FSDP averages gradients
         # over the world / tp ranks that hold different tokens, so each rank's summed loss is scaled by
@@ -321,7 +321,7 @@ class Trainer:
             per_k[0, k - 1] += loss_sum.detach().double()
             per_k[1, k - 1] += (labels != IGNORE_INDEX).sum()
             if track:
-                for i, stats in enumerate(self.model.recurrent.loop_stats, start=1):
+                for i, stats in enumerate(self.model.loop_statistics(), start=1):
                     for name, value in stats.items():
                         loop_stats.setdefault(f"loop{i}/{name}", []).append(value)
         if dist.is_initialized():
@@ -399,7 +399,7 @@ class Trainer:
         cfg = self.cfg
         K = cfg.elr.max_loops
         self.model.eval()
-        self.model.recurrent.track_stats = False
+        self.model.record_loop_statistics(False)
         sums = torch.zeros(2, K, dtype=torch.float64, device=self.device)
         if self.task is None:
             batches = ((*b, None) for b in val_batches(self.val_path, cfg.training.seq_len,

@@ -22,6 +22,7 @@ from elr.models.from_config import model_args_from_config
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.activation_memory import forward_activation_bytes
 from elr.parallel.memory_plan import activation_bytes
+from elr.parallel.parallelize import SequenceShards
 from elr.parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
 from elr.train.loss import summed_loss
 
@@ -84,7 +85,7 @@ def check_planned_activations(mesh, failures: list) -> None:
     with torch.device("meta"):
         model = build_model(args)
     apply_tensor_parallel(model, mesh)
-    model.set_sequence_group(mesh.get_group())
+    model.set_sequence_shards(SequenceShards(mesh.get_group()))
     model.to_empty(device="cpu")
     model.init_weights()
     tokens = torch.randint(0, args.vocab_size, (2, 64))
