@@ -14,7 +14,7 @@ from elr.models.attention import apply_partial_rope, rope_table
 import elr.models.ffn as ffn_module
 from elr.models.ffn import MoE, relu2, sequence_balance_loss
 from elr.train.optimizer import update_expert_biases
-from elr.models.model import Layer
+from elr.models.layers import Layer
 from kernels.gated_delta_product import gated_delta_product
 
 # A flavor is a backbone; ModelArgs' ELR defaults make it the non-recurrent baseline.

@@ -6,6 +6,9 @@ experts and one always-on shared expert. Beside the bias, a sequence-level auxil
 (the paper's MoE has one: route replay "removes later-loop auxiliary-loss calculations"; its form
 here, DeepSeek-V3's sequence-wise loss, is our choice) is recorded on every training forward; the
 trainer adds `moe.aux_loss_coeff` times it to the loss.
+
+Layer kinds F (dense) and E (MoE): the modules, their FLOPs and tensor-parallel splits, registered
+in elr/models/layers.py.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import nn
 
 from elr.models.args import ModelArgs
 from elr.models.experts import grouped_experts, permute_tokens, relu2
+from elr.models.kinds import TensorSplit
 
 
 class FeedForward(nn.Module):
@@ -71,7 +75,7 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: in
 
 
 class Route:
-    """A route-replay slot (MoE.forward's `route`): empty until loop 1 routes, then (indices, weights).
+    """A route-replay holder (MoE.forward's `route`): empty until loop 1 routes, then (indices, weights).
 
     Not a dict: wrappers that map over a layer's inputs (FSDP2 casting them when each recurrent layer
     is its own unit) rebuild dicts, and routes stored in the copy would be lost. It keeps the dict
@@ -95,7 +99,7 @@ class Route:
 class MoE(nn.Module):
     """Routed squared-ReLU experts plus a shared expert.
 
-    `route` is the recurrence's replay slot: None routes every call; an empty `Route` routes and
+    `route` is the recurrence's replay holder: None routes every call; an empty `Route` routes and
     stores (indices, weights) in it; a filled one reuses them, so later loops neither re-route,
     nor count towards the load that moves the expert bias, nor add a balance loss.
     In training, `aux_loss` sums `sequence_balance_loss` over this forward's routing calls (the
@@ -171,4 +175,29 @@ class MoE(nn.Module):
         if self.expert_parallel is not None:
             return self.expert_parallel(rows, offsets, self.w1, self.w2)
         return grouped_experts(rows, self.w1, self.w2, offsets)
+
+
+def dense_feed_forward(a: ModelArgs) -> FeedForward:
+    return FeedForward(a.dim, a.ffn_dim, a.ffn_activation)
+
+
+def dense_flops(a: ModelArgs, seq_len: int) -> int:
+    return 6 * a.dim * a.ffn_dim * (3 if a.ffn_activation == "swiglu" else 2)
+
+
+def dense_split(a: ModelArgs, tp: int) -> TensorSplit:
+    """w1/w3 split by hidden rows (colwise), w2 by its input rows (rowwise)."""
+    weights = {"w1.weight": 0, "w2.weight": 1, **({"w3.weight": 0} if a.ffn_activation == "swiglu" else {})}
+    return TensorSplit("hidden", weights, divides={"feed-forward hidden size": a.ffn_dim})
+
+
+def moe_flops(a: ModelArgs, seq_len: int) -> int:
+    """The router, top_k routed experts and the shared expert per token."""
+    return 6 * a.dim * (a.moe_experts + 2 * a.moe_top_k * a.moe_expert_dim + 2 * a.moe_shared_dim)
+
+
+def moe_split(a: ModelArgs, tp: int) -> TensorSplit:
+    """Replicated over TP, each rank routing and computing its own slice of the sequence (our
+    choice): expert memory is split by expert parallelism, which takes the stacks w1/w2."""
+    return TensorSplit("tokens", expert_stacks=("w1", "w2"))
 

@@ -9,53 +9,10 @@ import torch
 from torch import nn
 
 from elr.models.args import ModelArgs
-from elr.models.attention import Attention, rope_table
-from elr.models.ffn import FeedForward, MoE
-from elr.models.gdp import GatedDeltaProduct
+from elr.models.attention import rope_table
+from elr.models.ffn import MoE
+from elr.models.layers import LAYER_KINDS, Layer
 from elr.models.recurrence import RecurrentBlock
-
-
-class Layer(nn.Module):
-    """One pre-norm residual sublayer, x + sublayer(norm(x)), of kind G, A, F or E.
-
-    In the recurrent block a FiLM triple (scale, shift, gate) from the loop conditioning turns
-    this into x + (1 + gate) * sublayer(norm(x) * (1 + scale) + shift); all zeros is the plain layer.
-    """
-
-    def __init__(self, kind: str, args: ModelArgs):
-        super().__init__()
-        self.kind = kind
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        if kind == "G":
-            self.sublayer = GatedDeltaProduct(args)
-        elif kind == "A":
-            self.sublayer = Attention(args)
-        elif kind == "F":
-            self.sublayer = FeedForward(args.dim, args.ffn_dim, args.ffn_activation)
-        else:
-            self.sublayer = MoE(args)
-
-    def init_weights(self, out_std: float):
-        self.norm.reset_parameters()
-        self.sublayer.init_weights(out_std)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route: dict | None = None,
-                cache=None) -> torch.Tensor:
-        h = self.norm(x)
-        gate = None
-        if film is not None:
-            scale, shift, *gate = film
-            h = h * (1 + scale) + shift
-            gate = gate[0] if gate else None
-        if self.kind == "A":
-            y = self.sublayer(h, rope, cache)
-        elif self.kind == "G":
-            y = self.sublayer(h, cache)
-        elif self.kind == "E":
-            y = self.sublayer(h, route)
-        else:
-            y = self.sublayer(h)
-        return x + (y if gate is None else (1 + gate) * y)
 
 
 class ELRModel(nn.Module):
@@ -118,15 +75,15 @@ class ELRModel(nn.Module):
             rope = self.rope[:, cache.begin(tokens.shape[1], loops)]  # [2, B, T, rope_dim // 2]
         for moe in self.moe_layers():
             moe.aux_loss = None
-        slot = (lambda layer: cache.slot(layer, 1)) if cache is not None else (lambda layer: None)
+        entry = (lambda layer: cache.entry(layer, 1)) if cache is not None else (lambda layer: None)
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
-            h = layer(h, rope, cache=slot(layer))
+            h = layer(h, rope, cache=entry(layer))
         h = self.recurrent(h, rope, loops, cache, every_loop=every_loop)
         if every_loop:
             h = torch.cat(h)
         for layer in self.output_layers:
-            h = layer(h, rope, cache=slot(layer))
+            h = layer(h, rope, cache=entry(layer))
         if cache is not None:
             cache.advance()
         h = self.norm(h)
@@ -182,14 +139,13 @@ class ELRModel(nn.Module):
         """Training FLOPs per token (forward + backward = 3 x forward), recurrent layers counted k times
         (and, with every_loop, the output block and head too: they run after every loop).
 
-        Weights count 6 FLOPs per multiply-accumulate; attention scores count 12 * heads * head_dim
-        * seq_len (non-causal, the PaLM/torchtitan convention); each GDP head's state update counts
-        6 * (2 n_h + 1) * d_k * d_v. Left out: the conditioning heads (once per sequence), the
-        short convolutions (4 multiply-adds per channel) and elementwise work.
+        Weights count 6 FLOPs per multiply-accumulate; each layer kind adds its own terms
+        (`LayerKind.flops_per_token`: attention scores, GDP state updates). Left out: the conditioning
+        heads (once per sequence) and elementwise work.
         """
         a = self.args
         n_in, n_rec, _ = a.partition
-        per_layer = [layer_flops_per_token(kind, a, seq_len) for kind in a.layer_pattern]
+        per_layer = [LAYER_KINDS[kind].flops_per_token(a, seq_len) for kind in a.layer_pattern]
         recurrent = sum(per_layer[n_in:n_in + n_rec])
         if self.recurrent.step_size is not None:
             recurrent += 6 * a.dim * a.dim
@@ -198,16 +154,3 @@ class ELRModel(nn.Module):
         after = sum(per_layer[n_in + n_rec:]) + 6 * a.dim * a.vocab_size
         return once + loops * recurrent + exits * after
 
-
-def layer_flops_per_token(kind: str, a: ModelArgs, seq_len: int) -> int:
-    if kind == "A":
-        weights = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
-        return 6 * weights + 12 * a.n_heads * a.head_dim * seq_len
-    if kind == "G":
-        H, D, n_h = a.gdp_heads, a.gdp_head_dim, a.gdp_householder
-        weights = a.dim * (H * D * (3 + 2 * n_h) + H * (1 + n_h))
-        state = H * (2 * n_h + 1) * D * D
-        return 6 * (weights + state)
-    if kind == "F":
-        return 6 * a.dim * a.ffn_dim * (3 if a.ffn_activation == "swiglu" else 2)
-    return 6 * a.dim * (a.moe_experts + 2 * a.moe_top_k * a.moe_expert_dim + 2 * a.moe_shared_dim)

@@ -152,12 +152,12 @@ class RecurrentBlock(nn.Module):
     def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None,
                 every_loop: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """s_k; with `every_loop`, [s_1, ..., s_k] (needs a prefix-consistent block). `cache`
-        (inference only) hands each layer its key/value or state slot for loop i."""
+        (inference only) hands each layer its cache entry for loop i (keys and values, or a state)."""
         if loops < 1 or (loops > self.max_loops and self.conditioning is not None):
             raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model's conditioning "
                              "embeddings cover (an unconditioned model runs any k >= 1; beyond its max_loops it "
                              "extrapolates)")
-        routes = [Route() if self.route_replay and layer.kind == "E" else None for layer in self.layers]
+        routes = [Route() if self.route_replay and "route" in layer.inputs else None for layer in self.layers]
         no_film = [None] * len(self.layers)
         if every_loop and not self.prefix_consistent:
             raise ValueError("every_loop needs loop conditioning without the budget embedding (cond_budget = False)")
@@ -168,8 +168,8 @@ class RecurrentBlock(nn.Module):
             films = self.conditioning(i, loops) if self.conditioning is not None else no_film
             r = s_in
             for layer, film, route in zip(self.layers, films, routes):
-                slot = cache.slot(layer, i) if cache is not None else None
-                r = layer(r, rope, film=film, route=route, cache=slot)
+                entry = cache.entry(layer, i) if cache is not None else None
+                r = layer(r, rope, film=film, route=route, cache=entry)
             step = self.step_size(s, s_in, r) if self.step_size is not None else None
             s_next = self._update(s, r, step)
             if self.record_statistics:

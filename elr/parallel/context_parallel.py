@@ -35,8 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from elr.models.attention import Attention
-from elr.models.gdp import GatedDeltaProduct
+from elr.models.layers import LAYER_KINDS
 from elr.models.model import ELRModel
 from kernels.gated_delta_product import gated_delta_product
 
@@ -78,14 +77,15 @@ class ContextParallel:
 
 
 def enable_context_parallel(model: ELRModel, cp_mesh: DeviceMesh) -> None:
-    """Install the CP hook on the model (RoPE positions) and on its attention and GDP sublayers.
+    """Install the CP hook on the model (RoPE positions) and on the sublayers of every kind that mixes
+    tokens (`LayerKind.mixes_tokens`: attention, GDP).
 
     Inputs must then be `shard_sequence` slices, the same length on every rank of the group.
     """
     hook = ContextParallel(cp_mesh.get_group())
     model.context_parallel = hook
     for layer in model.layers():
-        if isinstance(layer.sublayer, (Attention, GatedDeltaProduct)):
+        if LAYER_KINDS[layer.kind].mixes_tokens:
             layer.sublayer.context_parallel = hook
 
 

@@ -28,6 +28,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from elr.config import ELR, LRScheduler, Optimizer
 from elr.models.ffn import MoE
+from elr.models.layers import LAYER_KINDS
 from elr.models.recurrence import AdaptiveStep, LoopConditioning
 
 # Parameters of these modules never decay: embeddings and norms carry scale, and the loop
@@ -59,9 +60,10 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float, step: ELR | N
     return groups
 
 
-# Linear layers that produce per-expert or per-head gate values (the MoE router, the GDP decay and
-# beta projections) stay on AdamW with the other gates; our choice of what "gates" covers.
-GATE_LINEARS = ("router", "a_proj", "b_proj")
+# Linear layers that produce per-expert or per-head gate values (each layer kind names its own:
+# the MoE router, the GDP decay and beta projections) stay on AdamW with the other gates; our choice
+# of what "gates" covers.
+GATE_LINEARS = {name for kind in LAYER_KINDS.values() for name in kind.gates}
 
 
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
