@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 from elr.config import load_config  # noqa: E402
 from elr.models import build_model, flavors  # noqa: E402
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
-from elr.parallel.activation_memory import forward_activation_bytes  # noqa: E402
-from elr.parallel.memory_plan import GiB, microbatch_bytes  # noqa: E402
+from elr.tools.activation_memory import live_activation_bytes  # noqa: E402
+from elr.tools.memory_plan import GiB, microbatch_bytes  # noqa: E402
 from elr.train.loss import summed_loss  # noqa: E402
 from elr.train.trainer import Trainer  # noqa: E402
 
@@ -95,7 +95,7 @@ def memory_rows(dry_run: bool, device: torch.device, peak_tflops: float) -> list
             measured = (torch.cuda.max_memory_allocated() - base) / GiB
             optimizer.zero_grad(set_to_none=True)
         else:  # no allocator statistics on CPU: count what the forward keeps alive instead
-            measured = forward_activation_bytes(model, tokens, loops, summed_loss) / GiB
+            measured = live_activation_bytes(lambda: summed_loss(model(tokens, loops=loops), tokens), model) / GiB
         n_steps = 1 if dry_run else 3
         start = time.perf_counter()
         for _ in range(n_steps):

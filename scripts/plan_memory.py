@@ -5,7 +5,7 @@
 
 Any `--section.key value` override the trainer takes is accepted (layout, expert parallelism, AC
 mode, optimizer, batch, seq_len, training.loss_chunk_tokens: the loss one chunk of tokens at a time).
-The model is built on the meta device; see elr/parallel/memory_plan.py for what is counted.
+The model is built on the meta device; see elr/tools/memory_plan.py for what is counted.
 Exit code 0 when it fits, 1 when it does not, 2 for a config error.
 """
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elr.config import load_config  # noqa: E402
 from elr.errors import ConfigError  # noqa: E402
-from elr.parallel.memory_plan import plan_memory  # noqa: E402
+from elr.tools.memory_plan import plan_memory  # noqa: E402
 from elr.models.from_config import model_args_from_config  # noqa: E402
 from estimate_cost import config_vocab  # noqa: E402
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from elr.config import load_config
 from elr.errors import ConfigError
-from elr.parallel.activation_memory import storage_key
+from elr.tools.activation_memory import storage_key
 from elr.train.loss import chunked_cross_entropy, summed_loss
 from trainer_utils import DEBUG_TOML, records, run
 

@@ -25,13 +25,13 @@ sys.path.insert(0, str(ROOT))
 from elr.config import load_config  # noqa: E402
 from elr.models import build_model  # noqa: E402
 from elr.models.from_config import model_args_from_config  # noqa: E402
-from elr.parallel.activation_memory import forward_activation_bytes  # noqa: E402
 from elr.train.loss import summed_loss  # noqa: E402
 from elr.models.args import flavors  # noqa: E402
 from elr.models.attention import Attention  # noqa: E402
 from elr.models.gdp import GatedDeltaProduct  # noqa: E402
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
 from elr.parallel.parallelize import SequenceShards  # noqa: E402
+from elr.tools.activation_memory import live_activation_bytes  # noqa: E402
 from elr.parallel.context_parallel import (  # noqa: E402
     ContextParallel, context_parallel_gated_delta_product, enable_context_parallel, shard_sequence,
 )
@@ -168,7 +168,8 @@ def main():
     memory_model.init_weights()
     enable_context_parallel(memory_model, mesh)
     for loops in (1, 3):
-        held = forward_activation_bytes(memory_model, shard_sequence(tokens[:, :T] % 257, rank, cp), loops, summed_loss)
+        mine = shard_sequence(tokens[:, :T] % 257, rank, cp)
+        held = live_activation_bytes(lambda: summed_loss(memory_model(mine, loops=loops), mine), memory_model)
         if rank == cp - 1:
             print(f"activations of the last CP rank at k={loops}: {held} bytes", flush=True)
 

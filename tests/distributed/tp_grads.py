@@ -20,10 +20,10 @@ from elr.config import load_config
 from elr.models import build_model
 from elr.models.from_config import model_args_from_config
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
-from elr.parallel.activation_memory import forward_activation_bytes
-from elr.parallel.memory_plan import activation_bytes
 from elr.parallel.parallelize import SequenceShards
 from elr.parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
+from elr.tools.activation_memory import live_activation_bytes
+from elr.tools.memory_plan import activation_bytes
 from elr.train.loss import summed_loss
 
 
@@ -91,7 +91,7 @@ def check_planned_activations(mesh, failures: list) -> None:
     tokens = torch.randint(0, args.vocab_size, (2, 64))
     for loops in (1, 3):
         with loss_parallel():
-            measured = forward_activation_bytes(model, tokens, loops, summed_loss)
+            measured = live_activation_bytes(lambda: summed_loss(model(tokens, loops=loops), tokens), model)
         planned = activation_bytes(args, cfg, torch.float32, loops, mesh)
         if abs(planned - measured) > 0.1 * measured:
             failures.append(f"planned TP activations at k={loops}: {planned} bytes, measured {measured}")
