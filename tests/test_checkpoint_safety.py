@@ -26,7 +26,8 @@ from elr.config import load_config
 from elr.errors import CheckpointError, UserError
 from elr.infer.load import load_model, load_tokenizer
 from elr.checkpoint import MARKER
-from elr.train.checkpoint import CheckpointManager, ModelState
+from elr.train.checkpoint import CheckpointManager
+from elr.train.train_state import ModelState
 from elr.train.trainer import NonFiniteLossError, Trainer
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 

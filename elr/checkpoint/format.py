@@ -34,6 +34,7 @@ from elr.models.layers import LAYER_KINDS
 from elr.tokenizer import file_sha256
 
 MARKER = "commit.json"
+STEP_DIR = re.compile(r"step-(\d+)")  # a checkpoint folder's name (`step-N.tmp` is an unfinished save)
 CONFIG = "config.json"  # the job config inside a step folder (format >= 3)
 FORMAT = 3
 WITH_CHECKSUMS = 3  # from this format on: sha256 of every file, and config.json
@@ -196,4 +197,33 @@ def read_config(folder: Path, marker: dict) -> dict | None:
     if not isinstance(config, dict):
         raise UnusableCheckpoint(folder, f"has a {CONFIG} that is not a config")
     return config
+
+
+def step_folders(folder: Path) -> list[int]:
+    """Steps of every `step-N` folder in a checkpoint folder, committed or not, newest first."""
+    folders = folder.iterdir() if folder.is_dir() else []
+    return sorted((int(m[1]) for p in folders if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()), reverse=True)
+
+
+def committed_steps(folder: Path) -> list[int]:
+    """Steps of `step-N` folders with a marker, newest first (not yet checked)."""
+    return [s for s in step_folders(folder) if (folder / f"step-{s}" / MARKER).is_file()]
+
+
+def marker_or_reason(folder: Path, step: int) -> dict | str:
+    """The marker of `folder/step-{step}` if its sizes hold, else why not (cheap: no hashing)."""
+    path = folder / f"step-{step}"
+    try:
+        marker = read_marker(path, step)
+        check_sizes(path, marker)
+        return marker
+    except UnusableCheckpoint as e:
+        return e.reason
+
+
+def latest_step(folder: str | Path) -> int | None:
+    """The newest committed checkpoint in `folder` whose marker and sizes hold, or None: what a resume
+    tries first (reads the folder; no collectives, no hashing)."""
+    folder = Path(folder)
+    return next((s for s in committed_steps(folder) if isinstance(marker_or_reason(folder, s), dict)), None)
 

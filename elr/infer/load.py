@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from elr.checkpoint import check_format, check_keys, first_nonfinite
-from elr.checkpoint import load_state_dict, read_config, read_marker, read_metadata, verify
+from elr.checkpoint import check_format, load_module, read_config, read_marker, read_metadata, verify
 from elr.config import config_from_dict
-from elr.errors import CheckpointError, ConfigError, TokenizerError, UnusableCheckpoint
+from elr.errors import CheckpointError, ConfigError, TokenizerError
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import Tokenizer, build_tokenizer
@@ -88,17 +87,7 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
         model = build_model(args)
     model.to_empty(device=device)
     model.init_weights()  # fills the RoPE table; every parameter is then overwritten
-    state_dict = model.state_dict()
-    request = {"model": state_dict} if prefix else state_dict
-    try:  # strict both ways: a checkpoint weight the built model lacks means another network was built
-        check_keys(request, saved, lambda key: False, only_requested_roots=bool(prefix))
-    except CheckpointError as e:
-        raise CheckpointError(f"{checkpoint} does not fit the model its config describes ({e})") from None
-    load_state_dict(request, checkpoint)
-    bad = first_nonfinite(state_dict)
-    if bad:
-        raise UnusableCheckpoint(checkpoint, f"holds NaN/Inf in {bad}")
-    model.load_state_dict(state_dict)
+    load_module(checkpoint, model, saved, root=prefix.rstrip("."), what="the model its config describes")
     return model.to(dtype).eval(), cfg
 
 

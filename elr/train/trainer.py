@@ -31,7 +31,7 @@ from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
 from elr.parallel.tensor_parallel import reduce_partial_grads
 from elr.tasks import build_task, score_answers
-from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
+from elr.train.checkpoint import CheckpointManager
 from elr.train.data import build_task_loader, build_train_loader, read_meta, val_batches, val_task_batches
 from elr.train.loss import IGNORE_INDEX, model_loss, summed_loss
 from elr.train.loop_sampler import LoopSampler
@@ -39,6 +39,7 @@ from elr.train.metrics import MetricsLogger, console_line, memory_gib, throughpu
 from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
 from elr.train.optimizer import update_expert_biases
 from elr.train.run_lock import RunLock
+from elr.train.train_state import ModelState, OptimizerState
 from elr.tokenizer import build_tokenizer
 
 logger = logging.getLogger("elr")
