@@ -406,7 +406,7 @@ def test_generate_and_evaluate_end_user_errors_in_one_line(dump, capsys, fault):
 
 def test_sigterm_with_checkpoints_disabled_saves_nothing(tmp_path, caplog):
     t = Trainer(load_config(DEBUG_TOML, overrides(tmp_path / "run", 3)))
-    t.stop_requested = True  # as the SIGTERM handler sets it
+    t.stop.requested = True  # as the SIGTERM handler sets it
     with caplog.at_level(logging.INFO):
         t.train()
     t.close()

@@ -102,7 +102,7 @@ def test_elr_settings_come_from_the_config_alone():
     args = model_args_from_config(cfg, vocab_size=256)
     assert (args.max_loops, args.update, args.recurrent_input, args.conditioning) == (
         2, "residual", "state_plus_input", True)
-    assert not model_args_from_config(cfg, vocab_size=256, before_switch=True).conditioning
+    assert not model_args_from_config(cfg, vocab_size=256, mixed_depth=False).conditioning
     baseline = load_config(None, ["--elr.enabled", "false", "--elr.max_loops", "1", "--elr.conditioning", "false"])
     args = model_args_from_config(baseline, vocab_size=256)
     assert (args.max_loops, args.update, args.conditioning) == (1, "replace", False)  # no ELR parameter

@@ -80,7 +80,7 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
         raise CheckpointError(f"{checkpoint} holds no model weights (no {prefix}tok_embeddings.weight)")
     conditioning = any(key.startswith(prefix) and ".conditioning." in key for key in saved)
     # the trainer's own config -> ModelArgs step; a checkpoint without conditioning keys predates the switch
-    args = model_args_from_config(config_from_dict(cfg), embedding.size[0], before_switch=not conditioning)
+    args = model_args_from_config(config_from_dict(cfg), embedding.size[0], mixed_depth=conditioning)
     if max_seq_len is not None:
         args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, max_seq_len))
     with torch.device("meta"):

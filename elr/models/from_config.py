@@ -41,13 +41,13 @@ def check_model_config(cfg: JobConfig) -> None:
                f"must add up to the {n_layers} layers of flavor {cfg.model.flavor}", e.partition)
 
 
-def model_args_from_config(cfg: JobConfig, vocab_size: int, before_switch: bool = False) -> ModelArgs:
+def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = True) -> ModelArgs:
     """The flavor's backbone with the job's recurrence settings.
 
     `elr.enabled = false` builds the baseline: ModelArgs' ELR defaults (one loop, `replace`, state
     input, no conditioning), so the baseline has no ELR parameter and elr.update / elr.recurrent_input
-    do not apply to it. `before_switch`: the one-loop phase of a late switch, built without the loop
-    conditioning that the switch adds.
+    do not apply to it. `mixed_depth` false: the one-loop phase before a late switch, built without the
+    loop conditioning that the switch adds (elr/train/loop_sampler.py, DepthSchedule).
     """
     check_model_config(cfg)
     e = cfg.elr
@@ -67,7 +67,7 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, before_switch: bool 
         recurrent_input=e.recurrent_input,
         update=e.update,
         step_input=e.step_input,
-        conditioning=e.conditioning and not before_switch,
+        conditioning=e.conditioning and mixed_depth,
         cond_budget=e.conditioning_budget,
         cond_gate=e.conditioning_gate,
         cond_first_loop=e.conditioning_first_loop,
