@@ -412,15 +412,3 @@ def test_sigterm_with_checkpoints_disabled_saves_nothing(tmp_path, caplog):
     t.close()
     assert t.step == 1 and not (tmp_path / "run" / "checkpoint").exists()
     assert any("without saving (checkpoint.enable is false)" in r.getMessage() for r in caplog.records)
-
-
-def test_inference_never_imports_training():
-    """DESIGN.md section 6: elr/infer and the checkpoint format code sit beside / below elr/train."""
-    import ast
-
-    for folder, forbidden in (("infer", ("elr.train",)), ("checkpoint", ("elr.train", "elr.infer"))):
-        for path in (ROOT / "elr" / folder).glob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                assert not any(n.startswith(forbidden) for n in names), (path.name, names)
