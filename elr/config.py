@@ -26,6 +26,9 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debug"  # a key of elr.models.args.flavors (checked in elr/models/from_config.py)
+    # the GDP op's implementation, one of kernels.gated_delta_product.IMPL_CHOICES: auto (triton on CUDA,
+    # chunk elsewhere) | triton | chunk | naive (the oracle); decoding takes the one-token step
+    gdp_impl: str = "auto"
 
 
 @dataclass

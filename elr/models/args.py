@@ -28,7 +28,7 @@ class ModelArgs:
     gdp_head_dim: int = 128  # key and value dims per head
     gdp_householder: int = 2  # n_h Householder sub-steps per token
     gdp_conv_size: int = 4
-    gdp_impl: str = "auto"  # auto (triton on CUDA, chunk elsewhere) | triton | chunk | naive (oracle)
+    gdp_impl: str = "auto"  # one of kernels.gated_delta_product.IMPL_CHOICES (config model.gdp_impl)
 
     # dense feed-forward
     ffn_dim: int = 4096

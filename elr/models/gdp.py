@@ -24,7 +24,7 @@ from torch import nn
 
 from elr.models.args import ModelArgs
 from elr.models.kinds import TensorSplit, WeightLayout
-from kernels.gated_delta_product import gated_delta_product
+from kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
 
 class ShortConv(nn.Module):
@@ -110,13 +110,13 @@ class GatedDeltaProduct(nn.Module):
         if cache is not None:
             beta, g = beta * valid, g * valid
         beta = beta.view(B, T, H, n_h).transpose(2, 3).reshape(B, T * n_h, H)
-        # One token at a time the token loop is the cheapest form (our choice: no decode kernel yet).
-        impl = "naive" if cache is not None and T == 1 else self.impl
         if self.context_parallel is not None:
-            o = self.context_parallel.gated_delta_product(q, k, v, g, beta, num_householder=n_h, impl=impl)
+            o = self.context_parallel.gated_delta_product(q, k, v, g, beta, num_householder=n_h, impl=self.impl)
+        elif cache is not None and T == 1:  # decoding: the one-token step (the Triton kernel on CUDA)
+            o, state = gated_delta_product_step(q, k, v, g, beta, cache.state, num_householder=n_h, impl=self.impl)
         else:
             o, state = gated_delta_product(
-                q, k, v, g, beta, num_householder=n_h, impl=impl,
+                q, k, v, g, beta, num_householder=n_h, impl=self.impl,
                 initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
             )
         if cache is not None:
