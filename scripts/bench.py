@@ -11,13 +11,10 @@ Each benchmark is one function registered in BENCHMARKS; it prints a small table
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def time_call(fn, repeats, warmup=1):

@@ -21,13 +21,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from elr.errors import UserError  # noqa: E402
-from elr.infer.cache import MODES  # noqa: E402
-from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss  # noqa: E402
-from elr.infer.load import load_model, load_tokenizer  # noqa: E402
-from elr.tasks import build_task  # noqa: E402
+from elr.errors import UserError
+from elr.infer.cache import MODES
+from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss
+from elr.infer.load import load_model, load_tokenizer
+from elr.tasks import build_task
 
 LATENCY_TEXT = "The old king walked slowly through the quiet garden, thinking of the years behind him. "
 

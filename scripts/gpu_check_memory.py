@@ -26,15 +26,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from elr.config import load_config  # noqa: E402
-from elr.models import build_model, flavors  # noqa: E402
-from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
-from elr.tools.activation_memory import live_activation_bytes  # noqa: E402
-from elr.tools.memory_plan import GiB, microbatch_bytes  # noqa: E402
-from elr.train.loss import summed_loss  # noqa: E402
-from elr.train.trainer import Trainer  # noqa: E402
+from elr.config import load_config
+from elr.models import build_model, flavors
+from elr.parallel.activation_checkpoint import apply_activation_checkpointing
+from elr.tools.activation_memory import live_activation_bytes
+from elr.tools.memory_plan import GiB, microbatch_bytes
+from elr.train.loss import summed_loss
+from elr.train.trainer import Trainer
 
 DEBUG_TOML = ROOT / "train_configs" / "debug.toml"
 AC_MODES = [("none", "op"), ("selective", "op"), ("selective", "2"), ("full", "op")]
