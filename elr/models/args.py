@@ -75,7 +75,7 @@ class ModelArgs:
 # * = attention): 23 mixers, 23 FF, 6 attention. Split 14/24/14 it puts attention 2/3/1 over the
 # input/recurrent/output blocks, which is the paper's "three of six attention layers sit in the
 # recurrent block" for Koi-4B, itself "the GDP-Hybrid-4B configuration". Every hybrid flavor uses it,
-# with the GDP mixer in the Mamba slots: F (dense) for the 4B, E (MoE) for the 30B.
+# with the GDP mixer in the Mamba positions: F (dense) for the 4B, E (MoE) for the 30B.
 NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 HYBRID_DENSE_PATTERN = NEMOTRON_3_NANO_PATTERN.translate(str.maketrans("ME*", "GFA"))
 HYBRID_MOE_PATTERN = NEMOTRON_3_NANO_PATTERN.translate(str.maketrans("ME*", "GEA"))
@@ -98,7 +98,7 @@ flavors: dict[str, ModelArgs] = {
         dim=128, layer_pattern="AF" * 4, partition=(2, 4, 2), vocab_size=257, max_seq_len=1024,
         n_heads=4, n_kv_heads=4, head_dim=32, ffn_dim=384, ffn_activation="swiglu",
     ),
-    # the same with routed experts in every FF slot, for the route-replay measurements
+    # the same with routed experts in every FF position, for the route-replay measurements
     "study_moe": ModelArgs(
         dim=128, layer_pattern="AE" * 4, partition=(2, 4, 2), vocab_size=257, max_seq_len=1024,
         n_heads=4, n_kv_heads=4, head_dim=32, moe_experts=8, moe_top_k=2, moe_expert_dim=128,

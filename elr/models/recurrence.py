@@ -170,28 +170,28 @@ class RecurrentBlock(nn.Module):
             for layer, film, route in zip(self.layers, films, routes):
                 entry = cache.entry(layer, i) if cache is not None else None
                 r = layer(r, rope, film=film, route=route, cache=entry)
-            step = self.step_size(s, s_in, r) if self.step_size is not None else None
-            s_next = self._update(s, r, step)
+            a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
+            s_next = self._update(s, r, a)
             if self.record_statistics:
-                self._recorded.append(self._record(s, s_next, step, films))
+                self._recorded.append(self._record(s, s_next, a, films))
             s = s_next
             states.append(s)
         return states if every_loop else s
 
-    def _update(self, s, r, step):
+    def _update(self, s, r, a):
         if self.update == "adaptive_delta":
             # lerp(s, r, 1) is exactly r, so the initial model is the plain stack bit for bit.
-            return torch.lerp(s, r, step.to(r.dtype))
+            return torch.lerp(s, r, a.to(r.dtype))
         if self.update == "residual":
             return s + r
         return r
 
     @torch.no_grad()
-    def _record(self, s, s_next, step, films) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _record(self, s, s_next, a, films) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One loop as this rank sees it: the squared norms of the update and of the state summed
-        over its tokens, and its mean step; the mean FiLM gate (the same on every rank), if any."""
+        over its tokens, and its mean step size; the mean FiLM gate (the same on every rank), if any."""
         parts = torch.stack([(s_next - s).float().square().sum(), s.float().square().sum(),
-                             step.float().mean() if step is not None else s.new_zeros((), dtype=torch.float32)])
+                             a.float().mean() if a is not None else s.new_zeros((), dtype=torch.float32)])
         gate = None
         if self.conditioning is not None and self.conditioning.gate and films[0] is not None:
             gate = torch.stack([1 + film[2].float().mean() for film in films]).mean()
@@ -209,10 +209,10 @@ class RecurrentBlock(nn.Module):
             parts = self.sequence_shards.sum(parts)
             parts[:, 2] /= self.sequence_shards.size
         statistics = []
-        for (update_sq, state_sq, step_mean), (_, gate) in zip(parts, self._recorded):
+        for (update_sq, state_sq, step_size_mean), (_, gate) in zip(parts, self._recorded):
             stats = {"update_norm": update_sq.sqrt() / state_sq.sqrt().clamp(min=1e-12)}
             if self.step_size is not None:
-                stats["step_size_mean"] = step_mean
+                stats["step_size_mean"] = step_size_mean
             if gate is not None:
                 stats["film_gate_mean"] = gate
             statistics.append(stats)

@@ -36,27 +36,27 @@ from elr.models.recurrence import AdaptiveStep, LoopConditioning
 NO_DECAY_MODULES = (nn.Embedding, nn.RMSNorm, LoopConditioning)
 
 
-def param_groups(model: nn.Module, weight_decay: float, lr: float, step: ELR | None = None) -> list[dict]:
-    """Decayed matrices, undecayed rest, and the ELR step size with its own lr and decay."""
+def param_groups(model: nn.Module, weight_decay: float, lr: float, elr: ELR | None = None) -> list[dict]:
+    """Decayed matrices, undecayed rest, and the ELR step size with its own lr and decay (from `elr`)."""
     no_decay_ids = {
         id(p) for m in model.modules() if isinstance(m, NO_DECAY_MODULES) for p in m.parameters()
     }
-    step_ids = {id(p) for m in model.modules() if isinstance(m, AdaptiveStep) for p in m.parameters()}
-    decay, no_decay, step_params = [], [], []
+    step_size_ids = {id(p) for m in model.modules() if isinstance(m, AdaptiveStep) for p in m.parameters()}
+    decay, no_decay, step_size_params = [], [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if id(p) in step_ids:
-            step_params.append(p)
+        if id(p) in step_size_ids:
+            step_size_params.append(p)
         else:
             (decay if p.ndim >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay, "lr": lr},
         {"params": no_decay, "weight_decay": 0.0, "lr": lr},
     ]
-    if step_params:
-        step = step or ELR()
-        groups.append({"params": step_params, "weight_decay": step.step_weight_decay, "lr": lr * step.step_lr_scale})
+    if step_size_params:
+        elr = elr or ELR()
+        groups.append({"params": step_size_params, "weight_decay": elr.step_weight_decay, "lr": lr * elr.step_lr_scale})
     return groups
 
 
@@ -149,7 +149,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) ->
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, **kwargs)
-    decay, no_decay, *step = groups
+    decay, no_decay, *step_size = groups
     muon_ids = {id(p) for p in muon_params(model)}
     muon = [p for p in decay["params"] if id(p) in muon_ids]
     assert len(muon) == len(muon_ids), "every Muon matrix must be a decayed matrix"
@@ -157,7 +157,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) ->
         {**decay, "params": muon, "muon": True, "momentum": cfg.muon_momentum},
         {**decay, "params": [p for p in decay["params"] if id(p) not in muon_ids], "muon": False},
         {**no_decay, "muon": False},
-        *({**group, "muon": False} for group in step),
+        *({**group, "muon": False} for group in step_size),
     ], **kwargs)
 
 
