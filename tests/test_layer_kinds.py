@@ -11,10 +11,11 @@ from torch import nn
 from elr.errors import ConfigError
 from elr.infer.cache import InferenceCache
 from elr.infer.memory import inference_state_bytes
-from elr.models import build_model, flavors
+from elr.models import build_model
 from elr.models.kinds import InferenceState, LayerKind, TensorSplit
 from elr.models.layers import LAYER_KINDS
 from elr.parallel.tensor_parallel import LocalCompute, check_tensor_parallel, sublayer_plan
+from test_infer import small_model
 
 
 # ---- the kind's own file: a token mixer y_t = W_out silu(W_in (x_t + x_{t-1})), keeping x_{t-1} ----
@@ -69,24 +70,13 @@ SHIFT = LayerKind(
 # ---- the registration, and what it gives ----
 
 @pytest.fixture
-def args(monkeypatch):
+def model(monkeypatch):
     monkeypatch.setitem(LAYER_KINDS, "S", SHIFT)
-    return dataclasses.replace(flavors["debug"], layer_pattern="SA" + "SFAS" + "FS", vocab_size=64, max_seq_len=32,
-                               max_loops=2, update="adaptive_delta", conditioning=True, cond_dim=16)
+    return small_model(layer_pattern="SA" + "SFAS" + "FS", max_loops=2)  # two S layers outside the block, two in
 
 
-def model_of(args):
-    torch.manual_seed(0)
-    model = build_model(args)
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model.eval()
-
-
-def test_a_registered_kind_decodes_like_the_full_forward_and_counts_its_bytes(args):
-    model = model_of(args)
+def test_a_registered_kind_decodes_like_the_full_forward_and_counts_its_bytes(model):
+    args = model.args
     tokens = torch.randint(0, args.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
     for loops in (1, 2):
         with torch.no_grad():
@@ -99,8 +89,8 @@ def test_a_registered_kind_decodes_like_the_full_forward_and_counts_its_bytes(ar
         assert measured == inference_state_bytes(args, loops, 10, "per_loop", torch.float32, batch=2)
 
 
-def test_a_registered_kind_is_counted_and_split(args):
-    model = model_of(args)
+def test_a_registered_kind_is_counted_and_split(model):
+    args = model.args
     with torch.device("meta"):
         without = build_model(dataclasses.replace(args, layer_pattern="FA" + "FFAF" + "FF"))
     shift = 6 * 2 * args.dim * hidden(args)
