@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s [rank {rank}] %(message)s" if "WORLD_SIZE" in os.environ else "%(asctime)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    from elr.config import UserError, load_config
+    from elr.config import load_config
+    from elr.errors import UserError
     from elr.train.trainer import NonFiniteLossError, Trainer
 
     # A user's mistake (bad config, missing or mismatched files, unusable checkpoint) is one line and

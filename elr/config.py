@@ -7,22 +7,14 @@ typo or an impossible setting costs one line of error instead of a crashed job a
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli
 
+from elr.config_keys import apply_tables, parse_overrides, set_key
+from elr.errors import ConfigError
 from elr.tasks import TASKS
-
-
-class UserError(Exception):
-    """A mistake in what the job asks for (config, data, tokenizer, checkpoint), not a bug in the code:
-    train.py prints its one-line message and exits 2. Every other exception keeps its traceback."""
-
-
-class ConfigError(UserError):
-    """A bad config key or value; the message names the key."""
 
 
 @dataclass
@@ -34,6 +26,9 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debug"  # a key of elr.models.args.flavors (checked in elr/models/from_config.py)
+    # the GDP op's implementation, one of kernels.gated_delta_product.IMPL_CHOICES: auto (triton on CUDA,
+    # chunk elsewhere) | triton | chunk | naive (the oracle); decoding takes the one-token step
+    gdp_impl: str = "auto"
 
 
 @dataclass
@@ -210,66 +205,6 @@ CHOICES = {
 }
 
 
-def _coerce(key: str, value, typ):
-    """Check a TOML value (or parse a CLI string) against the field's annotated type."""
-    origin = typing.get_origin(typ)
-    if origin is list:
-        (item_type,) = typing.get_args(typ)
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(key, v, item_type) for v in value]
-    if typ is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if typ in (int, float):
-        if isinstance(value, str):
-            try:
-                value = typ(value)
-            except ValueError:
-                pass
-        accepted = int if typ is int else (int, float)
-        if isinstance(value, bool) or not isinstance(value, accepted):
-            raise ConfigError(f"{key}: expected {'an integer' if typ is int else 'a number'}, got {value!r}")
-        return typ(value)
-    if typ is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    raise TypeError(f"unsupported config type {typ} for {key}")
-
-
-def _set(cfg: JobConfig, key: str, value) -> None:
-    section_name, _, name = key.partition(".")
-    section = getattr(cfg, section_name, None)
-    if section is None or not dataclasses.is_dataclass(section) or not name:
-        raise ConfigError(f"{key}: unknown config section {section_name!r}")
-    hints = typing.get_type_hints(type(section))
-    if name not in hints:
-        raise ConfigError(f"{key}: unknown key in [{section_name}]")
-    setattr(section, name, _coerce(key, value, hints[name]))
-
-
-def _parse_overrides(overrides: list[str]) -> list[tuple[str, str]]:
-    pairs, i = [], 0
-    while i < len(overrides):
-        arg = overrides[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"{arg}: expected --section.key value")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(overrides):
-                raise ConfigError(f"{key}: missing value")
-            value, i = overrides[i + 1], i + 1
-        pairs.append((key, value))
-        i += 1
-    return pairs
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Defaults, then the TOML file, then CLI overrides; validated before returning."""
     cfg = JobConfig()
@@ -282,9 +217,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raw = tomli.load(f)
         except tomli.TOMLDecodeError as e:
             raise ConfigError(f"--config: {path} is not valid TOML ({e})") from None
-        _apply(cfg, raw)
-    for key, value in _parse_overrides(overrides or []):
-        _set(cfg, key, value)
+        apply_tables(cfg, raw)
+    for key, value in parse_overrides(overrides or []):
+        set_key(cfg, key, value)
     validate(cfg)
     return cfg
 
@@ -292,17 +227,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_from_dict(raw: dict) -> JobConfig:
     """A JobConfig from `JobConfig.to_dict()` output, e.g. a run's config.json; validated."""
     cfg = JobConfig()
-    _apply(cfg, raw)
+    apply_tables(cfg, raw)
     validate(cfg)
     return cfg
-
-
-def _apply(cfg: JobConfig, raw: dict) -> None:
-    for section_name, section in raw.items():
-        if not isinstance(section, dict):
-            raise ConfigError(f"{section_name}: expected a [{section_name}] table")
-        for name, value in section.items():
-            _set(cfg, f"{section_name}.{name}", value)
 
 
 def switch_step(cfg: JobConfig) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import tiktoken
 import tiktoken.load
 
-from elr.config import UserError
+from elr.errors import ConfigError, TokenizerError
 
 # The GPT-4 (cl100k_base) pre-tokenization regex, character for character, written out because a
 # ranks file does not carry it: the BPE is trained on the pieces this regex cuts, so encoding must
@@ -33,10 +33,6 @@ SPLIT_PATTERN = (
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
 EOT = "<|endoftext|>"
-
-
-class TokenizerError(UserError, ValueError):
-    """A ranks file or encoding that cannot be this project's tokenizer."""
 
 
 class Tokenizer:
@@ -114,3 +110,21 @@ def build_tokenizer(path_or_name: str) -> Tokenizer:
             "TIKTOKEN_CACHE_DIR at the cache, or pass a local ranks file instead."
         ) from e
     return Tokenizer(encoding, path_or_name)
+
+
+# n_vocab (ranks + special tokens) of the tiktoken encodings, as tiktoken 0.14 builds them: estimates
+# sized by a config's vocabulary must not depend on whether the encoding's file is cached or can be
+# downloaded.
+ENCODING_VOCAB = {"o200k_base": 200019, "cl100k_base": 100277}
+
+
+def vocab_size(path_or_name: str) -> int:
+    """The vocabulary of a ranks file (read), or of a tiktoken encoding (known by name, never loaded):
+    the same on every machine. For the estimates; training builds the tokenizer itself."""
+    if Path(path_or_name).is_file():
+        return build_tokenizer(path_or_name).n_vocab
+    if path_or_name in ENCODING_VOCAB:
+        return ENCODING_VOCAB[path_or_name]
+    raise ConfigError(f"tokenizer.path: {path_or_name!r} is neither a file nor one of {', '.join(ENCODING_VOCAB)}; "
+                      "pass --vocab-size")
+

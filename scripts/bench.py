@@ -11,13 +11,10 @@ Each benchmark is one function registered in BENCHMARKS; it prints a small table
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def time_call(fn, repeats, warmup=1):
@@ -258,7 +255,7 @@ def bench_replay(args):
 
     def update(replay, loops):
         def run():
-            model.recurrent.route_replay = replay
+            model.route_replay = replay
             for k in loops:
                 F.cross_entropy(model(tokens, loops=k).flatten(0, 1), tokens.flatten()).backward()
             model.zero_grad(set_to_none=True)

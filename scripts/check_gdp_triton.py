@@ -12,14 +12,11 @@ for fp32. Exits 1 if any tensor is off. scripts/gpu_check.sh runs it.
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.gated_delta_product import gated_delta_product, gated_delta_product_step  # noqa: E402
+from kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
 

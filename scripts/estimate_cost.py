@@ -11,7 +11,7 @@ E[k] = f + (1 - f) sum_k w_k k in the mixed phase,
 The FLOP column weighs each layer by its analytic training FLOPs at the config's seq_len and counts
 the embedding/head once per token, as model.num_flops_per_token does, so it depends (a little) on
 the vocabulary. That comes from the config's tokenizer without loading an encoding: a local ranks
-file is read, a tiktoken encoding name is looked up in ENCODING_VOCAB, so the figures are the same
+file is read, a tiktoken encoding name is looked up (elr.tokenizer.ENCODING_VOCAB), so the figures are the same
 whether or not the encoding is cached on this machine; `--vocab-size N` overrides it (e.g. 131072,
 the Nemotron vocabulary the paper's models use). The params columns count the model the config
 trains after its late switch (conditioning included); active counts top-k of the routed experts.
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from elr.config import ConfigError, load_config  # noqa: E402
-from elr.models import build_model  # noqa: E402
-from elr.models.from_config import check_model_config, model_args_from_config  # noqa: E402
-from elr.train.loop_sampler import LoopSampler  # noqa: E402
+from elr.config import load_config
+from elr.errors import ConfigError
+from elr.models import build_model
+from elr.models.from_config import check_model_config, model_args_from_config
+from elr.tokenizer import vocab_size as tokenizer_vocab
+from elr.train.loop_sampler import LoopSampler
 
 FORMULA = (
     "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L,   "
@@ -38,15 +38,10 @@ FORMULA = (
 )
 
 
-# n_vocab (ranks + special tokens) of the tiktoken encodings, as tiktoken 0.14 builds them: the
-# estimate must not depend on whether the encoding's file can be downloaded or is cached.
-ENCODING_VOCAB = {"o200k_base": 200019, "cl100k_base": 100277}
-
-
 def estimate(config_path: str, vocab_size: int | None = None) -> dict:
     cfg = load_config(config_path)
     check_model_config(cfg)
-    vocab_size = vocab_size or config_vocab(cfg)
+    vocab_size = vocab_size or tokenizer_vocab(cfg.tokenizer.path)
     e = cfg.elr
     sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights)
     mean_k = sampler.mean_loops() if e.enabled else 1.0
@@ -74,19 +69,6 @@ def estimate(config_path: str, vocab_size: int | None = None) -> dict:
 
 def human(n: float) -> str:
     return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
-
-
-def config_vocab(cfg) -> int:
-    """The config tokenizer's vocabulary, the same on every machine (see the module docstring)."""
-    from elr.tokenizer import build_tokenizer
-
-    name = cfg.tokenizer.path
-    if Path(name).is_file():
-        return build_tokenizer(name).n_vocab
-    if name in ENCODING_VOCAB:
-        return ENCODING_VOCAB[name]
-    raise ConfigError(f"tokenizer.path: {name!r} is neither a file nor one of {', '.join(ENCODING_VOCAB)}; "
-                      "pass --vocab-size")
 
 
 def main() -> int:

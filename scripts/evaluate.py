@@ -21,13 +21,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from elr.config import UserError  # noqa: E402
-from elr.infer.cache import MODES  # noqa: E402
-from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss  # noqa: E402
-from elr.infer.load import load_model, load_tokenizer  # noqa: E402
-from elr.tasks import build_task  # noqa: E402
+from elr.errors import UserError
+from elr.infer.cache import MODES
+from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss
+from elr.infer.load import load_model, load_tokenizer
+from elr.tasks import build_task
 
 LATENCY_TEXT = "The old king walked slowly through the quiet garden, thinking of the years behind him. "
 
@@ -43,7 +41,7 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
     """Run config and {metric: {k: value}} for one checkpoint (loops None: every k in 1..K)."""
     model, cfg = load_model(checkpoint, args.device, getattr(torch, args.dtype))
     if args.route_replay:
-        model.recurrent.route_replay = True
+        model.route_replay = True
     loops = loops or list(range(1, model.args.max_loops + 1))
     rows: dict[str, dict[int, float]] = {}
     if cfg["data"].get("task"):  # a depth-task run: answer accuracy per difficulty, nothing text-based

@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from elr.config import UserError  # noqa: E402
-from elr.infer.cache import MODES  # noqa: E402
-from elr.infer.generate import Sampling, generate  # noqa: E402
-from elr.infer.load import load_model, load_tokenizer, run_config  # noqa: E402
-from elr.infer.memory import memory_table  # noqa: E402
-from elr.models import flavors  # noqa: E402
+from elr.errors import UserError
+from elr.infer.cache import MODES
+from elr.infer.generate import Sampling, generate
+from elr.infer.load import load_model, load_tokenizer, run_config
+from elr.infer.memory import memory_table
+from elr.models import flavors
 
 
 def parse_loops(text: str) -> list[int]:
@@ -84,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(memory_table(model.args, max(args.loops + [model.args.max_loops]), args.memory, dtype))
         return 0
     if args.route_replay:
-        model.recurrent.route_replay = True
+        model.route_replay = True
 
     for k in args.loops:
         generator = torch.Generator(args.device).manual_seed(args.seed)

@@ -26,15 +26,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from elr.config import load_config  # noqa: E402
-from elr.models import build_model, flavors  # noqa: E402
-from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
-from elr.parallel.activation_memory import forward_activation_bytes  # noqa: E402
-from elr.parallel.memory_plan import GiB, microbatch_bytes  # noqa: E402
-from elr.train.loss import summed_loss  # noqa: E402
-from elr.train.trainer import Trainer  # noqa: E402
+from elr.config import load_config
+from elr.models import build_model, flavors
+from elr.parallel.activation_checkpoint import apply_activation_checkpointing
+from elr.tools.activation_memory import live_activation_bytes
+from elr.tools.memory_plan import GiB, microbatch_bytes
+from elr.train.loss import summed_loss
+from elr.train.trainer import Trainer
 
 DEBUG_TOML = ROOT / "train_configs" / "debug.toml"
 AC_MODES = [("none", "op"), ("selective", "op"), ("selective", "2"), ("full", "op")]
@@ -95,7 +94,7 @@ def memory_rows(dry_run: bool, device: torch.device, peak_tflops: float) -> list
             measured = (torch.cuda.max_memory_allocated() - base) / GiB
             optimizer.zero_grad(set_to_none=True)
         else:  # no allocator statistics on CPU: count what the forward keeps alive instead
-            measured = forward_activation_bytes(model, tokens, loops, summed_loss) / GiB
+            measured = live_activation_bytes(lambda: summed_loss(model(tokens, loops=loops), tokens), model) / GiB
         n_steps = 1 if dry_run else 3
         start = time.perf_counter()
         for _ in range(n_steps):

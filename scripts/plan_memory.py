@@ -5,7 +5,7 @@
 
 Any `--section.key value` override the trainer takes is accepted (layout, expert parallelism, AC
 mode, optimizer, batch, seq_len, training.loss_chunk_tokens: the loss one chunk of tokens at a time).
-The model is built on the meta device; see elr/parallel/memory_plan.py for what is counted.
+The model is built on the meta device; see elr/tools/memory_plan.py for what is counted.
 Exit code 0 when it fits, 1 when it does not, 2 for a config error.
 """
 
@@ -15,12 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from elr.config import ConfigError, load_config  # noqa: E402
-from elr.parallel.memory_plan import plan_memory  # noqa: E402
-from elr.models.from_config import model_args_from_config  # noqa: E402
-from estimate_cost import config_vocab  # noqa: E402
+from elr.config import load_config
+from elr.errors import ConfigError
+from elr.tools.memory_plan import plan_memory
+from elr.models.from_config import model_args_from_config
+from elr.tokenizer import vocab_size
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
-        vocab = args.vocab_size or config_vocab(cfg)
+        vocab = args.vocab_size or vocab_size(cfg.tokenizer.path)
         model_args = model_args_from_config(cfg, vocab)
         plan = plan_memory(cfg, model_args, args.ngpu, args.gpu_memory_gib, Path(args.config).name)
     except ConfigError as err:

@@ -45,8 +45,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-from elr.tokenizer import Tokenizer, build_tokenizer, file_sha256  # noqa: E402
+from elr.tokenizer import Tokenizer, build_tokenizer, file_sha256
 
 SPLITS = ("train", "val")
 SPLIT_KINDS = ("document", "tail")

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from elr.config import UserError
+from elr.errors import UserError
 from elr.tools.route_diagnostics import drift_for_checkpoint
 
 

@@ -24,9 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
-from elr.tokenizer import SPLIT_PATTERN, build_tokenizer  # noqa: E402
-from prepare_data import InputError, iter_all_documents, list_input_files  # noqa: E402
+from elr.tokenizer import SPLIT_PATTERN, build_tokenizer
+from prepare_data import InputError, iter_all_documents, list_input_files
 
 CHECK_DOCS = 64  # documents re-encoded with tiktoken to prove the written file is equivalent
 

@@ -60,7 +60,7 @@ def test_gradients_and_moe_counts_with_ac_equal_without(mode, option, route_repl
 def test_every_second_layer_is_wrapped_across_the_whole_stack():
     model = make()
     apply_activation_checkpointing(model, "selective", "2")
-    layers = [*model.input_layers, *model.recurrent.layers, *model.output_layers]
+    layers = list(model.layers())
     assert [isinstance(layer, CheckpointedLayer) for layer in layers] == [i % 2 == 1 for i in range(len(layers))]
 
 
@@ -73,7 +73,7 @@ def test_compiled_checkpointed_layers_match_eager_and_count_once(mode, option):
     want_grads, want_counts = grads_and_counts(reference, tokens, 2)
     model = copy.deepcopy(reference)
     apply_activation_checkpointing(model, mode, option)
-    for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+    for layer in model.layers():
         layer.compile(backend="aot_eager")
     grads, counts = grads_and_counts(model, tokens, 2)
     for name in want_grads:

@@ -21,7 +21,10 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # also imported by tests/distributed/ckpt_reshard.py
 from elr.checkpoint import load_model_export  # noqa: E402
-from elr.train.checkpoint import MARKER, CheckpointError, CheckpointManager, ModelState, OptimizerState  # noqa: E402
+from elr.checkpoint import MARKER  # noqa: E402
+from elr.errors import CheckpointError  # noqa: E402
+from elr.train.checkpoint import CheckpointManager  # noqa: E402
+from elr.train.train_state import ModelState, OptimizerState  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -165,7 +168,8 @@ KILLED_SAVER = r"""
 import sys, time, torch
 import torch.distributed.checkpoint as dcp
 from pathlib import Path
-from elr.train.checkpoint import CheckpointManager, ModelState
+from elr.train.checkpoint import CheckpointManager
+from elr.train.train_state import ModelState
 
 folder, sentinel = Path(sys.argv[1]), Path(sys.argv[2])
 torch.manual_seed(0)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from elr.config import ConfigError, JobConfig, load_config
+from elr.config import JobConfig, load_config
+from elr.errors import ConfigError
 from elr.models.from_config import check_model_config, model_args_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +83,7 @@ def test_bad_input_names_the_key(tmp_path, toml, overrides, key):
         ("[elr]\nupdate = \"gated\"\n", "elr.update"),
         ("[elr]\nrecurrent_input = \"input\"\n", "elr.recurrent_input"),
         ("[model]\nflavor = \"gpt5\"\n", "model.flavor"),
+        ("[model]\ngdp_impl = \"cuda\"\n", "model.gdp_impl"),
     ],
 )
 def test_bad_model_settings_name_the_key(tmp_path, toml, key):
@@ -101,7 +103,8 @@ def test_elr_settings_come_from_the_config_alone():
     args = model_args_from_config(cfg, vocab_size=256)
     assert (args.max_loops, args.update, args.recurrent_input, args.conditioning) == (
         2, "residual", "state_plus_input", True)
-    assert not model_args_from_config(cfg, vocab_size=256, before_switch=True).conditioning
+    assert not model_args_from_config(cfg, vocab_size=256, mixed_depth=False).conditioning
+    assert model_args_from_config(load_config(None, ["--model.gdp_impl", "naive"]), vocab_size=256).gdp_impl == "naive"
     baseline = load_config(None, ["--elr.enabled", "false", "--elr.max_loops", "1", "--elr.conditioning", "false"])
     args = model_args_from_config(baseline, vocab_size=256)
     assert (args.max_loops, args.update, args.conditioning) == (1, "replace", False)  # no ELR parameter

@@ -11,7 +11,7 @@ import torch
 from elr.config import load_config
 from elr.models.from_config import model_args_from_config
 from elr.parallel.context_parallel import lower_right_causal, shard_sequence
-from elr.parallel.memory_plan import activation_bytes, fake_sequence_meshes, plan_memory
+from elr.tools.memory_plan import activation_bytes, fake_sequence_meshes, plan_memory
 from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, records, run, run_script
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elr.config import ELR, ConfigError, Optimizer, load_config
+from elr.config import ELR, Optimizer, load_config
+from elr.errors import ConfigError
 from elr.models import build_model, flavors
 from elr.models.from_config import check_model_config
 from elr.models.recurrence import STEP_INPUTS

@@ -6,10 +6,11 @@ import sys
 import pytest
 import tiktoken
 
+from elr.tokenizer import ENCODING_VOCAB
 from trainer_utils import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from estimate_cost import ENCODING_VOCAB, estimate  # noqa: E402
+from estimate_cost import estimate  # noqa: E402
 
 CONFIGS = ROOT / "train_configs"
 

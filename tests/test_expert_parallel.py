@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from elr.config import ConfigError, load_config
+from elr.config import load_config
+from elr.errors import ConfigError
 from elr.models.from_config import check_model_config
 from elr.parallel.parallel_dims import ParallelDims, expert_groups
 from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, overrides, records, run, run_script

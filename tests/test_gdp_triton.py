@@ -206,6 +206,32 @@ def test_selective_checkpointing_can_save_the_op_output(monkeypatch, save_gdp_ou
 
 
 @kernel_test
+def test_decoding_takes_the_triton_step_and_equals_the_full_forward(monkeypatch):
+    """A model with gdp_impl = "triton" decodes one token at a time through the one-token kernel,
+    and the logits equal its full-sequence forward."""
+    import kernels.gated_delta_product as gdp_op
+    from elr.infer.cache import InferenceCache
+    from elr.models import build_model
+    from elr.models.args import ModelArgs
+
+    steps = []
+    kernel = gdp_op.triton_gated_delta_product_step
+    monkeypatch.setattr(gdp_op, "triton_gated_delta_product_step", lambda *a, **kw: steps.append(1) or kernel(*a, **kw))
+    args = ModelArgs(dim=32, layer_pattern="GG", partition=(1, 1, 0), vocab_size=16, max_seq_len=16, gdp_heads=2,
+                     gdp_head_dim=16, gdp_impl="triton", max_loops=2)
+    torch.manual_seed(0)
+    model = build_model(args).to(DEVICE)
+    model.init_weights()
+    tokens = torch.randint(0, 16, (2, 7), device=DEVICE)
+    with torch.no_grad():
+        full = model(tokens, loops=2)
+        cache = InferenceCache(model, 2, 7, 2, "per_loop")
+        chunks = [model(tokens[:, :4], 2, cache)] + [model(tokens[:, t:t + 1], 2, cache) for t in range(4, 7)]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=ATOL, rtol=RTOL)
+    assert len(steps) == 3 * 3  # three decoded tokens, each through three GDP calls (one input, two loops)
+
+
+@kernel_test
 def test_unsupported_head_dim_raises():
     q, k, v, g, beta, _ = make_inputs(B=1, T=3, H=1, K=12, V=16, n_h=2)
     with pytest.raises(ValueError, match="head dim K"):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from elr.config import ConfigError, load_config
+from elr.config import load_config
+from elr.errors import ConfigError
 from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, overrides
 

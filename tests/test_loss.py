@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elr.config import ConfigError, load_config
-from elr.parallel.activation_memory import storage_key
+from elr.config import load_config
+from elr.errors import ConfigError
+from elr.tools.activation_memory import storage_key
 from elr.train.loss import chunked_cross_entropy, summed_loss
 from trainer_utils import DEBUG_TOML, records, run
 

@@ -45,7 +45,7 @@ def test_train_step_syncs_with_the_host_a_fixed_number_of_times(tmp_path, monkey
     def syncs(n_micro):
         batch = ["--training.local_batch_size", "1", "--training.global_batch_size", str(n_micro)]
         trainer = Trainer(load_config(DEBUG_TOML, overrides(tmp_path / str(n_micro), 1, *batch)))
-        trainer.switch_step = -1  # mixed depth from the first step, so loop statistics exist
+        trainer.depths.switch_step = -1  # mixed depth from the first step, so loop statistics exist
         calls.clear()
         scalars, ks, _ = trainer.train_step(1)
         assert "loop1/update_norm" in scalars and ks.shape == (1, n_micro)

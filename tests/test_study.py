@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import tomli
 
 from elr.tokenizer import build_tokenizer
 from elr.tools.study.byte_data import byte_level_copy
@@ -60,7 +61,9 @@ def test_depth_suite_reports_accuracy_per_difficulty_and_past_k(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "out/results.json").read_text())["results"]
     record = final_record(tmp_path / "runs/elr/seed0", 4)
-    assert results["elr"]["accuracy"][3] == [record[f"val/acc_k4_d{d}"] for d in range(1, 5)]
+    with open(ROOT / "train_configs/study/depth.toml", "rb") as f:
+        hardest = tomli.load(f)["data"]["task_max_difficulty"]
+    assert results["elr"]["accuracy"][3] == [record[f"val/acc_k4_d{d}"] for d in range(1, hardest + 1)]
     # scored again past K from the checkpoint: k <= K reproduce the run's own validation (the same 64 examples)
     beyond = results["elr"]["beyond"]
     assert sorted(map(int, beyond)) == list(range(1, 9))

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from elr import tasks
-from elr.config import ConfigError, load_config
+from elr.config import load_config
+from elr.errors import ConfigError
 from elr.train.data import TaskDataset, val_task_batches
 from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, losses, records
@@ -144,7 +145,7 @@ def test_trainer_on_a_task_scores_answers_only_and_reports_accuracy(tmp_path):
     cfg = load_config(DEBUG_TOML, [*TASK_JOB, "--training.steps", "3", "--job.dump_folder", str(tmp_path)])
     trainer = Trainer(cfg)
     try:
-        data, ks = trainer.train_loader.dataset, trainer.loop_counts(1)[0].tolist()
+        data, ks = trainer.train_loader.dataset, trainer.depths.loop_counts(1)[0].tolist()
         with torch.no_grad():  # update 1's loss: the mean cross entropy of the answers alone, 8 of them
             answers = [F.cross_entropy(trainer.model(x, loops=k)[:, -1], y[:, -1], reduction="sum")
                        for (x, y), k in zip((data.samples(0), data.samples(4)), ks)]

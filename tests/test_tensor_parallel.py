@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from elr.config import ConfigError, load_config
+from elr.config import load_config
+from elr.errors import ConfigError
 from elr.models import flavors
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.tensor_parallel import check_tensor_parallel

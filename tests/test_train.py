@@ -104,7 +104,7 @@ def test_switch_keeps_the_one_loop_model_exactly(tmp_path):
     inputs, _ = next(iter(trainer.train_loader))
     with torch.no_grad():
         after = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
-        trainer._build(mixed=False)
+        trainer._build(mixed_depth=False)
         trainer._load(1)
         assert not trainer.model_args.conditioning
         before = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
@@ -167,7 +167,7 @@ def test_one_loop_override_and_cross_entropy_match_a_manual_step(tmp_path):
     """The logged loss of step 1 is the token mean of cross entropy over the slots' own k."""
     dump = tmp_path / "run"
     trainer = Trainer(load_config(DEBUG_TOML, overrides(dump, 1)))
-    ks = trainer.loop_counts(1)[0].tolist()
+    ks = trainer.depths.loop_counts(1)[0].tolist()
     loader = iter(trainer.train_loader)
     batches = [next(loader) for _ in ks]
     trainer.train_loader.dataset.position = 0
@@ -208,7 +208,7 @@ def test_aux_loss_adds_coeff_times_its_microbatch_mean_to_the_gradient(tmp_path,
     """coeff 0 gives cross entropy's gradient alone, exactly as before the aux loss existed."""
     trainer = Trainer(load_config(DEBUG_TOML, overrides(tmp_path, 1, "--moe.aux_loss_coeff", str(coeff),
                                                         "--training.max_norm", "0")))
-    model, ks = trainer.model, trainer.loop_counts(1)[0].tolist()
+    model, ks = trainer.model, trainer.depths.loop_counts(1)[0].tolist()
     loader = iter(trainer.train_loader)
     batches = [next(loader) for _ in ks]
     trainer.train_loader.dataset.position = 0

@@ -7,9 +7,10 @@
 
 A folder without commit.json is an unfinished save and never loads. Before a load every file's
 size and SHA-256 must match the marker, so a flipped bit, a cut copy or a replaced shard is found
-before it is trained on or evaluated. Formats: 1 (no "format" key) holds GDP k/v/beta rows in the
-order used before 2026-12-01; 2 holds them head-major; 3 adds the checksums and config.json. A
-format-2 checkpoint still loads, its sizes checked, with one line saying it has no checksums.
+before it is trained on or evaluated. Formats: 1 (no "format" key); 2 changed a weight layout (the
+layer kinds register such changes, `LayerKind.layouts`: GDP's head-major k/v/beta rows); 3 adds the
+checksums and config.json. A format-2 checkpoint still loads, its sizes checked, with one line
+saying it has no checksums.
 """
 
 from __future__ import annotations
@@ -28,28 +29,16 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from elr.config import UserError
+from elr.errors import CheckpointError, UnusableCheckpoint
+from elr.models.layers import LAYER_KINDS
 from elr.tokenizer import file_sha256
 
 MARKER = "commit.json"
+STEP_DIR = re.compile(r"step-(\d+)")  # a checkpoint folder's name (`step-N.tmp` is an unfinished save)
 CONFIG = "config.json"  # the job config inside a step folder (format >= 3)
 FORMAT = 3
-HEAD_MAJOR_GDP = 2  # from this format on GDP's k/v/beta rows are head-major (elr/models/gdp.py)
 WITH_CHECKSUMS = 3  # from this format on: sha256 of every file, and config.json
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-class CheckpointError(UserError):
-    """A checkpoint cannot be used as asked: keys or shapes differ, or the requested step is bad."""
-
-
-class UnusableCheckpoint(CheckpointError):
-    """A folder whose own files rule out loading it (missing, damaged, modified, or written by a
-    newer version): not the caller's mistake, so a resume may fall back to an older checkpoint."""
-
-    def __init__(self, folder: str | Path, reason: str):
-        super().__init__(f"checkpoint {folder} {reason}")
-        self.reason = reason
 
 
 def hash_files(folder: Path, names: list[str]) -> dict[str, str]:
@@ -145,12 +134,13 @@ def verify(folder: str | Path, step: int | None = None) -> dict:
 
 
 def check_format(path: Path, marker: dict, saved_keys) -> None:
-    """Refuse a checkpoint whose GDP weights are in the pre-2026-12-01 row order."""
-    if marker.get("format", 1) < HEAD_MAJOR_GDP and any("k_proj" in key.split(".") for key in saved_keys):
-        raise CheckpointError(
-            f"{path} holds GDP k/v/beta weights in the order used before 2026-12-01 (checkpoint format "
-            f"{marker.get('format', 1)}, now {FORMAT}: head-major rows); this version would load them "
-            "permuted, so it does not load them")
+    """Refuse a checkpoint holding weights of a layer kind in a layout the kind has since changed."""
+    saved = marker.get("format", 1)
+    for kind in LAYER_KINDS.values():
+        for layout in kind.layouts:
+            if saved < layout.since_format and any(layout.weight in key.split(".") for key in saved_keys):
+                raise CheckpointError(f"{path} holds {layout.old} (checkpoint format {saved}, now {FORMAT}); "
+                                      "this version would read them in the new layout, so it does not load them")
 
 
 def check_keys(state_dict: dict[str, Any], saved: dict[str, Any], allow_missing: Callable[[str], bool],
@@ -207,4 +197,33 @@ def read_config(folder: Path, marker: dict) -> dict | None:
     if not isinstance(config, dict):
         raise UnusableCheckpoint(folder, f"has a {CONFIG} that is not a config")
     return config
+
+
+def step_folders(folder: Path) -> list[int]:
+    """Steps of every `step-N` folder in a checkpoint folder, committed or not, newest first."""
+    folders = folder.iterdir() if folder.is_dir() else []
+    return sorted((int(m[1]) for p in folders if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()), reverse=True)
+
+
+def committed_steps(folder: Path) -> list[int]:
+    """Steps of `step-N` folders with a marker, newest first (not yet checked)."""
+    return [s for s in step_folders(folder) if (folder / f"step-{s}" / MARKER).is_file()]
+
+
+def marker_or_reason(folder: Path, step: int) -> dict | str:
+    """The marker of `folder/step-{step}` if its sizes hold, else why not (cheap: no hashing)."""
+    path = folder / f"step-{step}"
+    try:
+        marker = read_marker(path, step)
+        check_sizes(path, marker)
+        return marker
+    except UnusableCheckpoint as e:
+        return e.reason
+
+
+def latest_step(folder: str | Path) -> int | None:
+    """The newest committed checkpoint in `folder` whose marker and sizes hold, or None: what a resume
+    tries first (reads the folder; no collectives, no hashing)."""
+    folder = Path(folder)
+    return next((s for s in committed_steps(folder) if isinstance(marker_or_reason(folder, s), dict)), None)
 

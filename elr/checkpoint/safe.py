@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
-from elr.checkpoint.format import CheckpointError, UnusableCheckpoint, check_format, check_keys, first_nonfinite, verify
+from elr.checkpoint.format import check_format, check_keys, first_nonfinite, verify
+from elr.errors import CheckpointError, UnusableCheckpoint
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # (module, name) -> object, looked up before anything is imported: a name not listed is refused.
@@ -133,22 +134,33 @@ def load_state_dict(state_dict: dict[str, Any], path: str | Path, *, process_gro
              process_group=process_group, no_dist=process_group is None)
 
 
-def load_model_export(path: str | Path, model: torch.nn.Module) -> None:
-    """Load an `export_model` folder (full tensors, plain names) into a plain module, casting the dtype."""
+def load_module(path: str | Path, module: torch.nn.Module, saved: dict, *, root: str = "",
+                what: str = "this model") -> None:
+    """Load a plain module (no process group) from a verified folder of a format this code reads,
+    casting to the module's dtypes: the whole folder (an export: full tensors, plain names), or the
+    entries under `root` (a training checkpoint's "model"). `saved` is the folder's DCP metadata.
+    Strict both ways: a saved weight the module lacks means another network was built (`what` it was
+    built from names it in the error); NaN/Inf are refused."""
     path = Path(path)
-    marker = verify(path)
-    saved = read_metadata(path).state_dict_metadata
-    check_format(path, marker, saved)
-    state_dict = model.state_dict()
+    state_dict = module.state_dict()
+    request = {root: state_dict} if root else state_dict
     try:
-        check_keys(state_dict, saved, lambda key: False, only_requested_roots=False)
+        check_keys(request, saved, lambda key: False, only_requested_roots=bool(root))
     except CheckpointError as e:
-        raise CheckpointError(f"{path} does not fit this model ({e})") from None
-    load_state_dict(state_dict, path)
+        raise CheckpointError(f"{path} does not fit {what} ({e})") from None
+    load_state_dict(request, path)
     bad = first_nonfinite(state_dict)
     if bad:
         raise UnusableCheckpoint(path, f"holds NaN/Inf in {bad}")
-    model.load_state_dict(state_dict)
+    module.load_state_dict(state_dict)
+
+
+def load_model_export(path: str | Path, model: torch.nn.Module) -> None:
+    """Load an `export_model` folder (full tensors, plain names) into a plain module, casting the dtype."""
+    marker = verify(path)
+    saved = read_metadata(path).state_dict_metadata
+    check_format(Path(path), marker, saved)
+    load_module(path, model, saved)
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,11 +1,13 @@
 """Inference state for incremental decoding: attention KV caches and GDP states, per loop or shared.
 
 The model runs its usual forward code; `ELRModel.forward(tokens, loops, cache)` asks this cache for
-each row's positions, and every attention or GDP layer asks it for its slot at loop i. Two modes:
+each row's positions, and every layer that keeps state asks it for its entry at loop i: the object its
+kind registers (`LayerKind.inference_state`, elr/models/layers.py: keys and values for attention, the
+recurrent and short-conv state for GDP). Two modes:
 
-- `per_loop`: every (recurrent layer, loop) pair keeps its own KV cache or GDP state, so a decoded
-  token sees exactly what the full-sequence forward would show it. The exact reference.
-- `last_loop` (paper, arXiv 2610.12582): one slot per physical layer whatever k is. Each loop
+- `per_loop`: every (recurrent layer, loop) pair keeps its own entry, so a decoded token sees
+  exactly what the full-sequence forward would show it. The exact reference.
+- `last_loop` (paper, arXiv 2610.12582): one entry per physical layer whatever k is. Each loop
   overwrites the chunk's rows, so later tokens read earlier tokens' final-loop keys and values;
   attention KV memory stays at its one-loop size. Our choice, by the same rule: a GDP layer also
   keeps one state, every loop of a chunk starts from the state the previous chunk's final loop left.
@@ -21,61 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from elr.models.layers import LAYER_KINDS
+
 MODES = ("per_loop", "last_loop")
-
-
-class AttentionSlot:
-    """Preallocated keys and values [B, n_kv_heads, capacity, head_dim] of one layer (and loop)."""
-
-    def __init__(self, cache: InferenceCache, n_kv_heads: int, head_dim: int, dtype, device):
-        self.cache = cache
-        shape = (cache.batch, n_kv_heads, cache.capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write this chunk's k, v [B, H_kv, T, D] (overwriting an earlier loop's), return all so far."""
-        start, end = self.cache.length, self.cache.length + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end].to(k.dtype), self.v[:, :, :end].to(v.dtype), self.cache.attn_mask
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
-
-
-class GDPSlot:
-    """One GDP layer's (and loop's) recurrent state [B, H, K, V] and short-conv input tails."""
-
-    def __init__(self, cache: InferenceCache, mixer, dtype, device):
-        self.cache = cache
-        B, H, D = cache.batch, mixer.n_heads, mixer.head_dim
-        self.state = torch.zeros(B, H, D, D, dtype=dtype, device=device)
-        self.conv_states = tuple(
-            torch.zeros(B, conv.weight.shape[-1] - 1, conv.weight.shape[0], dtype=dtype, device=device)
-            for conv in (mixer.q_conv, mixer.k_conv, mixer.v_conv)
-        )
-        self.pending = None
-
-    @property
-    def valid(self) -> torch.Tensor:
-        return self.cache.valid
-
-    def write(self, state: torch.Tensor, conv_states: tuple[torch.Tensor, ...]) -> None:
-        """Hold the chunk's final state; it replaces the stored one when the whole forward ends, so
-        in last_loop mode every loop of the chunk starts from the previous chunk's final loop."""
-        self.pending = (state, conv_states)
-
-    def commit(self) -> None:
-        if self.pending is not None:
-            state, conv_states = self.pending
-            self.state.copy_(state)
-            for dst, src in zip(self.conv_states, conv_states):
-                dst.copy_(src)
-            self.pending = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.state, *self.conv_states]
 
 
 class InferenceCache:
@@ -99,20 +49,21 @@ class InferenceCache:
         self.chunk = 0  # columns in the forward now running
         self.valid = self.attn_mask = None
         recurrent = set(model.recurrent.layers)
-        self.slots: dict[tuple[torch.nn.Module, int], AttentionSlot | GDPSlot] = {}
-        for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+        self.entries: dict[tuple[torch.nn.Module, int], object] = {}  # (layer, loop) -> its kind's entry
+        for layer in model.layers():
+            state = LAYER_KINDS[layer.kind].inference_state
+            if state is None:
+                continue
             copies = loops if mode == "per_loop" and layer in recurrent else 1
             for loop in range(1, copies + 1):
-                if layer.kind == "A":
-                    a = layer.sublayer
-                    self.slots[layer, loop] = AttentionSlot(self, a.n_kv_heads, a.head_dim, dtype, device)
-                elif layer.kind == "G":
-                    self.slots[layer, loop] = GDPSlot(self, layer.sublayer, dtype, device)
+                self.entries[layer, loop] = state.new(layer.sublayer, self, dtype, device)
 
-    def slot(self, layer, loop: int):
-        if layer.kind not in "AG":
+    def entry(self, layer, loop: int):
+        """What `layer` keeps at loop i (its only one outside per_loop mode or the recurrent block);
+        None for a kind that keeps nothing."""
+        if LAYER_KINDS[layer.kind].inference_state is None:
             return None
-        return self.slots[layer, loop if self.mode == "per_loop" and (layer, loop) in self.slots else 1]
+        return self.entries[layer, loop if self.mode == "per_loop" and (layer, loop) in self.entries else 1]
 
     def begin(self, chunk: int, loops: int) -> torch.Tensor:
         """Start a forward over `chunk` new columns; returns each row's positions [B, chunk]."""
@@ -132,17 +83,16 @@ class InferenceCache:
         return positions.clamp(min=0)
 
     def advance(self) -> None:
-        """The forward is done: commit GDP states and count its columns as cached."""
-        for slot in self.slots.values():
-            if isinstance(slot, GDPSlot):
-                slot.commit()
+        """The forward is done: commit what the entries held back (GDP states) and count its columns
+        as cached."""
+        for entry in self.entries.values():
+            entry.commit()
         self.length += self.chunk
         self.chunk = 0
 
     def nbytes(self) -> dict[str, int]:
-        """Measured bytes of the stored tensors, by kind."""
-        sizes = {"attention_kv": 0, "gdp_state": 0}
-        for slot in self.slots.values():
-            kind = "attention_kv" if isinstance(slot, AttentionSlot) else "gdp_state"
-            sizes[kind] += sum(t.nbytes for t in slot.tensors())
+        """Measured bytes of the stored tensors, by the name of each kind's state ("attention_kv", ...)."""
+        sizes = dict.fromkeys((kind.inference_state.name for kind in LAYER_KINDS.values() if kind.inference_state), 0)
+        for (layer, _), entry in self.entries.items():
+            sizes[LAYER_KINDS[layer.kind].inference_state.name] += sum(t.nbytes for t in entry.tensors())
         return sizes

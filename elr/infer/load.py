@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from elr.checkpoint import CheckpointError, UnusableCheckpoint, check_format, check_keys, first_nonfinite
-from elr.checkpoint import load_state_dict, read_config, read_marker, read_metadata, verify
-from elr.config import ConfigError, config_from_dict
+from elr.checkpoint import check_format, load_module, read_config, read_marker, read_metadata, verify
+from elr.config import config_from_dict
+from elr.errors import CheckpointError, ConfigError, TokenizerError
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
-from elr.tokenizer import Tokenizer, TokenizerError, build_tokenizer
+from elr.tokenizer import Tokenizer, build_tokenizer
 
 # Loading without a process group is what we want; DCP warns that it assumed so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -80,24 +80,14 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
         raise CheckpointError(f"{checkpoint} holds no model weights (no {prefix}tok_embeddings.weight)")
     conditioning = any(key.startswith(prefix) and ".conditioning." in key for key in saved)
     # the trainer's own config -> ModelArgs step; a checkpoint without conditioning keys predates the switch
-    args = model_args_from_config(config_from_dict(cfg), embedding.size[0], before_switch=not conditioning)
+    args = model_args_from_config(config_from_dict(cfg), embedding.size[0], mixed_depth=conditioning)
     if max_seq_len is not None:
         args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, max_seq_len))
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device=device)
     model.init_weights()  # fills the RoPE table; every parameter is then overwritten
-    state_dict = model.state_dict()
-    request = {"model": state_dict} if prefix else state_dict
-    try:  # strict both ways: a checkpoint weight the built model lacks means another network was built
-        check_keys(request, saved, lambda key: False, only_requested_roots=bool(prefix))
-    except CheckpointError as e:
-        raise CheckpointError(f"{checkpoint} does not fit the model its config describes ({e})") from None
-    load_state_dict(request, checkpoint)
-    bad = first_nonfinite(state_dict)
-    if bad:
-        raise UnusableCheckpoint(checkpoint, f"holds NaN/Inf in {bad}")
-    model.load_state_dict(state_dict)
+    load_module(checkpoint, model, saved, root=prefix.rstrip("."), what="the model its config describes")
     return model.to(dtype).eval(), cfg
 
 

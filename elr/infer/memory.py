@@ -1,8 +1,9 @@
-"""Memory of one request's inference state: attention KV caches and GDP states, by formula.
+"""Memory of one request's inference state (attention KV caches, GDP states), by formula.
 
-Per attention slot: keys and values, 2 x n_kv_heads x head_dim x context x bytes. Per GDP slot: the
-recurrent state, heads x head_dim^2 x bytes, plus the short convolutions' last kernel_size - 1
-inputs. A layer outside the recurrent block has one slot; a recurrent layer has k slots in
+Each layer kind that keeps state between decoding calls registers the bytes of one entry
+(`LayerKind.inference_state`, elr/models/layers.py): attention 2 x n_kv_heads x head_dim x context,
+GDP heads x head_dim^2 plus the short convolutions' last kernel_size - 1 inputs, times the element
+size. A layer outside the recurrent block has one entry; a recurrent layer has k entries in
 `per_loop` mode and one in `last_loop` mode (elr/infer/cache.py). Matches `InferenceCache.nbytes`.
 """
 
@@ -12,27 +13,28 @@ import torch
 
 from elr.infer.cache import MODES
 from elr.models import ModelArgs
+from elr.models.layers import LAYER_KINDS
 
 
-def slot_counts(args: ModelArgs, loops: int, mode: str) -> dict[str, int]:
-    """Number of KV (kind A) and state (kind G) slots per request."""
+def entry_counts(args: ModelArgs, loops: int, mode: str) -> dict[str, int]:
+    """Cache entries per request, by layer kind (the kinds that keep state)."""
     if mode not in MODES:
         raise ValueError(f"unknown KV cache mode {mode!r}; use one of {', '.join(MODES)}")
     n_in, n_rec, _ = args.partition
     recurrent = args.layer_pattern[n_in:n_in + n_rec]
     copies = loops if mode == "per_loop" else 1
-    return {kind: args.layer_pattern.count(kind) + (copies - 1) * recurrent.count(kind) for kind in "AG"}
+    return {letter: args.layer_pattern.count(letter) + (copies - 1) * recurrent.count(letter)
+            for letter, kind in LAYER_KINDS.items() if kind.inference_state is not None}
 
 
 def inference_state_bytes(args: ModelArgs, loops: int, context_len: int, mode: str = "per_loop",
                           dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict[str, int]:
-    """Bytes of attention KV and GDP state for `batch` requests of `context_len` tokens at k=loops."""
+    """Bytes of each kind's state ("attention_kv", "gdp_state") for `batch` requests of `context_len`
+    tokens at k=loops."""
     size = torch.empty((), dtype=dtype).element_size()
-    slots = slot_counts(args, loops, mode)
-    kv = 2 * args.n_kv_heads * args.head_dim * context_len * size
-    H, D, n_h = args.gdp_heads, args.gdp_head_dim, args.gdp_householder
-    state = H * D * D * size + (args.gdp_conv_size - 1) * (1 + 2 * n_h) * H * D * size
-    return {"attention_kv": batch * slots["A"] * kv, "gdp_state": batch * slots["G"] * state}
+    return {LAYER_KINDS[letter].inference_state.name:
+            batch * count * LAYER_KINDS[letter].inference_state.bytes(args, context_len, size)
+            for letter, count in entry_counts(args, loops, mode).items()}
 
 
 def human_bytes(n: int) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 class ModelArgs:
     dim: int
     # One character per layer, Nemotron-H style: G = Gated DeltaProduct mixer, A = attention,
-    # F = dense feed-forward, E = mixture-of-experts feed-forward.
+    # F = dense feed-forward, E = mixture-of-experts feed-forward (the kinds of elr/models/layers.py).
     layer_pattern: str
     partition: tuple[int, int, int]  # (input, recurrent, output) layer counts
     vocab_size: int = 131072
@@ -28,7 +28,7 @@ class ModelArgs:
     gdp_head_dim: int = 128  # key and value dims per head
     gdp_householder: int = 2  # n_h Householder sub-steps per token
     gdp_conv_size: int = 4
-    gdp_impl: str = "auto"  # auto (triton on CUDA, chunk elsewhere) | triton | chunk | naive (oracle)
+    gdp_impl: str = "auto"  # one of kernels.gated_delta_product.IMPL_CHOICES (config model.gdp_impl)
 
     # dense feed-forward
     ffn_dim: int = 4096
@@ -57,9 +57,6 @@ class ModelArgs:
     cond_silu: bool = False  # a SiLU on c_{i,k} before the FiLM heads (not additive in i and k)
 
     def __post_init__(self):
-        unknown = set(self.layer_pattern) - set("GAFE")
-        if unknown:
-            raise ValueError(f"layer_pattern has unknown layer kinds {sorted(unknown)}; use G, A, F, E")
         if sum(self.partition) != len(self.layer_pattern):
             raise ValueError(f"partition {self.partition} does not add up to {len(self.layer_pattern)} layers")
         if self.max_loops < 1:
@@ -79,7 +76,7 @@ class ModelArgs:
 # * = attention): 23 mixers, 23 FF, 6 attention. Split 14/24/14 it puts attention 2/3/1 over the
 # input/recurrent/output blocks, which is the paper's "three of six attention layers sit in the
 # recurrent block" for Koi-4B, itself "the GDP-Hybrid-4B configuration". Every hybrid flavor uses it,
-# with the GDP mixer in the Mamba slots: F (dense) for the 4B, E (MoE) for the 30B.
+# with the GDP mixer in the Mamba positions: F (dense) for the 4B, E (MoE) for the 30B.
 NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 HYBRID_DENSE_PATTERN = NEMOTRON_3_NANO_PATTERN.translate(str.maketrans("ME*", "GFA"))
 HYBRID_MOE_PATTERN = NEMOTRON_3_NANO_PATTERN.translate(str.maketrans("ME*", "GEA"))
@@ -102,7 +99,7 @@ flavors: dict[str, ModelArgs] = {
         dim=128, layer_pattern="AF" * 4, partition=(2, 4, 2), vocab_size=257, max_seq_len=1024,
         n_heads=4, n_kv_heads=4, head_dim=32, ffn_dim=384, ffn_activation="swiglu",
     ),
-    # the same with routed experts in every FF slot, for the route-replay measurements
+    # the same with routed experts in every FF position, for the route-replay measurements
     "study_moe": ModelArgs(
         dim=128, layer_pattern="AE" * 4, partition=(2, 4, 2), vocab_size=257, max_seq_len=1024,
         n_heads=4, n_kv_heads=4, head_dim=32, moe_experts=8, moe_top_k=2, moe_expert_dim=128,

@@ -1,4 +1,8 @@
-"""Grouped-query causal attention with partial RoPE (rotary on the first half of each head's dims)."""
+"""Grouped-query causal attention with partial RoPE (rotary on the first half of each head's dims).
+
+Layer kind A: the module, its FLOPs, its tensor-parallel split and its inference cache entry (keys
+and values), registered in elr/models/layers.py.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
-from elr.parallel.context_parallel import gather_kv
+from elr.models.kinds import Rows, TensorSplit
 
 
 def rope_table(rope_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -30,7 +34,9 @@ def apply_partial_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    cp_group = None  # context parallel (elr/parallel/context_parallel.py): None runs the whole sequence here
+    # Context parallelism's hook (elr/parallel/context_parallel.py, which sets it): x is then this rank's
+    # slice of each sequence. None: the whole sequence is here.
+    context_parallel = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -55,9 +61,57 @@ class Attention(nn.Module):
         mask = None
         if cache is not None:
             k, v, mask = cache.update(k, v)
-        elif self.cp_group is not None:  # this shard's and every earlier shard's keys, mask offset
-            k, v, mask = gather_kv(k, v, self.cp_group)
+        elif self.context_parallel is not None:  # this shard's and every earlier shard's keys, mask offset
+            k, v, mask = self.context_parallel.gather_kv(k, v)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1],
         )
         return self.wo(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def attention_flops(a: ModelArgs, seq_len: int) -> int:
+    """The projections, and 12 * heads * head_dim * seq_len for the scores (non-causal, the
+    PaLM/torchtitan convention)."""
+    weights = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
+    return 6 * weights + 12 * a.n_heads * a.head_dim * seq_len
+
+
+def attention_split(a: ModelArgs, tp: int) -> TensorSplit:
+    """q/k/v split by heads, o by its input rows; GQA kv heads split when the TP degree divides them,
+    otherwise replicated, each rank keeping the one kv head its q heads read."""
+    heads, kv_heads = {"attention heads": a.n_heads}, {"attention kv heads": a.n_kv_heads}
+    if a.n_kv_heads >= tp:
+        return TensorSplit("heads", {"wq.weight": 0, "wk.weight": 0, "wv.weight": 0, "wo.weight": 1},
+                           divides={**heads, **kv_heads})
+    kv = Rows(a.n_kv_heads)
+    return TensorSplit("heads", {"wq.weight": 0, "wk.weight": kv, "wv.weight": kv, "wo.weight": 1},
+                       divides=heads, multiple_of=kv_heads)
+
+
+class AttentionKV:
+    """One attention layer's inference cache entry (at one loop, elr/infer/cache.py): preallocated keys
+    and values [B, n_kv_heads, capacity, head_dim], following the columns and mask of `cache`."""
+
+    def __init__(self, attention: Attention, cache, dtype, device):
+        self.cache = cache
+        shape = (cache.batch, attention.n_kv_heads, cache.capacity, attention.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write this chunk's k, v [B, H_kv, T, D] (overwriting an earlier loop's), return all so far."""
+        start, end = self.cache.length, self.cache.length + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end].to(k.dtype), self.v[:, :, :end].to(v.dtype), self.cache.attn_mask
+
+    def commit(self) -> None:
+        """Nothing is held back: `update` wrote the chunk's rows."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+
+def attention_kv_bytes(a: ModelArgs, context_len: int, element_size: int) -> int:
+    """Keys and values of one entry for one request: 2 x n_kv_heads x head_dim x context."""
+    return 2 * a.n_kv_heads * a.head_dim * context_len * element_size

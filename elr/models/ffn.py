@@ -6,17 +6,20 @@ experts and one always-on shared expert. Beside the bias, a sequence-level auxil
 (the paper's MoE has one: route replay "removes later-loop auxiliary-loss calculations"; its form
 here, DeepSeek-V3's sequence-wise loss, is our choice) is recorded on every training forward; the
 trainer adds `moe.aux_loss_coeff` times it to the loss.
+
+Layer kinds F (dense) and E (MoE): the modules, their FLOPs and tensor-parallel splits, registered
+in elr/models/layers.py.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
 from elr.models.experts import grouped_experts, permute_tokens, relu2
+from elr.models.kinds import TensorSplit
 
 
 class FeedForward(nn.Module):
@@ -47,13 +50,13 @@ def recomputing() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, group=None) -> torch.Tensor:
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, shards=None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, sum_e f_e P_e averaged over sequences (1 when balanced).
 
     scores [B*T, E] (sigmoid), indices [B*T, top_k] (the chosen experts). Per sequence,
     f_e = E / (top_k T) x (tokens routed to e) and P_e = mean over its tokens of s_e / sum_j s_j.
-    Only P carries a gradient, to the router. With each sequence split over the ranks of `group`
-    (sequence parallelism) the counts are summed over it and each rank returns its tokens' share:
+    Only P carries a gradient, to the router. With each sequence split over several ranks (`shards`,
+    MoE.sequence_shards) the counts are summed over them and each rank returns its tokens' share:
     the shares add up to the loss.
     """
     E, top_k = scores.shape[-1], indices.shape[-1]
@@ -63,16 +66,16 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: in
     )
     P = (scores / scores.sum(-1, keepdim=True)).mean(1)
     seq_len = scores.shape[1]
-    if group is not None:
-        dist.all_reduce(counts, group=group)
-        seq_len *= dist.get_world_size(group)
-        P = P / dist.get_world_size(group)  # this rank's tokens' share of the mean
+    if shards is not None:
+        counts = shards.sum(counts)
+        seq_len *= shards.size
+        P = P / shards.size  # this rank's tokens' share of the mean
     f = counts * (E / (top_k * seq_len))
     return (f * P).sum(-1).mean()
 
 
 class Route:
-    """A route-replay slot (MoE.forward's `route`): empty until loop 1 routes, then (indices, weights).
+    """A route-replay holder (MoE.forward's `route`): empty until loop 1 routes, then (indices, weights).
 
     Not a dict: wrappers that map over a layer's inputs (FSDP2 casting them when each recurrent layer
     is its own unit) rebuild dicts, and routes stored in the copy would be lost. It keeps the dict
@@ -96,7 +99,7 @@ class Route:
 class MoE(nn.Module):
     """Routed squared-ReLU experts plus a shared expert.
 
-    `route` is the recurrence's replay slot: None routes every call; an empty `Route` routes and
+    `route` is the recurrence's replay holder: None routes every call; an empty `Route` routes and
     stores (indices, weights) in it; a filled one reuses them, so later loops neither re-route,
     nor count towards the load that moves the expert bias, nor add a balance loss.
     In training, `aux_loss` sums `sequence_balance_loss` over this forward's routing calls (the
@@ -113,12 +116,13 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(E, dim, hidden))
         self.shared = FeedForward(dim, args.moe_shared_dim, "relu2") if args.moe_shared_dim else None
-        # The bias only shifts which experts win; it is moved by load, not by gradients.
+        # The bias only shifts which experts win; it is moved by load, not by gradients
+    # (update_expert_biases in elr/train/optimizer.py, once per optimizer step).
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.expert_parallel = None
-        self.sequence_group = None  # the ranks each sequence is split over (tensor or context parallelism)
+        self.sequence_shards = None  # the ranks each sequence is split over (TP / CP): a hook from elr/parallel
 
     def init_weights(self, out_std: float):
         nn.init.trunc_normal_(self.router.weight, std=0.02)
@@ -129,13 +133,15 @@ class MoE(nn.Module):
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
 
-    def _route(self, x: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose_experts(self, x: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router: (indices, weights) [N, top_k] for tokens x [N, dim] of `batch` sequences. In
+        training it also counts the load and adds the balance loss of this routing call."""
         scores = torch.sigmoid(self.router(x).float())
         indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, indices)
         weights = weights / weights.sum(-1, keepdim=True) * self.routed_scale
         if self.training:  # evaluation must not move the balance, nor AC recomputation count it twice
-            aux = sequence_balance_loss(scores, indices, batch, self.sequence_group)  # recomputed too: its backward needs it
+            aux = sequence_balance_loss(scores, indices, batch, self.sequence_shards)  # recomputed too: its backward needs it
             if not recomputing():
                 with torch.no_grad():
                     # index_add_, not bincount: CUDA's bincount reads the max index on the host to size its output
@@ -151,7 +157,7 @@ class MoE(nn.Module):
         if route:
             indices, weights = route["indices"], route["weights"]
         else:
-            indices, weights = self._route(x, B)
+            indices, weights = self.choose_experts(x, B)
             if route is not None:
                 route.update(indices=indices, weights=weights)
 
@@ -171,21 +177,27 @@ class MoE(nn.Module):
         return grouped_experts(rows, self.w1, self.w2, offsets)
 
 
-@torch.no_grad()
-def update_expert_biases(moes: list[MoE], rate: float) -> dict[str, float]:
-    """Aux-loss-free balancing: nudge each expert's bias towards the mean load, then reset counts.
+def dense_feed_forward(a: ModelArgs) -> FeedForward:
+    return FeedForward(a.dim, a.ffn_dim, a.ffn_activation)
 
-    Counts are summed over every rank first (one collective for all layers), so the biases stay
-    identical everywhere. Returns load statistics for the metrics.
-    """
-    if not moes:
-        return {}
-    loads = torch.stack([m.tokens_per_expert for m in moes])
-    if dist.is_initialized():
-        dist.all_reduce(loads)
-    mean = loads.mean(-1, keepdim=True)
-    for moe, load, m in zip(moes, loads, mean):
-        moe.expert_bias += rate * torch.sign(m - load)
-        moe.tokens_per_expert.zero_()
-    imbalance = (loads.max(-1).values / mean.squeeze(-1).clamp(min=1)).mean()
-    return {"moe/max_load_over_mean": imbalance.item()}
+
+def dense_flops(a: ModelArgs, seq_len: int) -> int:
+    return 6 * a.dim * a.ffn_dim * (3 if a.ffn_activation == "swiglu" else 2)
+
+
+def dense_split(a: ModelArgs, tp: int) -> TensorSplit:
+    """w1/w3 split by hidden rows (colwise), w2 by its input rows (rowwise)."""
+    weights = {"w1.weight": 0, "w2.weight": 1, **({"w3.weight": 0} if a.ffn_activation == "swiglu" else {})}
+    return TensorSplit("hidden", weights, divides={"feed-forward hidden size": a.ffn_dim})
+
+
+def moe_flops(a: ModelArgs, seq_len: int) -> int:
+    """The router, top_k routed experts and the shared expert per token."""
+    return 6 * a.dim * (a.moe_experts + 2 * a.moe_top_k * a.moe_expert_dim + 2 * a.moe_shared_dim)
+
+
+def moe_split(a: ModelArgs, tp: int) -> TensorSplit:
+    """Replicated over TP, each rank routing and computing its own slice of the sequence (our
+    choice): expert memory is split by expert parallelism, which takes the stacks w1/w2."""
+    return TensorSplit("tokens", expert_stacks=("w1", "w2"))
+

@@ -1,18 +1,20 @@
 """Job config -> ModelArgs: the one place where [model], [elr] and [moe] become a model's shape.
 
 elr/config.py is plain data and knows no model; the checks that need the model code (flavor names,
-the option strings of the recurrence, the partition against the flavor's layer count) live here and
-raise the same one-line ConfigError naming the key. The trainer runs them before any other work, and
-scripts/estimate_cost.py uses this module without importing the trainer.
+the option strings of the recurrence and of the GDP kernels, the partition against the flavor's layer
+count) live here and raise the same one-line ConfigError naming the key. The trainer runs them
+before any other work, and scripts/estimate_cost.py uses this module without importing the trainer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from elr.config import ConfigError, JobConfig
+from elr.config import JobConfig
+from elr.errors import ConfigError
 from elr.models.args import ModelArgs, flavors
 from elr.models.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES
+from kernels.gated_delta_product import IMPL_CHOICES
 
 
 def _check(ok: bool, key: str, message: str, value) -> None:
@@ -23,6 +25,8 @@ def _check(ok: bool, key: str, message: str, value) -> None:
 def check_model_config(cfg: JobConfig) -> None:
     """Reject model settings that no model can be built from; one ConfigError naming the key."""
     _check(cfg.model.flavor in flavors, "model.flavor", f"must be one of {', '.join(flavors)}", cfg.model.flavor)
+    _check(cfg.model.gdp_impl in IMPL_CHOICES, "model.gdp_impl", f"must be one of {', '.join(IMPL_CHOICES)}",
+           cfg.model.gdp_impl)
     e = cfg.elr
     _check(e.update in UPDATE_RULES, "elr.update", f"must be one of {', '.join(UPDATE_RULES)}", e.update)
     _check(e.recurrent_input in RECURRENT_INPUTS, "elr.recurrent_input",
@@ -40,13 +44,13 @@ def check_model_config(cfg: JobConfig) -> None:
                f"must add up to the {n_layers} layers of flavor {cfg.model.flavor}", e.partition)
 
 
-def model_args_from_config(cfg: JobConfig, vocab_size: int, before_switch: bool = False) -> ModelArgs:
+def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = True) -> ModelArgs:
     """The flavor's backbone with the job's recurrence settings.
 
     `elr.enabled = false` builds the baseline: ModelArgs' ELR defaults (one loop, `replace`, state
     input, no conditioning), so the baseline has no ELR parameter and elr.update / elr.recurrent_input
-    do not apply to it. `before_switch`: the one-loop phase of a late switch, built without the loop
-    conditioning that the switch adds.
+    do not apply to it. `mixed_depth` false: the one-loop phase before a late switch, built without the
+    loop conditioning that the switch adds (elr/train/loop_sampler.py, DepthSchedule).
     """
     check_model_config(cfg)
     e = cfg.elr
@@ -57,6 +61,7 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, before_switch: bool 
         max_seq_len=cfg.training.seq_len,
         partition=tuple(e.partition) if e.partition else flavor.partition,
         moe_route_replay=cfg.moe.route_replay,
+        gdp_impl=cfg.model.gdp_impl,
     )
     if not e.enabled:
         return args
@@ -66,7 +71,7 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, before_switch: bool 
         recurrent_input=e.recurrent_input,
         update=e.update,
         step_input=e.step_input,
-        conditioning=e.conditioning and not before_switch,
+        conditioning=e.conditioning and mixed_depth,
         cond_budget=e.conditioning_budget,
         cond_gate=e.conditioning_gate,
         cond_first_loop=e.conditioning_first_loop,

@@ -8,7 +8,10 @@ The n_h keys, values and betas of a token are laid out head-major in their proje
 and (H, n_h): each head owns one contiguous block of rows, so tensor parallelism splits every
 projection and convolution by heads with a plain row split, and a checkpoint has one layout at any
 TP degree (our choice; the kernel's step-major order costs no extra copy: the reshape after the
-convolution copies in either order).
+convolution copies in either order). Checkpoints before format 2 hold the old order (`HEAD_MAJOR`).
+
+Layer kind G: the module, its FLOPs, its tensor-parallel split, its inference cache entry (state and
+short-conv tails) and its weight layout, registered in elr/models/layers.py.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
-from elr.parallel.context_parallel import context_parallel_gated_delta_product, conv_halos
-from kernels.gated_delta_product import gated_delta_product
+from elr.models.kinds import TensorSplit, WeightLayout
+from kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
 
 class ShortConv(nn.Module):
@@ -49,7 +52,9 @@ class ShortConv(nn.Module):
 
 
 class GatedDeltaProduct(nn.Module):
-    cp_group = None  # context parallel (elr/parallel/context_parallel.py): None runs the whole sequence here
+    # Context parallelism's hook (elr/parallel/context_parallel.py, which sets it): x is then this rank's
+    # slice of each sequence. None: the whole sequence is here.
+    context_parallel = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -92,8 +97,8 @@ class GatedDeltaProduct(nn.Module):
             valid = cache.valid[..., None]
             x = x * valid.to(x.dtype)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.cp_group is not None:  # the previous shard's last inputs start the convolutions
-            conv_states = conv_halos([q, k, v], self.q_conv.weight.shape[-1] - 1, self.cp_group)
+        if self.context_parallel is not None:  # the previous shard's last inputs start the convolutions
+            conv_states = self.context_parallel.conv_states([q, k, v], self.q_conv.weight.shape[-1] - 1)
         q, q_tail = self.q_conv(q, conv_states[0])
         k, k_tail = self.k_conv(k, conv_states[1])
         v, v_tail = self.v_conv(v, conv_states[2])
@@ -105,17 +110,80 @@ class GatedDeltaProduct(nn.Module):
         if cache is not None:
             beta, g = beta * valid, g * valid
         beta = beta.view(B, T, H, n_h).transpose(2, 3).reshape(B, T * n_h, H)
-        # One token at a time the token loop is the cheapest form (our choice: no decode kernel yet).
-        impl = "naive" if cache is not None and T == 1 else self.impl
-        if self.cp_group is not None:
-            o = context_parallel_gated_delta_product(q, k, v, g, beta, num_householder=n_h, impl=impl,
-                                                     group=self.cp_group)
+        if self.context_parallel is not None:
+            o = self.context_parallel.gated_delta_product(q, k, v, g, beta, num_householder=n_h, impl=self.impl)
+        elif cache is not None and T == 1:  # decoding: the one-token step (the Triton kernel on CUDA)
+            o, state = gated_delta_product_step(q, k, v, g, beta, cache.state, num_householder=n_h, impl=self.impl)
         else:
             o, state = gated_delta_product(
-                q, k, v, g, beta, num_householder=n_h, impl=impl,
+                q, k, v, g, beta, num_householder=n_h, impl=self.impl,
                 initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
             )
         if cache is not None:
             cache.write(state, (q_tail, k_tail, v_tail))
         o = self.o_norm(o) * F.silu(self.g_proj(x)).view(B, T, H, D)
         return self.o_proj(o.reshape(B, T, H * D))
+
+
+def gdp_flops(a: ModelArgs, seq_len: int) -> int:
+    """The projections, and 6 * (2 n_h + 1) * d_k * d_v per head for the state update (the short
+    convolutions' 4 multiply-adds per channel are left out)."""
+    H, D, n_h = a.gdp_heads, a.gdp_head_dim, a.gdp_householder
+    weights = a.dim * (H * D * (3 + 2 * n_h) + H * (1 + n_h))
+    state = H * (2 * n_h + 1) * D * D
+    return 6 * (weights + state)
+
+
+def gdp_split(a: ModelArgs, tp: int) -> TensorSplit:
+    """Every projection, convolution and per-head parameter split by heads (k, v and beta rows are
+    head-major), o by its input rows."""
+    by_head = [f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "a_proj",
+                                             "q_conv", "k_conv", "v_conv")] + ["A_log", "dt_bias"]
+    return TensorSplit("heads", {**dict.fromkeys(by_head, 0), "o_proj.weight": 1}, divides={"GDP heads": a.gdp_heads})
+
+
+class GDPState:
+    """One GDP layer's inference cache entry (at one loop, elr/infer/cache.py): the recurrent state
+    [B, H, K, V] and the short convolutions' input tails."""
+
+    def __init__(self, mixer: GatedDeltaProduct, cache, dtype, device):
+        self.cache = cache
+        B, H, D = cache.batch, mixer.n_heads, mixer.head_dim
+        self.state = torch.zeros(B, H, D, D, dtype=dtype, device=device)
+        self.conv_states = tuple(
+            torch.zeros(B, conv.weight.shape[-1] - 1, conv.weight.shape[0], dtype=dtype, device=device)
+            for conv in (mixer.q_conv, mixer.k_conv, mixer.v_conv)
+        )
+        self.pending = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.cache.valid
+
+    def write(self, state: torch.Tensor, conv_states: tuple[torch.Tensor, ...]) -> None:
+        """Hold the chunk's final state; it replaces the stored one when the whole forward ends, so
+        in last_loop mode every loop of the chunk starts from the previous chunk's final loop."""
+        self.pending = (state, conv_states)
+
+    def commit(self) -> None:
+        if self.pending is not None:
+            state, conv_states = self.pending
+            self.state.copy_(state)
+            for dst, src in zip(self.conv_states, conv_states):
+                dst.copy_(src)
+            self.pending = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.state, *self.conv_states]
+
+
+def gdp_state_bytes(a: ModelArgs, context_len: int, element_size: int) -> int:
+    """One entry for one request, whatever the context: heads x head_dim^2 of state, plus the last
+    kernel_size - 1 inputs of the q, k and v convolutions."""
+    H, D, n_h = a.gdp_heads, a.gdp_head_dim, a.gdp_householder
+    return H * D * D * element_size + (a.gdp_conv_size - 1) * (1 + 2 * n_h) * H * D * element_size
+
+
+# Checkpoint format 2 (2026-12-01) made the k/v/beta rows head-major.
+HEAD_MAJOR = WeightLayout(2, "k_proj", "GDP k/v/beta weights in the row order used before 2026-12-01")
+

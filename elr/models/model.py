@@ -2,64 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elr.models.args import ModelArgs
-from elr.models.attention import Attention, rope_table
-from elr.models.ffn import FeedForward, MoE
-from elr.models.gdp import GatedDeltaProduct
+from elr.models.attention import rope_table
+from elr.models.ffn import MoE
+from elr.models.layers import LAYER_KINDS, Layer
 from elr.models.recurrence import RecurrentBlock
 
 
-class Layer(nn.Module):
-    """One pre-norm residual sublayer, x + sublayer(norm(x)), of kind G, A, F or E.
-
-    In the recurrent block a FiLM triple (scale, shift, gate) from the loop conditioning turns
-    this into x + (1 + gate) * sublayer(norm(x) * (1 + scale) + shift); all zeros is the plain layer.
-    """
-
-    def __init__(self, kind: str, args: ModelArgs):
-        super().__init__()
-        self.kind = kind
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        if kind == "G":
-            self.sublayer = GatedDeltaProduct(args)
-        elif kind == "A":
-            self.sublayer = Attention(args)
-        elif kind == "F":
-            self.sublayer = FeedForward(args.dim, args.ffn_dim, args.ffn_activation)
-        else:
-            self.sublayer = MoE(args)
-
-    def init_weights(self, out_std: float):
-        self.norm.reset_parameters()
-        self.sublayer.init_weights(out_std)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route: dict | None = None,
-                cache=None) -> torch.Tensor:
-        h = self.norm(x)
-        gate = None
-        if film is not None:
-            scale, shift, *gate = film
-            h = h * (1 + scale) + shift
-            gate = gate[0] if gate else None
-        if self.kind == "A":
-            y = self.sublayer(h, rope, cache)
-        elif self.kind == "G":
-            y = self.sublayer(h, cache)
-        elif self.kind == "E":
-            y = self.sublayer(h, route)
-        else:
-            y = self.sublayer(h)
-        return x + (y if gate is None else (1 + gate) * y)
-
-
 class ELRModel(nn.Module):
-    # Context parallel (elr/parallel/context_parallel.py): tokens are this rank's slice of each
-    # sequence, so RoPE positions start at cp_rank x slice length. None: the whole sequence is here.
-    cp_group = None
+    # Context parallelism's hook (elr/parallel/context_parallel.py, which sets it): tokens are this
+    # rank's slice of each sequence, whose RoPE positions it gives. None: the whole sequence is here.
+    context_parallel = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -80,8 +39,7 @@ class ELRModel(nn.Module):
         a = self.args
         self.rope.copy_(rope_table(a.rope_dim, a.max_seq_len, a.rope_theta))
         nn.init.normal_(self.tok_embeddings.weight)
-        layers = [*self.input_layers, *self.recurrent.layers, *self.output_layers]
-        for depth, layer in enumerate(layers):
+        for depth, layer in enumerate(self.layers()):
             layer.init_weights(out_std=0.02 / (2 * (depth + 1)) ** 0.5)
         if self.recurrent.step_size is not None:
             self.recurrent.step_size.init_weights()
@@ -102,45 +60,69 @@ class ELRModel(nn.Module):
 
         With `cache` (inference, elr/infer/cache.py) `tokens` continue the cached sequences: each
         row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
-        Under context parallelism (`cp_group`) `tokens` are this rank's slice of each sequence.
+        Under context parallelism (`context_parallel`) `tokens` are this rank's slice of each sequence.
         """
         if cache is None:
             T, start = tokens.shape[1], 0
-            if self.cp_group is not None:
-                start, T = dist.get_rank(self.cp_group) * T, dist.get_world_size(self.cp_group) * T
+            if self.context_parallel is not None:
+                start, T = self.context_parallel.positions(T)
             if T > self.args.max_seq_len:
                 raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.args.max_seq_len}")
             rope = self.rope[:, start: start + tokens.shape[1]]
-        elif self.cp_group is not None:
+        elif self.context_parallel is not None:
             raise ValueError("inference caches do not run under context parallelism; generate without a CP group")
         else:
             rope = self.rope[:, cache.begin(tokens.shape[1], loops)]  # [2, B, T, rope_dim // 2]
         for moe in self.moe_layers():
             moe.aux_loss = None
-        slot = (lambda layer: cache.slot(layer, 1)) if cache is not None else (lambda layer: None)
+        entry = (lambda layer: cache.entry(layer, 1)) if cache is not None else (lambda layer: None)
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
-            h = layer(h, rope, cache=slot(layer))
+            h = layer(h, rope, cache=entry(layer))
         h = self.recurrent(h, rope, loops, cache, every_loop=every_loop)
         if every_loop:
             h = torch.cat(h)
         for layer in self.output_layers:
-            h = layer(h, rope, cache=slot(layer))
+            h = layer(h, rope, cache=entry(layer))
         if cache is not None:
             cache.advance()
         h = self.norm(h)
         h = self.output(h) if head else h
         return h.unflatten(0, (loops, tokens.shape[0])) if every_loop else h
 
+    def layers(self) -> Iterator[nn.Module]:
+        """Every layer once, in order: the input block, the recurrent block, the output block."""
+        return itertools.chain(self.input_layers, self.recurrent.layers, self.output_layers)
+
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def set_sequence_group(self, group) -> None:
-        """The ranks each sequence is split over (TP and/or CP): the MoE balance loss and the per-loop
-        statistics are reduced over them, so both describe whole sequences, as in one process."""
+    def set_sequence_shards(self, shards) -> None:
+        """Install the hook of the ranks each sequence is split over (TP and/or CP; elr/parallel's
+        SequenceShards): the MoE balance loss and the per-loop statistics sum over them, so both
+        describe whole sequences, as in one process."""
         for moe in self.moe_layers():
-            moe.sequence_group = group
-        self.recurrent.sequence_group = group
+            moe.sequence_shards = shards
+        self.recurrent.sequence_shards = shards
+
+    @property
+    def route_replay(self) -> bool:
+        """Whether recurrent MoE layers reuse loop 1's routes on later loops (moe.route_replay); a model
+        trained without it may still replay at inference."""
+        return self.recurrent.route_replay
+
+    @route_replay.setter
+    def route_replay(self, on: bool) -> None:
+        self.recurrent.route_replay = on
+
+    def record_loop_statistics(self, on: bool) -> None:
+        """Whether forward records the per-loop statistics `loop_statistics` reports (for the metrics)."""
+        self.recurrent.record_statistics = on
+
+    def loop_statistics(self) -> list[dict[str, torch.Tensor]]:
+        """Per loop of the last forward that recorded: update norm, step size and FiLM gate means
+        (RecurrentBlock.loop_statistics; a collective under TP or CP)."""
+        return self.recurrent.loop_statistics()
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sequence-level balance loss of the last training forward, summed over MoE routing calls
@@ -157,14 +139,13 @@ class ELRModel(nn.Module):
         """Training FLOPs per token (forward + backward = 3 x forward), recurrent layers counted k times
         (and, with every_loop, the output block and head too: they run after every loop).
 
-        Weights count 6 FLOPs per multiply-accumulate; attention scores count 12 * heads * head_dim
-        * seq_len (non-causal, the PaLM/torchtitan convention); each GDP head's state update counts
-        6 * (2 n_h + 1) * d_k * d_v. Left out: the conditioning heads (once per sequence), the
-        short convolutions (4 multiply-adds per channel) and elementwise work.
+        Weights count 6 FLOPs per multiply-accumulate; each layer kind adds its own terms
+        (`LayerKind.flops_per_token`: attention scores, GDP state updates). Left out: the conditioning
+        heads (once per sequence) and elementwise work.
         """
         a = self.args
         n_in, n_rec, _ = a.partition
-        per_layer = [layer_flops_per_token(kind, a, seq_len) for kind in a.layer_pattern]
+        per_layer = [LAYER_KINDS[kind].flops_per_token(a, seq_len) for kind in a.layer_pattern]
         recurrent = sum(per_layer[n_in:n_in + n_rec])
         if self.recurrent.step_size is not None:
             recurrent += 6 * a.dim * a.dim
@@ -173,16 +154,3 @@ class ELRModel(nn.Module):
         after = sum(per_layer[n_in + n_rec:]) + 6 * a.dim * a.vocab_size
         return once + loops * recurrent + exits * after
 
-
-def layer_flops_per_token(kind: str, a: ModelArgs, seq_len: int) -> int:
-    if kind == "A":
-        weights = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
-        return 6 * weights + 12 * a.n_heads * a.head_dim * seq_len
-    if kind == "G":
-        H, D, n_h = a.gdp_heads, a.gdp_head_dim, a.gdp_householder
-        weights = a.dim * (H * D * (3 + 2 * n_h) + H * (1 + n_h))
-        state = H * (2 * n_h + 1) * D * D
-        return 6 * (weights + state)
-    if kind == "F":
-        return 6 * a.dim * a.ffn_dim * (3 if a.ffn_activation == "swiglu" else 2)
-    return 6 * a.dim * (a.moe_experts + 2 * a.moe_top_k * a.moe_expert_dim + 2 * a.moe_shared_dim)

@@ -27,7 +27,6 @@ adaptive step is exactly 1 and the FiLM heads are exactly zero, so k=1 equals th
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -142,12 +141,12 @@ class RecurrentBlock(nn.Module):
                              args.cond_first_loop, args.cond_silu) if args.conditioning else None
         )
         self.route_replay = args.moe_route_replay
-        # When set, forward records per-loop statistics in `loop_stats` (for the metrics).
-        self.track_stats = False
-        self.loop_stats: list[dict[str, torch.Tensor]] = []
-        # Ranks holding slices of the same sequences (TP / CP, set by parallelize): the statistics
-        # are then reduced over them, so they describe whole sequences, as in one process.
-        self.sequence_group = None
+        # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
+        self.record_statistics = False
+        self._recorded: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # The ranks each sequence is split over (TP / CP): a hook set by elr/parallel/parallelize.py,
+        # over which `loop_statistics` sums, so the statistics describe whole sequences.
+        self.sequence_shards = None
 
     @property
     def prefix_consistent(self) -> bool:
@@ -158,51 +157,68 @@ class RecurrentBlock(nn.Module):
     def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None,
                 every_loop: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """s_k; with `every_loop`, [s_1, ..., s_k] (needs a prefix-consistent block). `cache`
-        (inference only) hands each layer its key/value or state slot for loop i."""
+        (inference only) hands each layer its cache entry for loop i (keys and values, or a state)."""
         if loops < 1 or (loops > self.max_loops and self.conditioning is not None):
             raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model's conditioning "
                              "embeddings cover (an unconditioned model runs any k >= 1; beyond its max_loops it "
                              "extrapolates)")
-        routes = [Route() if self.route_replay and layer.kind == "E" else None for layer in self.layers]
+        routes = [Route() if self.route_replay and "route" in layer.inputs else None for layer in self.layers]
         no_film = [None] * len(self.layers)
         if every_loop and not self.prefix_consistent:
             raise ValueError("every_loop needs loop conditioning without the budget embedding (cond_budget = False)")
-        self.loop_stats = []
+        self._recorded = []
         s, states = h_in, []
         for i in range(1, loops + 1):
             s_in = s + h_in if self.recurrent_input == "state_plus_input" and i > 1 else s
             films = self.conditioning(i, loops) if self.conditioning is not None else no_film
             r = s_in
             for layer, film, route in zip(self.layers, films, routes):
-                slot = cache.slot(layer, i) if cache is not None else None
-                r = layer(r, rope, film=film, route=route, cache=slot)
-            step = self.step_size(s, s_in, r) if self.step_size is not None else None
-            s_next = self._update(s, r, step)
-            if self.track_stats:
-                self._record(s, s_next, step, films)
+                entry = cache.entry(layer, i) if cache is not None else None
+                r = layer(r, rope, film=film, route=route, cache=entry)
+            a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
+            s_next = self._update(s, r, a)
+            if self.record_statistics:
+                self._recorded.append(self._record(s, s_next, a, films))
             s = s_next
             states.append(s)
         return states if every_loop else s
 
-    def _update(self, s, r, step):
+    def _update(self, s, r, a):
         if self.update == "adaptive_delta":
             # lerp(s, r, 1) is exactly r, so the initial model is the plain stack bit for bit.
-            return torch.lerp(s, r, step.to(r.dtype))
+            return torch.lerp(s, r, a.to(r.dtype))
         if self.update == "residual":
             return s + r
         return r
 
     @torch.no_grad()
-    def _record(self, s, s_next, step, films) -> None:
-        # squared norms and the mean step, summed over a sequence's slices (equal sizes)
+    def _record(self, s, s_next, a, films) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One loop as this rank sees it: the squared norms of the update and of the state summed
+        over its tokens, and its mean step size; the mean FiLM gate (the same on every rank), if any."""
         parts = torch.stack([(s_next - s).float().square().sum(), s.float().square().sum(),
-                             step.float().mean() if step is not None else s.new_zeros((), dtype=torch.float32)])
-        if self.sequence_group is not None:
-            dist.all_reduce(parts, group=self.sequence_group)
-            parts[2] /= dist.get_world_size(self.sequence_group)
-        stats = {"update_norm": parts[0].sqrt() / parts[1].sqrt().clamp(min=1e-12)}
-        if step is not None:
-            stats["step_size_mean"] = parts[2]
+                             a.float().mean() if a is not None else s.new_zeros((), dtype=torch.float32)])
+        gate = None
         if self.conditioning is not None and self.conditioning.gate and films[0] is not None:
-            stats["film_gate_mean"] = torch.stack([1 + film[2].float().mean() for film in films]).mean()
-        self.loop_stats.append(stats)
+            gate = torch.stack([1 + film[2].float().mean() for film in films]).mean()
+        return parts, gate
+
+    def loop_statistics(self) -> list[dict[str, torch.Tensor]]:
+        """Per loop of the last recorded forward: update_norm ||s_i - s_{i-1}|| / ||s_{i-1}||, and
+        step_size_mean and film_gate_mean where the block has them. With `sequence_shards` the parts
+        are summed over the ranks that split each sequence (a collective on each of them; their
+        slices are of equal size), so they describe whole sequences, as in one process."""
+        if not self._recorded:
+            return []
+        parts = torch.stack([p for p, _ in self._recorded])  # [loops, 3]
+        if self.sequence_shards is not None:
+            parts = self.sequence_shards.sum(parts)
+            parts[:, 2] /= self.sequence_shards.size
+        statistics = []
+        for (update_sq, state_sq, step_size_mean), (_, gate) in zip(parts, self._recorded):
+            stats = {"update_norm": update_sq.sqrt() / state_sq.sqrt().clamp(min=1e-12)}
+            if self.step_size is not None:
+                stats["step_size_mean"] = step_size_mean
+            if gate is not None:
+                stats["film_gate_mean"] = gate
+            statistics.append(stats)
+        return statistics

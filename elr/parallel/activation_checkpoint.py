@@ -7,7 +7,7 @@ checkpoint every N-th layer, counted over the whole stack in order).
 
 A recurrent layer runs k times per microbatch; wrapping the layer module makes each of those calls its
 own checkpoint region, so memory grows with k by one layer input per call rather than by a whole
-layer's internals. The MoE load counter skips recomputed forwards (see MoE._route).
+layer's internals. The MoE load counter skips recomputed forwards (see MoE.choose_experts).
 """
 
 from __future__ import annotations

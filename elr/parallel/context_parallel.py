@@ -16,6 +16,11 @@ collectives (gloo and NCCL alike) with autograd; torch derives every backward.
     short conv each rank takes the last conv_size - 1 projected inputs of the previous rank as its
                convolution state (rank 0: zeros).
 
+The model code never touches torch.distributed: `enable_context_parallel` installs one
+`ContextParallel` hook on the model (RoPE positions) and on its attention and GDP sublayers, which
+call its methods where a whole sequence would otherwise be at hand, as `MoE.expert_parallel` is
+installed by elr/parallel/expert_parallel.py.
+
 Collectives in backward must run on every rank: each rank's result depends on the whole gathered
 tensor (never only on its own piece), so autograd reaches every gather's backward on every rank.
 Shards are contiguous (not head-tail balanced: the GDP chain needs rank order = sequence order).
@@ -26,11 +31,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
+from elr.models.layers import LAYER_KINDS
+from elr.models.model import ELRModel
 from kernels.gated_delta_product import gated_delta_product
 
 
@@ -43,15 +49,44 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp_degree: int) -> torch.Tenso
     return x[:, cp_rank * shard:(cp_rank + 1) * shard]
 
 
-def enable_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Give every module that supports CP (the model for RoPE positions, attention, GDP) the group.
+class ContextParallel:
+    """The hook the model and its sequence mixers call under context parallelism (`context_parallel`
+    on ELRModel, Attention and GatedDeltaProduct): this rank's place in the sequence and the
+    collectives that stand in for the rest of it."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def positions(self, shard_len: int) -> tuple[int, int]:
+        """(global position of this shard's first token, the whole sequence's length)."""
+        return shard_start(self.group, shard_len), dist.get_world_size(self.group) * shard_len
+
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor):
+        """Attention: this shard's and every earlier shard's keys and values, and their mask (`gather_kv`)."""
+        return gather_kv(k, v, self.group)
+
+    def conv_states(self, inputs: list[torch.Tensor], width: int) -> list[torch.Tensor]:
+        """GDP: the short convolutions' state at this shard's start (`conv_halos`)."""
+        return conv_halos(inputs, width, self.group)
+
+    def gated_delta_product(self, q, k, v, g, beta, *, num_householder: int, impl: str) -> torch.Tensor:
+        """GDP: this shard's output of the recurrence over the whole sequence
+        (`context_parallel_gated_delta_product`)."""
+        return context_parallel_gated_delta_product(q, k, v, g, beta, num_householder=num_householder,
+                                                    group=self.group, impl=impl)
+
+
+def enable_context_parallel(model: ELRModel, cp_mesh: DeviceMesh) -> None:
+    """Install the CP hook on the model (RoPE positions) and on the sublayers of every kind that mixes
+    tokens (`LayerKind.mixes_tokens`: attention, GDP).
 
     Inputs must then be `shard_sequence` slices, the same length on every rank of the group.
     """
-    group = cp_mesh.get_group()
-    for module in model.modules():
-        if hasattr(module, "cp_group"):
-            module.cp_group = group
+    hook = ContextParallel(cp_mesh.get_group())
+    model.context_parallel = hook
+    for layer in model.layers():
+        if LAYER_KINDS[layer.kind].mixes_tokens:
+            layer.sublayer.context_parallel = hook
 
 
 def shard_start(group: dist.ProcessGroup, shard_len: int) -> int:

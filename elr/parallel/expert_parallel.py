@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from elr.models.experts import grouped_experts
 from elr.models.ffn import MoE
@@ -113,15 +113,3 @@ def reduce_expert_gradients(model: nn.Module, ep_mesh: DeviceMesh, averaged_rank
         if replicas is not None:
             dist.all_reduce(grad, group=replicas)
 
-
-def grad_norm_by_mesh(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The global 2-norm of gradients that live on different meshes (FSDP's dp or dp x tp mesh, the ep mesh):
-    torch's total norm stacks them in one op, which DTensor refuses across meshes."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    norms = []
-    for members in groups.values():
-        norm = torch.nn.utils.get_total_norm(members, foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    return torch.linalg.vector_norm(torch.stack(norms))

@@ -1,7 +1,8 @@
 """Process-group layout: dp_replicate x dp_shard x cp x tp = world size, as one device mesh.
 
-Owns the device mesh and answers which data-parallel rank this process is: the trainer reads
-`dp_rank`/`dp_world` for data and loop draws and never assumes dp_rank == global rank. Data
+Starts the process group (`init_distributed`), owns the device mesh and answers which data-parallel
+rank this process is: the trainer reads `dp_rank`/`dp_world` for data and loop draws and never
+assumes dp_rank == global rank. Data
 parallelism is replicate x shard only: the context-parallel (cp) and tensor-parallel (tp) ranks of
 one data-parallel rank read the same sequences and run the same loop counts, since their layers
 exchange activations every call. tp is the innermost dimension, so a TP group is neighbouring ranks.
@@ -17,14 +18,30 @@ draw (the trainer draws per group), and their cp/tp positions run their data-par
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from elr.config import ConfigError
+from elr.errors import ConfigError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device) of this process as torchrun started it; the process group is
+    initialised when there are several (gloo on CPU; NCCL for CUDA tensors, gloo beside it for CPU ones)."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    return (dist.get_rank() if world_size > 1 else 0), world_size, device
 
 
 def expert_groups(ranks: torch.Tensor, ep: int) -> torch.Tensor:

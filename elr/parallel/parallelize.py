@@ -17,6 +17,7 @@ along dim 0 is FSDP-sharded along dim 1 (`fsdp_shard_dim`).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -46,7 +47,7 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
     if dims.cp_mesh is not None:
         enable_context_parallel(model, dims.cp_mesh)
     if dims.sequence_mesh is not None:
-        model.set_sequence_group(dims.sequence_mesh.get_group())
+        model.set_sequence_shards(SequenceShards(dims.sequence_mesh.get_group()))
     expert_weights = apply_expert_parallel(model, dims.ep_mesh) if dims.ep_mesh is not None else []
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
@@ -57,6 +58,21 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
     if dims.fsdp_mesh is not None:
         apply_fsdp(model, dims.fsdp_mesh, getattr(torch, cfg.training.mixed_precision_param),
                    ignored=set(expert_weights), recurrent_per_layer=dims.loops_shared_by_all)
+
+
+class SequenceShards:
+    """The hook of the ranks each sequence is split over (TP and/or CP; `ELRModel.set_sequence_shards`):
+    the MoE balance loss counts routes over whole sequences and the per-loop statistics describe whole
+    sequences, so both sum over these ranks. Their slices are of equal size."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (a collective: every rank of the group calls it)."""
+        dist.all_reduce(x, group=self.group)
+        return x
 
 
 def convert_to_float8(model: ELRModel, emulate: bool, tp_mesh: DeviceMesh | None = None) -> int:
@@ -93,7 +109,7 @@ def convert_to_float8(model: ELRModel, emulate: bool, tp_mesh: DeviceMesh | None
 
 
 def compile_layers(model: ELRModel, dynamic: bool | None = None) -> None:
-    for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+    for layer in model.layers():
         layer.compile(dynamic=dynamic)
 
 

@@ -3,7 +3,8 @@
 Between sublayers the residual stream is a plain tensor holding this rank's slice of the sequence,
 [B, T / tp, dim] (sequence parallel): norms, FiLM, the ELR update and the MoE run on that slice. A
 mixer or dense feed-forward all-gathers the sequence, runs this rank's heads (or hidden slice) with
-local weights, and reduce-scatters its partial output back to sequence slices. Per layer kind:
+local weights, and reduce-scatters its partial output back to sequence slices. Each layer kind says
+how in its `TensorSplit` (elr/models/kinds.py; registered in elr/models/layers.py); today's kinds:
 
     embedding          vocab rows split (RowwiseParallel), output reduce-scattered to sequence slices
     norms              SequenceParallel (replicated weight, per-slice compute)
@@ -16,7 +17,7 @@ local weights, and reduce-scatters its partial output back to sequence slices. P
                        slice, a token-wise layer needing no collective; expert memory is split by
                        expert parallelism, not TP (under EP the expert stacks are DTensors on the ep
                        mesh, not the TP mesh). The balance loss counts routes over the whole sequence
-                       (`ELRModel.set_sequence_group`, called by parallelize)
+                       (`ELRModel.set_sequence_shards`, called by parallelize)
     ELR step size,     replicated, run on the sequence slice (SP)
     loop conditioning
     output head        vocab columns split; logits stay vocab-sharded for loss_parallel
@@ -28,7 +29,6 @@ tokens get partial gradients; `reduce_partial_grads` (or FSDP) sums them over th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -44,8 +44,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from elr.config import ConfigError
+from elr.errors import ConfigError
 from elr.models.args import ModelArgs
+from elr.models.kinds import Rows, TensorSplit
+from elr.models.layers import LAYER_KINDS
 from elr.models.model import ELRModel
 
 
@@ -56,33 +58,28 @@ def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return whole.to_local(grad_placements=[Partial()])
 
 
-@dataclass(frozen=True)
-class Rows:
-    """A replicated weight of which this rank computes some rows: viewed as [groups, rows per group,
-    ...], group `rank * groups // tp` (GQA kv heads fewer than the TP degree)."""
-
-    groups: int
-
-
 class LocalCompute(ParallelStyle):
     """Run a module on plain local tensors, its parameters held as DTensors on the TP mesh.
 
     `placements` maps parameter names (relative to the module) to Shard(d) or Rows; the rest are
-    replicated. gather=True: the module sees the whole sequence (all-gathered from the slices) and
-    its partial output is reduce-scattered back; gather=False: a token-wise module on the rank's
-    slice as is. During forward each parameter name resolves to its local view (instance
-    attributes shadow nn.Module's parameter lookup), so the model code stays single-device.
+    replicated, except those in `leave` (expert stacks another mesh holds), which stay as they are.
+    gather=True: the module sees the whole sequence (all-gathered from the slices) and its partial
+    output is reduce-scattered back; gather=False: a token-wise module on the rank's slice as is.
+    During forward each parameter name resolves to its local view (instance attributes shadow
+    nn.Module's parameter lookup), so the model code stays single-device.
     """
 
-    def __init__(self, placements: dict[str, Placement | Rows] | None = None, gather: bool = True):
+    def __init__(self, placements: dict[str, Placement | Rows] | None = None, gather: bool = True,
+                 leave: tuple[str, ...] = ()):
         super().__init__()
         self.placements = placements or {}
         self.gather = gather
+        self.leave = set(leave)
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         for prefix, owner in module.named_modules():
             for name, param in list(owner._parameters.items()):
-                if param is None:
+                if param is None or self._left(prefix, name):
                     continue
                 rule = self.placements.get(f"{prefix}.{name}" if prefix else name, Replicate())
                 placement = rule if isinstance(rule, Shard) else Replicate()
@@ -100,10 +97,13 @@ class LocalCompute(ParallelStyle):
             local = local.view(rule.groups, -1, *local.shape[1:])[rank * rule.groups // tp]
         return local
 
+    def _left(self, prefix: str, name: str) -> bool:
+        return (f"{prefix}.{name}" if prefix else name) in self.leave
+
     def _enter(self, mesh: DeviceMesh, module: nn.Module, args: tuple):
         for prefix, owner in module.named_modules():
             for name, param in owner._parameters.items():
-                if param is not None:
+                if param is not None and not self._left(prefix, name):
                     rule = self.placements.get(f"{prefix}.{name}" if prefix else name)
                     owner.__dict__[name] = self._local_view(param, rule, mesh)
         if self.gather:
@@ -111,57 +111,47 @@ class LocalCompute(ParallelStyle):
         return args
 
     def _exit(self, mesh: DeviceMesh, module: nn.Module, args: tuple, output):
-        for _, owner in module.named_modules():
+        for prefix, owner in module.named_modules():
             for name in owner._parameters:
-                owner.__dict__.pop(name, None)
+                if not self._left(prefix, name):
+                    owner.__dict__.pop(name, None)
         if self.gather:
             output = DTensor.from_local(output, mesh, [Partial()]).redistribute(mesh, [Shard(1)]).to_local()
         return output
 
 
 def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
-    """Refuse layouts TP cannot split evenly, before any weight exists; one line naming the key."""
+    """Refuse layouts TP cannot split evenly, before any weight exists; one line naming the key.
+    The vocabulary may split unevenly: DTensor pads the last shard."""
     if tp == 1:
         return
-    kinds = set(args.layer_pattern)
-    needs = {}  # the vocabulary may split unevenly: DTensor pads the last shard
-    if "A" in kinds:
-        needs["attention heads"] = args.n_heads
-        if args.n_kv_heads >= tp:
-            needs["attention kv heads"] = args.n_kv_heads
-        elif tp % args.n_kv_heads:
-            raise ConfigError(
-                f"parallelism.tensor_parallel_degree: {tp} must be a multiple of the {args.n_kv_heads} attention "
-                "kv heads when it exceeds them (each rank keeps one replicated kv head)"
-            )
-    if "G" in kinds:
-        needs["GDP heads"] = args.gdp_heads
-    if "F" in kinds:
-        needs["feed-forward hidden size"] = args.ffn_dim
-    for what, size in needs.items():
-        if size % tp:
-            raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {size} {what}")
+    splits = [LAYER_KINDS[letter].tensor_split(args, tp) for letter in LAYER_KINDS if letter in args.layer_pattern]
+    for split in splits:
+        for what, size in split.multiple_of.items():
+            if tp % size:
+                raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} must be a multiple of the {size} {what} "
+                                  "when it exceeds them (each rank keeps a replicated one)")
+    for split in splits:
+        for what, size in split.divides.items():
+            if size % tp:
+                raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {size} {what}")
 
 
-def sublayer_plan(kind: str, args: ModelArgs, tp: int, experts_elsewhere: bool = False) -> dict[str, ParallelStyle]:
-    """The plan of one sublayer of kind G, A, F or E, keyed by submodule ("" is the sublayer itself)."""
-    if kind == "A":
-        kv = Shard(0) if args.n_kv_heads >= tp else Rows(args.n_kv_heads)
-        return {"": LocalCompute({"wq.weight": Shard(0), "wk.weight": kv, "wv.weight": kv, "wo.weight": Shard(1)})}
-    if kind == "G":
-        by_head = [f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "a_proj",
-                                                 "q_conv", "k_conv", "v_conv")] + ["A_log", "dt_bias"]
-        return {"": LocalCompute({**dict.fromkeys(by_head, Shard(0)), "o_proj.weight": Shard(1)})}
-    if kind == "F":
-        plan = {"": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1))}
-        if args.ffn_activation == "swiglu":
-            plan["w3"] = ColwiseParallel()
+def sublayer_plan(split: TensorSplit, experts_elsewhere: bool = False) -> dict[str, ParallelStyle]:
+    """The plan of one sublayer from its kind's split, keyed by submodule ("" is the sublayer itself).
+    experts_elsewhere: expert parallelism holds the split's expert stacks, so TP leaves them alone."""
+    if split.how == "heads":
+        placements = {name: Shard(dim) if isinstance(dim, int) else dim for name, dim in split.weights.items()}
+        return {"": LocalCompute(placements)}
+    if split.how == "hidden":  # the DTensor plans keep float8's amax reductions to DTensor (float8.py)
+        plan = {"": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+        for name, dim in split.weights.items():
+            style = ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=Shard(1))
+            plan[name.removesuffix(".weight")] = style
         return plan
-    if experts_elsewhere:  # MoE under EP: the expert stacks w1/w2 go to the ep mesh (expert_parallel.py)
-        names = ["router", "shared"] if args.moe_shared_dim else ["router"]
-        return {name: LocalCompute(gather=False) for name in names}
-    return {"": LocalCompute(gather=False)}  # MoE: replicated, on the rank's sequence slice
+    if split.how == "tokens":
+        return {"": LocalCompute(gather=False, leave=split.expert_stacks if experts_elsewhere else ())}
+    raise ValueError(f"unknown tensor split {split.how!r}; use heads, hidden or tokens")
 
 
 def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: bool = False) -> None:
@@ -177,10 +167,11 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: 
     # The embedding's reduce-scatter hands back an AsyncCollectiveTensor; a compiled first layer takes
     # it as a plain input and its backward is lost (measured), so materialise it: one copy of a slice.
     model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
-    for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+    for layer in model.layers():
+        split = LAYER_KINDS[layer.kind].tensor_split(args, tp)
         plan = {"norm": SequenceParallel(use_local_output=True)}
         plan.update({f"sublayer.{name}" if name else "sublayer": style
-                     for name, style in sublayer_plan(layer.kind, args, tp, experts_elsewhere).items()})
+                     for name, style in sublayer_plan(split, experts_elsewhere).items()})
         parallelize_module(layer, mesh, plan)
     for name in ("step_size", "conditioning"):
         if getattr(model.recurrent, name) is not None:

@@ -38,8 +38,8 @@ def shifted(route: dict, batch: int) -> dict:
 def compare(moe: MoE, x1: torch.Tensor, xi: torch.Tensor) -> dict[str, float]:
     """Loop-1 input x1 and loop-i input xi of one MoE layer: the metrics above."""
     B, _, dim = xi.shape
-    first = dict(zip(("indices", "weights"), moe._route(x1.reshape(-1, dim), B)))
-    own = dict(zip(("indices", "weights"), moe._route(xi.reshape(-1, dim), B)))
+    first = dict(zip(("indices", "weights"), moe.choose_experts(x1.reshape(-1, dim), B)))
+    own = dict(zip(("indices", "weights"), moe.choose_experts(xi.reshape(-1, dim), B)))
     shared = moe.shared(xi).reshape(-1, dim) if moe.shared is not None else 0
 
     def outputs(route):
@@ -70,7 +70,7 @@ def route_drift(model, batches) -> dict[int, dict[str, float]]:
     K = model.args.max_loops
     if K < 2:
         raise ValueError("the model runs one loop only: there is no later loop to compare")
-    replay, model.recurrent.route_replay = model.recurrent.route_replay, False
+    replay, model.route_replay = model.route_replay, False
     inputs: dict[MoE, list[torch.Tensor]] = {m: [] for m in moes}
     hooks = [m.register_forward_pre_hook(lambda mod, args: inputs[mod].append(args[0])) for m in moes]
     sums = {i: dict.fromkeys(METRICS, 0.0) for i in range(2, K + 1)}
@@ -88,7 +88,7 @@ def route_drift(model, batches) -> dict[int, dict[str, float]]:
     finally:
         for hook in hooks:
             hook.remove()
-        model.recurrent.route_replay = replay
+        model.route_replay = replay
     return {i: {name: value / n for name, value in metrics.items()} for i, metrics in sums.items()}
 
 

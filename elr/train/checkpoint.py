@@ -43,83 +43,21 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_model_state_dict
-from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from elr.checkpoint import CONFIG, MARKER, CheckpointError, UnusableCheckpoint, check_format, check_hashes
-from elr.checkpoint import check_keys, check_sizes, committed_files, first_nonfinite, hash_files, load_state_dict
-from elr.checkpoint import read_marker, read_metadata, write_marker
+from elr.checkpoint import CONFIG, STEP_DIR, check_format, check_hashes, check_keys, committed_files, committed_steps
+from elr.checkpoint import first_nonfinite, hash_files, latest_step, load_state_dict, marker_or_reason, read_metadata
+from elr.checkpoint import step_folders, write_marker
+from elr.errors import CheckpointError, UnusableCheckpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MARKER", "CheckpointError", "CheckpointManager", "ModelState", "OptimizerState"]
-
-_STEP_DIR = re.compile(r"step-(\d+)")
 _OWN_TMP = re.compile(r"step-\d+(-model)?\.tmp")  # what a killed save or export of ours leaves
 _STEP_OR_EXPORT = re.compile(r"step-(\d+)(-model)?")
 # DCP warns at every save/load without a process group that it assumes one process: we mean that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
-
-
-class ModelState(Stateful):
-    """Model weights by fully qualified name: DTensor shards under FSDP2/TP, plain tensors else."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
-
-
-class OptimizerState(Stateful):
-    """Optimizer state flattened to one key per parameter and field.
-
-    Flat keys (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`) make each parameter's optimizer
-    state separate entries, so a model that gained parameters (the late switch) can load an older
-    checkpoint with only the new parameters' entries missing.
-    """
-
-    _options = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model = model
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        opt = self.optimizer
-        never_stepped = [p for g in opt.param_groups for p in g["params"] if p not in opt.state]
-        state_dict = get_optimizer_state_dict(self.model, opt, options=self._options)
-        # get_optimizer_state_dict creates missing state with a zero-lr step, which leaves AdamW's
-        # step count at 1. Zero it again (the dict holds the same tensors), so a parameter that was
-        # never stepped is saved, and kept when a checkpoint lacks it, as fresh: step 0, no moments.
-        for p in never_stepped:
-            for value in opt.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor):
-                    value.zero_()
-        return state_dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # A parameter the checkpoint lacked (allow_missing) still holds this optimizer's own group
-        # hyperparameters, the others the saved ones (a scheduled lr), and torch takes a group's
-        # values from its first parameter. One group, one value: the saved one.
-        names = {p: _fqn(n) for n, p in self.model.named_parameters()}
-        for group in self.optimizer.param_groups:
-            for field, current in group.items():
-                keys = [f"param_groups.{names[p]}.{field}" for p in group["params"]]
-                keys = [k for k in keys if k in state_dict]
-                saved = [state_dict[k] for k in keys if not _same(state_dict[k], current)]
-                if field == "params" or not saved:
-                    continue
-                if not all(_same(v, saved[0]) for v in saved):
-                    raise CheckpointError(f"optimizer: one param group here, mixed saved {field}")
-                state_dict.update({k: saved[0] for k in keys})
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self._options)
 
 
 class CheckpointManager:
@@ -263,9 +201,9 @@ class CheckpointManager:
     # ---- loading ----
 
     def latest_step(self) -> int | None:
-        """Newest committed checkpoint whose marker and sizes hold (reads the folder, no collectives,
-        no hashing; `load` checks the hashes and falls back further if it must)."""
-        return next((s for s in self._committed_steps() if isinstance(_marker_or_reason(self.folder, s), dict)), None)
+        """Newest committed checkpoint whose marker and sizes hold (`elr.checkpoint.latest_step`; `load`
+        checks the hashes and falls back further if it must)."""
+        return latest_step(self.folder)
 
     def load(self, states: dict[str, Any], *, step: int | None = None,
              allow_missing: Callable[[str], bool] = lambda key: False) -> int | None:
@@ -310,7 +248,7 @@ class CheckpointManager:
         checkpoint folder whose newest usable step is taken. Returns that step, or None when `path`
         holds no checkpoint. Same key rules, checks and collectives as `load`; nothing is moved."""
         path = Path(path)
-        named = _STEP_DIR.fullmatch(path.name)
+        named = STEP_DIR.fullmatch(path.name)
         source = copy.copy(self)  # the same process group, reading the other folder
         source.folder, source._pending = (path.parent if named else path), None
         return source.load(states, step=int(named[1]) if named else None, allow_missing=allow_missing)
@@ -342,7 +280,7 @@ class CheckpointManager:
         """The marker of `step-{step}` once its sizes and hashes hold; UnusableCheckpoint, alike on
         every rank, if not. Rank 0 reads the marker; the ranks share the hashing."""
         folder = self.folder / f"step-{step}"
-        marker = self._on_rank0(lambda: _marker_or_reason(self.folder, step))
+        marker = self._on_rank0(lambda: marker_or_reason(self.folder, step))
         if isinstance(marker, str):
             raise UnusableCheckpoint(folder, marker)
         if "sha256" in marker:
@@ -373,13 +311,10 @@ class CheckpointManager:
                 states[name] = state_dict[name]
 
     def _step_folders(self) -> list[int]:
-        """Steps of every `step-N` folder, committed or not, newest first."""
-        folders = self.folder.iterdir() if self.folder.is_dir() else []
-        return sorted((int(m[1]) for p in folders if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()), reverse=True)
+        return step_folders(self.folder)
 
     def _committed_steps(self) -> list[int]:
-        """Steps of `step-N` folders with a marker, newest first (not yet checked)."""
-        return [s for s in self._step_folders() if (self.folder / f"step-{s}" / MARKER).is_file()]
+        return committed_steps(self.folder)
 
     # ---- collectives ----
 
@@ -409,17 +344,6 @@ class CheckpointManager:
         return {k: v for part in self._gather(mine) for k, v in part.items()}
 
 
-def _marker_or_reason(folder: Path, step: int) -> dict | str:
-    """The marker of `folder/step-{step}` if its sizes hold, else why not (cheap: no hashing)."""
-    path = folder / f"step-{step}"
-    try:
-        marker = read_marker(path, step)
-        check_sizes(path, marker)
-        return marker
-    except UnusableCheckpoint as e:
-        return e.reason
-
-
 def _space_problem(folder: Path, step: int, needed: int, free: int) -> str | None:
     if free >= needed:
         return None
@@ -445,17 +369,6 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 def _state_dicts(states: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()}
-
-
-def _fqn(name: str) -> str:
-    """A parameter name as state dicts write it: no compile or activation-checkpoint wrappers."""
-    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a == b
 
 
 def _one_line(e: BaseException) -> str:

@@ -10,7 +10,10 @@ e = g // W. Data parallelism cuts the stream into global microbatches of dp_worl
 local_batch_size samples, and rank r takes the r-th run of local_batch_size samples of each.
 The loader state is therefore one integer, the number of global samples consumed, identical on
 every rank; loading it with another dp_world (same global microbatch) continues the same stream
-without repeating or skipping a sample.
+without repeating or skipping a sample. A generated task (elr/tasks.py) streams the same way.
+
+Also here, the job's data arithmetic and checks made before any work: microbatches per update, the
+task's row length, and that the token files were made by the configured tokenizer.
 """
 
 from __future__ import annotations
@@ -28,17 +31,14 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from elr import tasks
-from elr.config import UserError
+from elr.config import JobConfig, Training
+from elr.errors import ConfigError, DataError
+from elr.tokenizer import Tokenizer
 
 # torchdata 0.11 warns on every loader that it calls a deprecated torch API; nothing for us to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs [local_bs, seq_len], labels [local_bs, seq_len]
-
-
-
-class DataError(UserError, ValueError):
-    """A token file or its meta.json cannot serve this job (wrong dtype or size, too few tokens)."""
 
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -57,6 +57,22 @@ def read_meta(data_dir: str | Path) -> dict:
     if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size", 0), int):
         raise DataError(f"{meta_path}: expected a JSON object with an integer vocab_size")
     return meta
+
+
+def check_tokenizer(data_dir: Path, tokenizer: Tokenizer, cfg: JobConfig) -> None:
+    """The data was tokenized by this tokenizer: same vocabulary size and, where recorded, the same
+    file (a shuffled ranks file has the size but not the ids). Records the hash in the config."""
+    meta = read_meta(data_dir)
+    vocab, tok = meta["vocab_size"], cfg.tokenizer
+    if vocab != tokenizer.n_vocab:
+        raise ConfigError(f"data.path: {data_dir} was tokenized with a vocabulary of {vocab}, but tokenizer.path "
+                          f"{tok.path} has {tokenizer.n_vocab}")
+    have = tokenizer.sha256
+    for key, want in (("data.path", meta.get("tokenizer_sha256")), ("tokenizer.sha256", tok.sha256)):
+        if want and have and want != have:
+            raise ConfigError(f"{key}: {'the data was tokenized by' if key == 'data.path' else 'expects'} a tokenizer "
+                              f"with SHA-256 {want}, but tokenizer.path {tok.path} has {have}")
+    tok.sha256 = tok.sha256 or have or ""
 
 
 def load_tokens(path: str | Path) -> np.memmap:
@@ -344,3 +360,27 @@ def val_task_batches(task, seed: int, local_batch_size: int, num_batches: int, d
                                          local_batch_size)
         inputs, labels = tasks.inputs_and_labels(rows)
         yield torch.from_numpy(inputs.copy()), torch.from_numpy(labels), torch.from_numpy(difficulties)
+
+
+def microbatches(t: Training, dp_world: int) -> tuple[int, int]:
+    """(global batch in sequences, microbatches per data-parallel rank) of one optimizer update."""
+    per_update = t.local_batch_size * dp_world
+    global_batch = per_update if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_update:
+        raise ConfigError(f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size x "
+                          f"data-parallel ranks = {t.local_batch_size} x {dp_world}")
+    return global_batch, global_batch // per_update
+
+
+def job_task(cfg: JobConfig):
+    """The job's depth-bound task (data.task), whose rows must be training.seq_len + 1 tokens."""
+    d, seq_len = cfg.data, cfg.training.seq_len
+    try:
+        task = tasks.build_task(d.task, d.task_items, d.task_max_difficulty)
+    except ValueError as e:
+        raise ConfigError(f"data.task: {e}") from None
+    if seq_len != task.row_len - 1:
+        raise ConfigError(f"training.seq_len: {d.task} with {d.task_items} items takes inputs of "
+                          f"{task.row_len - 1} tokens; set training.seq_len = {task.row_len - 1} (got {seq_len})")
+    return task
+

@@ -14,6 +14,9 @@ rank, rotating it would set whole updates to k=1; the override then rotates over
 microbatch slots instead (our choice, keeping depths mixed within each update). A single process
 is one group too, and rotates over its slots in the same way: one process with n microbatches draws
 what n ranks of one microbatch each would.
+
+`DepthSchedule` puts the late switch in front of the sampler: the one place that says which phase a
+step belongs to.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from elr.config import JobConfig, switch_step
 
 
 def _mix(seed: int, step: int) -> int:
@@ -75,3 +80,30 @@ class LoopSampler:
         """Closed-form mean loop count per slot."""
         ks = torch.arange(1, self.max_loops + 1, dtype=torch.float64)
         return self.override + (1 - self.override) * (self.probs * ks).sum().item()
+
+
+class DepthSchedule:
+    """The loop counts of every update of a job: one loop through the late switch (elr.switch_at),
+    the sampler's draws after it.
+
+    The two phases follow one rule: a model that has taken `updates` optimizer steps is in the
+    mixed-depth phase when updates >= switch_step (the trainer builds it with loop conditioning
+    then), and update s runs from the model after s - 1. With no late switch, switch_step is 0.
+    """
+
+    def __init__(self, cfg: JobConfig, dp_world: int, n_micro: int, group_size: int = 1):
+        e = cfg.elr
+        self.switch_step = switch_step(cfg)
+        self.sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights, cfg.training.seed)
+        self.dp_world, self.n_micro, self.group_size = dp_world, n_micro, group_size
+
+    def mixed_depth(self, updates: int) -> bool:
+        """The phase of the model after `updates` optimizer steps."""
+        return updates >= self.switch_step
+
+    def loop_counts(self, step: int) -> torch.Tensor:
+        """k for every slot [dp_world, n_micro] of update `step`. The ranks of an expert-parallel group
+        (group_size) share their k: their all-to-alls run inside the layers."""
+        if not self.mixed_depth(step - 1):
+            return torch.ones(self.dp_world, self.n_micro, dtype=torch.long)
+        return self.sampler.sample(step, self.dp_world, self.n_micro, group_size=self.group_size)

@@ -16,6 +16,22 @@ import torch
 logger = logging.getLogger("elr")
 
 
+def setup_lines(cfg, model, dims, device: torch.device, n_micro: int, global_batch: int) -> list[str]:
+    """What a run prints before its first step: the model, and the layout and batch of an update."""
+    a, t = model.args, cfg.training
+    n_params = sum(p.numel() for p in model.parameters())
+    n_in, n_rec, n_out = a.partition
+    return [
+        f"model {cfg.model.flavor}: {n_params:,} parameters | layers {a.layer_pattern} "
+        f"(input {n_in}, recurrent {n_rec}, output {n_out}) | ELR {'on' if cfg.elr.enabled else 'off (baseline)'}, "
+        f"update {a.update}, conditioning {'on' if a.conditioning else 'off'}, K={a.max_loops}",
+        f"{dims.world_size} rank(s) on {device.type} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} "
+        f"x cp {dims.cp} x tp {dims.tp}) | {n_micro} microbatch(es) x {t.local_batch_size} x {t.seq_len} tokens "
+        f"per data-parallel rank per update | global batch {global_batch} | "
+        f"{model.num_flops_per_token(t.seq_len, 1) / 1e9:.3f} GFLOP/token at k=1",
+    ]
+
+
 def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30

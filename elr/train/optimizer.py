@@ -10,6 +10,9 @@ dim holds whole matrices on every rank: each rank orthogonalises its own experts
 A 2D matrix split by rows is all-gathered, orthogonalised in full on every rank (the same numbers
 everywhere) and each rank keeps its rows: simple and exact, at the price of one all-gather of each
 such matrix per step and the Newton-Schulz work repeated on every rank.
+
+The MoE's aux-loss-free expert biases move once per optimizer step too, by load rather than by
+gradients: `update_expert_biases` is that step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
@@ -24,6 +28,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from elr.config import ELR, LRScheduler, Optimizer
 from elr.models.ffn import MoE
+from elr.models.layers import LAYER_KINDS
 from elr.models.recurrence import AdaptiveStep, LoopConditioning
 
 # Parameters of these modules never decay: embeddings and norms carry scale, and the loop
@@ -31,33 +36,34 @@ from elr.models.recurrence import AdaptiveStep, LoopConditioning
 NO_DECAY_MODULES = (nn.Embedding, nn.RMSNorm, LoopConditioning)
 
 
-def param_groups(model: nn.Module, weight_decay: float, lr: float, step: ELR | None = None) -> list[dict]:
-    """Decayed matrices, undecayed rest, and the ELR step size with its own lr and decay."""
+def param_groups(model: nn.Module, weight_decay: float, lr: float, elr: ELR | None = None) -> list[dict]:
+    """Decayed matrices, undecayed rest, and the ELR step size with its own lr and decay (from `elr`)."""
     no_decay_ids = {
         id(p) for m in model.modules() if isinstance(m, NO_DECAY_MODULES) for p in m.parameters()
     }
-    step_ids = {id(p) for m in model.modules() if isinstance(m, AdaptiveStep) for p in m.parameters()}
-    decay, no_decay, step_params = [], [], []
+    step_size_ids = {id(p) for m in model.modules() if isinstance(m, AdaptiveStep) for p in m.parameters()}
+    decay, no_decay, step_size_params = [], [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if id(p) in step_ids:
-            step_params.append(p)
+        if id(p) in step_size_ids:
+            step_size_params.append(p)
         else:
             (decay if p.ndim >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay, "lr": lr},
         {"params": no_decay, "weight_decay": 0.0, "lr": lr},
     ]
-    if step_params:
-        step = step or ELR()
-        groups.append({"params": step_params, "weight_decay": step.step_weight_decay, "lr": lr * step.step_lr_scale})
+    if step_size_params:
+        elr = elr or ELR()
+        groups.append({"params": step_size_params, "weight_decay": elr.step_weight_decay, "lr": lr * elr.step_lr_scale})
     return groups
 
 
-# Linear layers that produce per-expert or per-head gate values (the MoE router, the GDP decay and
-# beta projections) stay on AdamW with the other gates; our choice of what "gates" covers.
-GATE_LINEARS = ("router", "a_proj", "b_proj")
+# Linear layers that produce per-expert or per-head gate values (each layer kind names its own:
+# the MoE router, the GDP decay and beta projections) stay on AdamW with the other gates; our choice
+# of what "gates" covers.
+GATE_LINEARS = {name for kind in LAYER_KINDS.values() for name in kind.gates}
 
 
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
@@ -143,7 +149,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) ->
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, **kwargs)
-    decay, no_decay, *step = groups
+    decay, no_decay, *step_size = groups
     muon_ids = {id(p) for p in muon_params(model)}
     muon = [p for p in decay["params"] if id(p) in muon_ids]
     assert len(muon) == len(muon_ids), "every Muon matrix must be a decayed matrix"
@@ -151,8 +157,28 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) ->
         {**decay, "params": muon, "muon": True, "momentum": cfg.muon_momentum},
         {**decay, "params": [p for p in decay["params"] if id(p) not in muon_ids], "muon": False},
         {**no_decay, "muon": False},
-        *({**group, "muon": False} for group in step),
+        *({**group, "muon": False} for group in step_size),
     ], **kwargs)
+
+
+@torch.no_grad()
+def update_expert_biases(moes: list[MoE], rate: float) -> dict[str, float]:
+    """Aux-loss-free balancing: nudge each expert's bias towards the mean load, then reset counts.
+
+    Counts are summed over every rank first (one collective for all layers), so the biases stay
+    identical everywhere. Returns load statistics for the metrics.
+    """
+    if not moes:
+        return {}
+    loads = torch.stack([m.tokens_per_expert for m in moes])
+    if dist.is_initialized():
+        dist.all_reduce(loads)
+    mean = loads.mean(-1, keepdim=True)
+    for moe, load, m in zip(moes, loads, mean):
+        moe.expert_bias += rate * torch.sign(m - load)
+        moe.tokens_per_expert.zero_()
+    imbalance = (loads.max(-1).values / mean.squeeze(-1).clamp(min=1)).mean()
+    return {"moe/max_load_over_mean": imbalance.item()}
 
 
 def lr_lambda(step: int, cfg: LRScheduler, total_steps: int) -> float:

@@ -20,15 +20,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from elr.config import UserError
+from elr.errors import FolderInUse
 
 logger = logging.getLogger("elr")
 
 LOCK = "train.lock"
-
-
-class FolderInUse(UserError):
-    """Another run holds the lock of a folder this run would write."""
 
 
 def _process_start(pid: int) -> str | None:

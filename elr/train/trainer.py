@@ -1,8 +1,10 @@
-"""The training loop: mixed-depth gradient accumulation, validation at every k, checkpoints.
+"""The training loop: mixed-depth gradient accumulation, the late switch, checkpoints, signals.
 
 A token's path: data loader -> Trainer.train_step -> model(inputs, loops=k) -> cross entropy.
 Each (data-parallel rank, microbatch) slot runs its own loop count k; the loss of an update is
-the mean over all of its tokens, whatever depth produced them.
+the mean over all of its tokens, whatever depth produced them. The trainer puts the components
+together: the loop counts and phases (elr/train/loop_sampler.py), validation (validate.py), the
+gradient reductions across ranks (elr/parallel/gradients.py), checkpoints (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ import contextlib
 import json
 import logging
 import math
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -21,24 +21,26 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from elr.checkpoint import first_nonfinite
-from elr.config import ConfigError, JobConfig, switch_step
+from elr.config import JobConfig
+from elr.errors import ConfigError
 from elr.models import build_model
-from elr.models.ffn import update_expert_biases
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.parallel.context_parallel import shard_sequence
-from elr.parallel.expert_parallel import grad_norm_by_mesh, reduce_expert_gradients
-from elr.parallel.parallel_dims import ParallelDims
+from elr.parallel.gradients import clip_gradients, reduce_gradients
+from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
-from elr.parallel.tensor_parallel import reduce_partial_grads
-from elr.tasks import build_task, score_answers
-from elr.train.checkpoint import CheckpointManager, ModelState, OptimizerState
-from elr.train.data import build_task_loader, build_train_loader, read_meta, val_batches, val_task_batches
-from elr.train.loss import IGNORE_INDEX, model_loss, summed_loss
-from elr.train.loop_sampler import LoopSampler
-from elr.train.metrics import MetricsLogger, console_line, memory_gib, throughput
-from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
-from elr.train.run_lock import RunLock
 from elr.tokenizer import build_tokenizer
+from elr.train.checkpoint import CheckpointManager
+from elr.train.data import build_task_loader, build_train_loader, check_tokenizer, job_task, microbatches
+from elr.train.loop_sampler import DepthSchedule
+from elr.train.loss import IGNORE_INDEX, model_loss
+from elr.train.metrics import MetricsLogger, console_line, memory_gib, setup_lines, throughput
+from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
+from elr.train.optimizer import update_expert_biases
+from elr.train.run_lock import RunLock
+from elr.train.stop import StopOnSignal
+from elr.train.train_state import ModelState, OptimizerState
+from elr.train.validate import Validator
 
 logger = logging.getLogger("elr")
 
@@ -57,7 +59,7 @@ class Trainer:
         check_model_config(cfg)  # the config checks that need the model code, before any work
         self.cfg = cfg
         t = cfg.training
-        self.rank, self.world_size, self.device = self._init_distributed()
+        self.rank, self.world_size, self.device = init_distributed()
         p = cfg.parallelism
         self.dims = ParallelDims(
             p.data_parallel_replicate_degree, p.data_parallel_shard_degree, self.world_size,
@@ -66,43 +68,28 @@ class Trainer:
         self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_world = self.dims.dp_rank, self.dims.dp_world
 
-        per_update = t.local_batch_size * self.dp_world
-        global_batch = per_update if t.global_batch_size == -1 else t.global_batch_size
-        if global_batch % per_update:
-            raise ConfigError(
-                f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size x "
-                f"data-parallel ranks = {t.local_batch_size} x {self.dp_world}"
-            )
-        self.n_micro = global_batch // per_update
-        self.global_batch = global_batch
+        self.global_batch, self.n_micro = microbatches(t, self.dp_world)
 
         self.dump_folder = Path(cfg.job.dump_folder)
-        self.task = self._build_task() if cfg.data.task else None
+        self.task = job_task(cfg) if cfg.data.task else None
         if self.task is not None:  # generated examples in the task's own vocabulary: no files, no tokenizer
             self.vocab_size = self.task.vocab_size
             self.train_loader = build_task_loader(
-                self.task, t.local_batch_size, self.dp_rank, self.dp_world, t.seed, global_batch,
+                self.task, t.local_batch_size, self.dp_rank, self.dp_world, t.seed, self.global_batch,
                 cfg.data.task_curriculum_steps,
             )
         else:
             data_dir = Path(cfg.data.path)
-            self.tokenizer = build_tokenizer(cfg.tokenizer.path)
-            self.vocab_size = self.tokenizer.n_vocab
-            self._check_data_vocab(data_dir)
+            tokenizer = build_tokenizer(cfg.tokenizer.path)
+            self.vocab_size = tokenizer.n_vocab
+            check_tokenizer(data_dir, tokenizer, cfg)
             self.train_loader = build_train_loader(
                 str(data_dir / "train.bin"), t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world, t.seed,
                 cfg.data.shuffle,
             )
-            self.val_path = str(data_dir / "val.bin")
-            if cfg.validation.freq:  # fail now, not at the first evaluation, if the val split is too small
-                val_batches(self.val_path, t.seq_len, t.local_batch_size, cfg.validation.steps, self.dp_rank,
-                            self.dp_world)
         self.data_iter = iter(self.train_loader)
-
-        self.sampler = LoopSampler(
-            cfg.elr.max_loops, cfg.elr.sampling, cfg.elr.one_loop_override, cfg.elr.loop_weights, t.seed
-        )
-        self.switch_step = switch_step(cfg)
+        self.validator = Validator(cfg, self.task, self.dp_rank, self.dp_world, self.device)
+        self.depths = DepthSchedule(cfg, self.dp_world, self.n_micro, group_size=self.dims.ep)
         checkpoint_folder = self.dump_folder / cfg.checkpoint.folder
         self.checkpointer = CheckpointManager(
             checkpoint_folder, interval=cfg.checkpoint.interval, keep_latest_k=cfg.checkpoint.keep_latest_k,
@@ -111,7 +98,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_streak = 0
-        self.stop_requested = False
+        self.stop = StopOnSignal(self.device, saves=cfg.checkpoint.enable)
 
         # One run per folder, taken before anything is written; a checkpoint folder outside the dump
         # folder (an absolute checkpoint.folder) is locked as well.
@@ -132,54 +119,15 @@ class Trainer:
 
     # ---- setup -------------------------------------------------------------------------------
 
-    def _init_distributed(self) -> tuple[int, int, torch.device]:
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        if torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
-        return (dist.get_rank() if world_size > 1 else 0), world_size, device
-
-    def _build_task(self):
-        d, seq_len = self.cfg.data, self.cfg.training.seq_len
-        try:
-            task = build_task(d.task, d.task_items, d.task_max_difficulty)
-        except ValueError as e:
-            raise ConfigError(f"data.task: {e}") from None
-        if seq_len != task.row_len - 1:
-            raise ConfigError(f"training.seq_len: {d.task} with {d.task_items} items takes inputs of "
-                              f"{task.row_len - 1} tokens; set training.seq_len = {task.row_len - 1} (got {seq_len})")
-        return task
-
-    def _check_data_vocab(self, data_dir: Path) -> None:
-        """The data was tokenized by this tokenizer: same vocabulary size and, where recorded, the same
-        file (a shuffled ranks file has the size but not the ids). Records the hash in the config."""
-        meta = read_meta(data_dir)
-        vocab, tok = meta["vocab_size"], self.cfg.tokenizer
-        if vocab != self.tokenizer.n_vocab:
-            raise ConfigError(
-                f"data.path: {data_dir} was tokenized with a vocabulary of {vocab}, but tokenizer.path "
-                f"{tok.path} has {self.tokenizer.n_vocab}"
-            )
-        have = self.tokenizer.sha256
-        for key, want in (("data.path", meta.get("tokenizer_sha256")), ("tokenizer.sha256", tok.sha256)):
-            if want and have and want != have:
-                raise ConfigError(f"{key}: {'the data was tokenized by' if key == 'data.path' else 'expects'} a tokenizer "
-                                  f"with SHA-256 {want}, but tokenizer.path {tok.path} has {have}")
-        tok.sha256 = tok.sha256 or have or ""
-
-    def _build(self, mixed: bool) -> None:
-        """Model, optimizer and schedule for one phase: one-loop (no conditioning) or mixed depth.
+    def _build(self, mixed_depth: bool) -> None:
+        """Model, optimizer and schedule for one phase: one loop (no conditioning) or mixed depth.
 
         Weights are initialised from the seed alone, so a model rebuilt at the switch gets the same
         fresh conditioning parameters as one built when resuming after it.
         """
         cfg = self.cfg
-        self.mixed = mixed
-        self.model_args = model_args_from_config(cfg, self.vocab_size, before_switch=not mixed)
+        self.mixed_depth = mixed_depth
+        self.model_args = model_args_from_config(cfg, self.vocab_size, mixed_depth=mixed_depth)
         torch.manual_seed(cfg.training.seed)
         with torch.device("meta"):
             model = build_model(self.model_args)
@@ -201,15 +149,15 @@ class Trainer:
         planned = None
         if ckpt.enable:
             planned = self.checkpointer.latest_step() if ckpt.load_step == -1 else ckpt.load_step
-        self._build(mixed=(planned or 0) >= self.switch_step)
+        self._build(mixed_depth=self.depths.mixed_depth(planned or 0))
         # None only when the folder holds no checkpoint at all; one that none can be loaded from stops here
         loaded = self._load(None if ckpt.load_step == -1 else ckpt.load_step) if ckpt.enable else None
         if loaded is None:
             if ckpt.initial_load_path:
                 self._load_initial(ckpt.initial_load_path)
             return
-        if (self.step >= self.switch_step) != self.mixed:
-            self._build(mixed=not self.mixed)
+        if self.depths.mixed_depth(self.step) != self.mixed_depth:
+            self._build(mixed_depth=not self.mixed_depth)
             if self.step:
                 self._load(self.step)
 
@@ -235,13 +183,16 @@ class Trainer:
         self.train_loader.dataset.position = int(state["data_position"])
         torch.set_rng_state(state["rng"])
 
+    def _missing_before_switch(self):
+        """The keys a checkpoint from before the late switch lacks and this phase's model has: the
+        conditioning parameters (and their optimizer state), which keep their fresh values."""
+        return is_conditioning_key if self.model_args.conditioning else (lambda key: False)
+
     def _load(self, step: int | None) -> int | None:
         """Resume from `step` (None: the newest usable), with this job's optimizer settings; newer
         checkpoints (a rollback, or unusable ones skipped) are moved aside, never resumed or pruned."""
         settings = job_settings(self.optimizer)
-        loaded = self.checkpointer.load(
-            self.states(), step=step, allow_missing=is_conditioning_key if self.model_args.conditioning else (lambda key: False)
-        )
+        loaded = self.checkpointer.load(self.states(), step=step, allow_missing=self._missing_before_switch())
         if loaded is not None:
             logger.info(f"resumed from {self.checkpointer.folder}/step-{loaded} (step {self.step})")
             self.checkpointer.set_aside_after(loaded)
@@ -252,44 +203,25 @@ class Trainer:
 
     def _load_initial(self, path: str) -> None:
         """Start from another run's weights (a later stage of training); everything else is fresh."""
-        allow = is_conditioning_key if self.model_args.conditioning else (lambda key: False)
-        loaded = self.checkpointer.load_initial(path, {"model": ModelState(self.model)}, allow_missing=allow)
+        loaded = self.checkpointer.load_initial(path, {"model": ModelState(self.model)},
+                                                allow_missing=self._missing_before_switch())
         if loaded is None:
             raise ConfigError(f"checkpoint.initial_load_path: no committed checkpoint at {path}")
         logger.info(f"started from the weights of {path} (step {loaded}); optimizer, schedule and data position fresh")
 
     def _log_setup(self) -> None:
-        a, t, d = self.model_args, self.cfg.training, self.dims
-        n_params = sum(p.numel() for p in self.model.parameters())
-        n_in, n_rec, n_out = a.partition
-        logger.info(
-            f"model {self.cfg.model.flavor}: {n_params:,} parameters | layers {a.layer_pattern} "
-            f"(input {n_in}, recurrent {n_rec}, output {n_out}) | ELR {'on' if self.cfg.elr.enabled else 'off (baseline)'}, "
-            f"update {a.update}, conditioning {'on' if a.conditioning else 'off'}, K={a.max_loops}"
-        )
-        logger.info(
-            f"{self.world_size} rank(s) on {self.device.type} (dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} "
-            f"x cp {d.cp} x tp {d.tp}) | {self.n_micro} microbatch(es) x {t.local_batch_size} x {t.seq_len} tokens "
-            f"per data-parallel rank per update | global batch {self.global_batch} | "
-            f"{self.model.num_flops_per_token(t.seq_len, 1) / 1e9:.3f} GFLOP/token at k=1"
-        )
-        if self.switch_step and not self.mixed:
-            logger.info(f"one loop until step {self.switch_step}, then mixed depth")
+        for line in setup_lines(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch):
+            logger.info(line)
+        if not self.mixed_depth:
+            logger.info(f"one loop until step {self.depths.switch_step}, then mixed depth")
 
     # ---- training ----------------------------------------------------------------------------
 
-    def loop_counts(self, step: int) -> torch.Tensor:
-        """k for every slot [dp_world, n_micro] of update `step`: one loop before the switch. The ranks
-        of an expert-parallel group share their k (their all-to-alls run inside the layers)."""
-        if step <= self.switch_step:
-            return torch.ones(self.dp_world, self.n_micro, dtype=torch.long)
-        return self.sampler.sample(step, self.dp_world, self.n_micro, group_size=self.dims.ep)
-
     def train_step(self, step: int) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         cfg, K = self.cfg, self.cfg.elr.max_loops
-        ks = self.loop_counts(step)
+        ks = self.depths.loop_counts(step)
         track = step % cfg.metrics.log_freq == 0
-        self.model.recurrent.track_stats = track
+        self.model.record_loop_statistics(track)
         batches = [self._slice(*next(self.data_iter)) for _ in range(self.n_micro)]
         # The update's loss is its mean over scored tokens (labels not ignored). FSDP averages gradients
         # over the world / tp ranks that hold different tokens, so each rank's summed loss is scaled by
@@ -307,7 +239,7 @@ class Trainer:
         # per data-parallel rank, the same on every process.
         for (inputs, labels), k in zip(batches, ks[self.dp_rank].tolist()):
             with self._loss_context():
-                loss_sum = self.model_loss(inputs, labels, k, every_loop=cfg.elr.loss_every_loop and self.mixed)
+                loss_sum = self.model_loss(inputs, labels, k, every_loop=cfg.elr.loss_every_loop and self.mixed_depth)
                 micro_loss = loss_sum * loss_scale
                 # Under TP or CP: this rank's share of its sequences' balance loss. FSDP averages over
                 # the cp ranks (the token loss is per rank) but the shares add up: hence x cp.
@@ -320,17 +252,14 @@ class Trainer:
             per_k[0, k - 1] += loss_sum.detach().double()
             per_k[1, k - 1] += (labels != IGNORE_INDEX).sum()
             if track:
-                for i, stats in enumerate(self.model.recurrent.loop_stats, start=1):
+                for i, stats in enumerate(self.model.loop_statistics(), start=1):
                     for name, value in stats.items():
                         loop_stats.setdefault(f"loop{i}/{name}", []).append(value)
         if dist.is_initialized():
             dist.all_reduce(per_k)  # TP ranks count their (shared) sequences alike: the ratios hold
         loss = (per_k[0].sum() / per_k[1].sum()).item()
-        if self.dims.ep_mesh is not None:
-            reduce_expert_gradients(self.model, self.dims.ep_mesh, self.dp_world * self.dims.cp)
-        if self.dims.tp_mesh is not None and self.dims.fsdp_mesh is None:
-            reduce_partial_grads(self.model)  # FSDP's reduction does this when it is on
-        grad_norm = self._clip_gradients(cfg.training.max_norm)
+        reduce_gradients(self.model, self.dims)
+        grad_norm = clip_gradients(self.model, cfg.training.max_norm)
 
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
@@ -384,52 +313,13 @@ class Trainer:
         return model_loss(self.model, inputs, labels, k, self.cfg.training.loss_chunk_tokens,
                           tensor_parallel=self.dims.tp_mesh is not None, every_loop=every_loop)
 
-    def _clip_gradients(self, max_norm: float) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        total = grad_norm_by_mesh(grads).item()
-        if max_norm > 0 and math.isfinite(total) and total > max_norm:
-            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
-        return total
-
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Validation loss at every k in 1..K on the same held-out batches; on a task also answer
-        accuracy at every k, overall and per difficulty."""
-        cfg = self.cfg
-        K = cfg.elr.max_loops
-        self.model.eval()
-        self.model.recurrent.track_stats = False
-        sums = torch.zeros(2, K, dtype=torch.float64, device=self.device)
-        if self.task is None:
-            batches = ((*b, None) for b in val_batches(self.val_path, cfg.training.seq_len,
-                       cfg.training.local_batch_size, cfg.validation.steps, self.dp_rank, self.dp_world))
-        else:
-            batches = val_task_batches(self.task, cfg.training.seed, cfg.training.local_batch_size,
-                                       cfg.validation.steps, self.dp_rank, self.dp_world)
-            answers = torch.zeros(K, 2, self.task.max_difficulty, dtype=torch.float64, device=self.device)
-        for inputs, labels, difficulties in batches:
-            inputs, labels = self._slice(inputs, labels)
-            for k in range(1, K + 1):
-                if difficulties is None:
-                    with self._loss_context():
-                        sums[0, k - 1] += self.model_loss(inputs, labels, k)
-                else:  # tasks run without TP / CP: the logits are whole
-                    logits = self.model(inputs, loops=k)
-                    sums[0, k - 1] += summed_loss(logits, labels)
-                    answers[k - 1] += score_answers(logits, labels, difficulties, self.task.max_difficulty)
-                sums[1, k - 1] += (labels != IGNORE_INDEX).sum()
-        if dist.is_initialized():
-            dist.all_reduce(sums)
-        self.model.train()
-        val = {f"val/loss_k{k}": (sums[0, k - 1] / sums[1, k - 1]).item() for k in range(1, K + 1)}
-        if self.task is not None:
-            if dist.is_initialized():
-                dist.all_reduce(answers)
-            for k in range(1, K + 1):
-                correct, count = answers[k - 1].tolist()
-                val[f"val/acc_k{k}"] = sum(correct) / sum(count)
-                val.update({f"val/acc_k{k}_d{d}": c / n for d, (c, n) in enumerate(zip(correct, count), 1) if n})
-        return val
+        """Validation loss at every k in 1..K (on a task also answer accuracy), elr/train/validate.py."""
+        def loss(inputs, labels, k):
+            with self._loss_context():
+                return self.model_loss(inputs, labels, k)
+
+        return self.validator(self.model, self._slice, loss)
 
     def _switch_to_mixed_depth(self, step: int) -> None:
         """The late switch: save, rebuild with zero-initialised conditioning, reload, continue.
@@ -438,7 +328,7 @@ class Trainer:
         """
         self._save(step)
         self.checkpointer.wait()
-        self._build(mixed=True)
+        self._build(mixed_depth=True)
         self._load(step)
         logger.info(f"step {step}: switched to mixed depth (K={self.cfg.elr.max_loops}), loop conditioning "
                     f"{'added at zero' if self.model_args.conditioning else 'off'}")
@@ -454,18 +344,6 @@ class Trainer:
                                      "Lower optimizer.lr or resume from the last checkpoint.")
         self.checkpointer.save(step, self.states())
 
-    def _request_stop(self, signum, frame) -> None:
-        action = "saving a checkpoint" if self.cfg.checkpoint.enable else "stopping (checkpoint.enable is false: no save)"
-        logger.warning(f"received {signal.Signals(signum).name}: {action} at the end of this step")
-        self.stop_requested = True
-        signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
-
-    def _should_stop(self) -> bool:
-        flag = torch.tensor([float(self.stop_requested)], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def create_seed_checkpoint(self) -> None:
         if self.world_size > 1:
             raise ConfigError("checkpoint.create_seed: run it in one process (python train.py ...)")
@@ -479,58 +357,52 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         if cfg.checkpoint.create_seed:
             return self.create_seed_checkpoint()
-        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         tokens_per_update = self.global_batch * t.seq_len
         window = None  # loss sums and tokens per k since the last console line
         try:
-            if self.step == 0 and cfg.validation.freq:
-                self._log_validation(0)
-            while self.step < t.steps:
-                step = self.step + 1
-                start = time.perf_counter()
-                scalars, ks, per_k = self.train_step(step)
-                window = per_k if window is None else window + per_k
-                elapsed = time.perf_counter() - start
-                self.step = step
-                self.tokens_seen += tokens_per_update
-                every_loop = cfg.elr.loss_every_loop and self.mixed
-                flops = sum(self.model.num_flops_per_token(t.seq_len, k, every_loop) for k in ks.flatten().tolist())
-                flops *= t.local_batch_size * t.seq_len
-                scalars.update(throughput(tokens_per_update, flops, elapsed, self.world_size, cfg.metrics.peak_tflops))
-                scalars["memory/max_gib"] = memory_gib(self.device)
-                self.metrics.log(step, scalars, {"loops": ks.tolist(), "tokens": self.tokens_seen})
-                if step % cfg.metrics.log_freq == 0 or step == 1:
-                    logger.info(console_line(step, t.steps, scalars, window))
-                    window = None
-                if cfg.validation.freq and (step % cfg.validation.freq == 0 or step == t.steps):
-                    self._log_validation(step)
+            with self.stop:
+                if self.step == 0 and cfg.validation.freq:
+                    self._log_validation(0)
+                while self.step < t.steps:
+                    step = self.step + 1
+                    start = time.perf_counter()
+                    scalars, ks, per_k = self.train_step(step)
+                    window = per_k if window is None else window + per_k
+                    elapsed = time.perf_counter() - start
+                    self.step = step
+                    self.tokens_seen += tokens_per_update
+                    every_loop = cfg.elr.loss_every_loop and self.mixed_depth
+                    flops = sum(self.model.num_flops_per_token(t.seq_len, k, every_loop) for k in ks.flatten().tolist())
+                    flops *= t.local_batch_size * t.seq_len
+                    scalars.update(throughput(tokens_per_update, flops, elapsed, self.world_size, cfg.metrics.peak_tflops))
+                    scalars["memory/max_gib"] = memory_gib(self.device)
+                    self.metrics.log(step, scalars, {"loops": ks.tolist(), "tokens": self.tokens_seen})
+                    if step % cfg.metrics.log_freq == 0 or step == 1:
+                        logger.info(console_line(step, t.steps, scalars, window))
+                        window = None
+                    if cfg.validation.freq and (step % cfg.validation.freq == 0 or step == t.steps):
+                        self._log_validation(step)
 
-                stop = self._should_stop()
-                if step == self.switch_step and step < t.steps:
-                    self._switch_to_mixed_depth(step)
-                elif cfg.checkpoint.enable and (stop or self.checkpointer.should_save(step) or step == t.steps):
-                    self._save(step)
-                if stop:
-                    logger.info(f"stopped at step {step}; resume with the same command" if cfg.checkpoint.enable
-                                else f"stopped at step {step} without saving (checkpoint.enable is false)")
-                    break
-            self.checkpointer.wait()
-            if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
-                path = self.checkpointer.export_model(self.step, self.model, getattr(torch, cfg.checkpoint.export_dtype))
-                logger.info(f"exported model weights ({cfg.checkpoint.export_dtype}) to {path}")
+                    stop = self.stop.now()
+                    if step == self.depths.switch_step and step < t.steps:
+                        self._switch_to_mixed_depth(step)
+                    elif cfg.checkpoint.enable and (stop or self.checkpointer.should_save(step) or step == t.steps):
+                        self._save(step)
+                    if stop:
+                        logger.info(f"stopped at step {step}; resume with the same command" if cfg.checkpoint.enable
+                                    else f"stopped at step {step} without saving (checkpoint.enable is false)")
+                        break
+                self.checkpointer.wait()
+                if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
+                    path = self.checkpointer.export_model(self.step, self.model, getattr(torch, cfg.checkpoint.export_dtype))
+                    logger.info(f"exported model weights ({cfg.checkpoint.export_dtype}) to {path}")
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             self.metrics.close()
 
     def _log_validation(self, step: int) -> None:
         val = self.validate()
         self.metrics.log(step, val)
-        losses = " | ".join(f"k={k} {val[f'val/loss_k{k}']:.4f}" for k in range(1, self.cfg.elr.max_loops + 1))
-        line = f"validation at step {step}: {losses}"
-        if self.task is not None:
-            line += " | accuracy " + " ".join(f"k{k} {val[f'val/acc_k{k}']:.3f}" for k in range(1, self.cfg.elr.max_loops + 1))
-        logger.info(line)
+        logger.info(self.validator.summary(step, val))
 
     def close(self) -> None:
         if self.lock is not None:

@@ -79,12 +79,15 @@ def gated_delta_product_step(q, k, v, g, beta, state=None, *, num_householder, s
                              use_qk_l2norm=False, impl="auto"):
     """One decoding step: the op over a single token (T = 1) from `state`, shapes as in
     `gated_delta_product`. Returns (o [B, 1, H, V], new state [B, H, K, V] in fp32).
-    impl: "triton" (the one-token kernel), "naive", or "auto" (triton on CUDA, naive otherwise)."""
+    impl, any of IMPL_CHOICES: "triton" (the one-token kernel), "naive" or "chunk" (for one token
+    the chunked form is the token loop: both take the naive step), "auto" (triton on CUDA, naive
+    otherwise)."""
     if impl == "auto":
         impl = "triton" if q.is_cuda else "naive"
-    if impl not in ("triton", "naive"):
-        raise ValueError(f"gated_delta_product_step impl must be auto, triton or naive, "
-                         f"got {impl!r}")
+    if impl not in IMPL_CHOICES:
+        raise ValueError(f"unknown gated_delta_product_step impl {impl!r}; expected one of {list(IMPL_CHOICES)}")
+    if impl == "chunk":
+        impl = "naive"
     if q.shape[1] != 1:
         raise ValueError(f"gated_delta_product_step takes one token, got q of shape "
                          f"{tuple(q.shape)}")

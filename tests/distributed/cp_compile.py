@@ -42,7 +42,7 @@ def main(backend: str = "inductor"):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     reference, sharded = copy.deepcopy(model), copy.deepcopy(model)
     enable_context_parallel(sharded, mesh)
-    for layer in [*sharded.input_layers, *sharded.recurrent.layers, *sharded.output_layers]:
+    for layer in sharded.layers():
         if layer.kind in "GA":
             layer.compile(backend=backend)
     want = reference(inputs, loops=3)

@@ -25,14 +25,15 @@ sys.path.insert(0, str(ROOT))
 from elr.config import load_config  # noqa: E402
 from elr.models import build_model  # noqa: E402
 from elr.models.from_config import model_args_from_config  # noqa: E402
-from elr.parallel.activation_memory import forward_activation_bytes  # noqa: E402
 from elr.train.loss import summed_loss  # noqa: E402
 from elr.models.args import flavors  # noqa: E402
 from elr.models.attention import Attention  # noqa: E402
 from elr.models.gdp import GatedDeltaProduct  # noqa: E402
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from elr.parallel.parallelize import SequenceShards  # noqa: E402
+from elr.tools.activation_memory import live_activation_bytes  # noqa: E402
 from elr.parallel.context_parallel import (  # noqa: E402
-    context_parallel_gated_delta_product, enable_context_parallel, shard_sequence,
+    ContextParallel, context_parallel_gated_delta_product, enable_context_parallel, shard_sequence,
 )
 from kernels.gated_delta_product import gated_delta_product  # noqa: E402
 
@@ -63,7 +64,7 @@ def check_module(name, reference, forward, inputs, mesh):
     """forward(module, *inputs, cp: bool) -> output [B, T, ...]; inputs are full sequences [B, T, ...]."""
     group, rank, cp = mesh.get_group(), mesh.get_local_rank(), mesh.size()
     sharded = copy.deepcopy(reference)
-    enable_context_parallel(sharded, mesh)
+    sharded.context_parallel = ContextParallel(group)  # the hook enable_context_parallel installs on a mixer
     full = [x.clone().requires_grad_() for x in inputs]
     local = [shard_sequence(x, rank, cp).clone().requires_grad_() for x in inputs]
     want = forward(reference, *full, cp=False)
@@ -139,7 +140,7 @@ def main():
     for loops, ac in ((1, "none"), (3, "none"), (3, "full"), (3, "selective")):
         reference, sharded = copy.deepcopy(model), copy.deepcopy(model)
         enable_context_parallel(sharded, mesh)
-        sharded.set_sequence_group(group)  # as parallelize() does: routes counted over the whole sequence
+        sharded.set_sequence_shards(SequenceShards(group))  # as parallelize() does: routes counted over the whole sequence
         apply_activation_checkpointing(sharded, ac)  # the recomputed forward gathers again in backward
         want = reference(inputs, loops=loops)
         got = sharded(shard_sequence(inputs, rank, cp), loops=loops)
@@ -167,7 +168,8 @@ def main():
     memory_model.init_weights()
     enable_context_parallel(memory_model, mesh)
     for loops in (1, 3):
-        held = forward_activation_bytes(memory_model, shard_sequence(tokens[:, :T] % 257, rank, cp), loops, summed_loss)
+        mine = shard_sequence(tokens[:, :T] % 257, rank, cp)
+        held = live_activation_bytes(lambda: summed_loss(memory_model(mine, loops=loops), mine), memory_model)
         if rank == cp - 1:
             print(f"activations of the last CP rank at k={loops}: {held} bytes", flush=True)
 

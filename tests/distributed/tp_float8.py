@@ -61,7 +61,7 @@ def check(args, mesh, failures: list, compile: bool) -> None:
 
     def compile_or_ac(model):
         if compile:
-            for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+            for layer in model.layers():
                 if layer.kind != "G":  # aot_eager fails on float8 GDP even in one process (module docstring)
                     layer.compile(backend="aot_eager", dynamic=False)
         else:

@@ -20,9 +20,10 @@ from elr.config import load_config
 from elr.models import build_model
 from elr.models.from_config import model_args_from_config
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
-from elr.parallel.activation_memory import forward_activation_bytes
-from elr.parallel.memory_plan import activation_bytes
+from elr.parallel.parallelize import SequenceShards
 from elr.parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
+from elr.tools.activation_memory import live_activation_bytes
+from elr.tools.memory_plan import activation_bytes
 from elr.train.loss import summed_loss
 
 
@@ -32,7 +33,7 @@ def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
     ref.init_weights()
 
     def split_check_ac_compile(model):
-        for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+        for layer in model.layers():
             if layer.kind == "E":  # MoE: replicated over TP by design
                 continue
             for name, p in layer.sublayer.named_parameters():  # the rest is split in memory
@@ -41,7 +42,7 @@ def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
                     failures.append(f"{layer.kind} layer's {name} is replicated over TP, not split")
         apply_activation_checkpointing(model, ac)
         if compile:
-            for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]:
+            for layer in model.layers():
                 layer.compile(backend="aot_eager", dynamic=False)
 
     model = tp_copy(ref, args, mesh, after_tp=split_check_ac_compile)
@@ -84,13 +85,13 @@ def check_planned_activations(mesh, failures: list) -> None:
     with torch.device("meta"):
         model = build_model(args)
     apply_tensor_parallel(model, mesh)
-    model.set_sequence_group(mesh.get_group())
+    model.set_sequence_shards(SequenceShards(mesh.get_group()))
     model.to_empty(device="cpu")
     model.init_weights()
     tokens = torch.randint(0, args.vocab_size, (2, 64))
     for loops in (1, 3):
         with loss_parallel():
-            measured = forward_activation_bytes(model, tokens, loops, summed_loss)
+            measured = live_activation_bytes(lambda: summed_loss(model(tokens, loops=loops), tokens), model)
         planned = activation_bytes(args, cfg, torch.float32, loops, mesh)
         if abs(planned - measured) > 0.1 * measured:
             failures.append(f"planned TP activations at k={loops}: {planned} bytes, measured {measured}")

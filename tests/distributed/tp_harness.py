@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from elr.models import build_model, flavors  # noqa: E402
+from elr.parallel.parallelize import SequenceShards  # noqa: E402
 from elr.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 # Every layer kind, a vocabulary TP 2 does not divide, every ELR path and route replay.
@@ -39,7 +40,7 @@ def tp_copy(ref: torch.nn.Module, args, mesh: DeviceMesh, before_tp: Callable = 
     if before_tp:
         before_tp(model)
     apply_tensor_parallel(model, mesh)
-    model.set_sequence_group(mesh.get_group())  # as parallelize() does
+    model.set_sequence_shards(SequenceShards(mesh.get_group()))  # as parallelize() does
     if after_tp:
         after_tp(model)
     model.to_empty(device="cpu")

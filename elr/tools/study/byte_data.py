@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from elr.config import UserError
+from elr.errors import UserError
 from elr.tokenizer import build_tokenizer, file_sha256
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tomli
 
-from elr.train.checkpoint import CheckpointManager
+from elr.checkpoint import latest_step
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "train_configs/study"
@@ -106,11 +106,10 @@ def final_validation(folder: Path, steps: int) -> list[float] | None:
 
 def latest_checkpoint(folder: Path) -> Path:
     """The run's newest committed checkpoint (the trainer's own rule: a half-written one never counts)."""
-    manager = CheckpointManager(folder / "checkpoint", interval=1)
-    step = manager.latest_step()
+    step = latest_step(folder / "checkpoint")
     if step is None:
         raise FileNotFoundError(f"{folder}: no committed checkpoint")
-    return manager.folder / f"step-{step}"
+    return folder / "checkpoint" / f"step-{step}"
 
 
 def train_all(runs: list[Run], config: Path, data: Path | None, steps: int, jobs: int,

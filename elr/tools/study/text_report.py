@@ -56,15 +56,15 @@ def loop_statistics(model, batches) -> dict[str, list[float]]:
 
     batches = list(batches)
     loops = model.args.max_loops
-    model.recurrent.track_stats = True
+    model.record_loop_statistics(True)
     sums: dict[str, list[float]] = {}
     with torch.no_grad():
         for inputs, _ in batches:
             model(inputs, loops=loops)
-            for i, stats in enumerate(model.recurrent.loop_stats):
+            for i, stats in enumerate(model.loop_statistics()):
                 for name, value in stats.items():
                     sums.setdefault(name, [0.0] * loops)[i] += value.item() / len(batches)
-    model.recurrent.track_stats = False
+    model.record_loop_statistics(False)
     return sums
 
 
@@ -75,13 +75,13 @@ def replay_at_inference_loss(model, batches) -> float:
 
     from elr.train.loss import summed_loss
 
-    model.recurrent.route_replay = True
+    model.route_replay = True
     total = count = 0.0
     with torch.no_grad():
         for inputs, labels in batches:
             total += summed_loss(model(inputs, loops=model.args.max_loops), labels).item()
             count += labels.numel()
-    model.recurrent.route_replay = False
+    model.route_replay = False
     return total / count
 
 

@@ -18,7 +18,7 @@
 Activations are not a formula: the model is built on the meta device in the compute dtype, tensor
 and context parallelism and AC are applied as the trainer applies them (TP and CP on fake ranks:
 collectives do nothing, every shape is a real rank's), and one forward + loss runs with `LiveTensors` counting what stays
-alive for backward (elr/parallel/activation_memory.py). Nothing is allocated, so a 4B model at 8192
+alive for backward (elr/tools/activation_memory.py). Nothing is allocated, so a 4B model at 8192
 tokens plans in seconds on a CPU, and the count follows the code rather than a hand-kept table.
 Modelled for FSDP2 units as apply_fsdp makes them (each recurrent layer its own unit when one
 expert group spans every rank); float8 is planned as bf16 (an upper bound). Not counted: Muon's
@@ -28,8 +28,8 @@ backward has freed the activations).
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,16 +40,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.overrides import TorchFunctionMode
 
-from elr.config import ConfigError, JobConfig
+from elr.config import JobConfig
+from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.ffn import MoE
 from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
-from elr.parallel.activation_memory import LiveTensors, storage_key
-from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.context_parallel import enable_context_parallel
+from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.tensor_parallel import apply_tensor_parallel
+from elr.tools.activation_memory import live_activation_bytes
 from elr.train.loss import model_loss
 from elr.train.optimizer import muon_params
 
@@ -130,22 +132,20 @@ def fake_sequence_meshes(cp: int, tp: int):
         dist.destroy_process_group()
 
 
-def _flash_attention(q, k, v, is_causal=False, enable_gqa=False, **kwargs):
-    """SDPA as the GPU runs it (a fused kernel saving q, k, v, output and log-sum-exp); on the meta
-    device torch would pick the math path, which keeps the full [T, T] score matrix."""
-    if enable_gqa:
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal)[0]
+class FusedAttention(TorchFunctionMode):
+    """Inside it, SDPA keeps what the GPU's fused kernel keeps (q, k, v, output and log-sum-exp): on the
+    meta device torch would take the math path, which keeps the full [T, T] score matrix. A function
+    mode, so the model's own call is what it meets (no module attribute is replaced)."""
 
-
-@contextmanager
-def fused_attention():
-    original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _flash_attention
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        q, k, v = args[:3]
+        kwargs = kwargs or {}
+        if kwargs.get("enable_gqa"):
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        is_causal = kwargs.get("is_causal", False)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal)[0]
 
 
 def meta_model(args, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None, cp_mesh: DeviceMesh | None = None) -> ELRModel:
@@ -168,13 +168,10 @@ def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_me
     model = meta_model(args, dtype, tp_mesh, cp_mesh)
     apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
     tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long, device="meta")
-    own = {storage_key(x) for x in [*model.parameters(), *model.buffers()]}
-    with fused_attention(), loss_parallel() if tp_mesh is not None else contextlib.nullcontext():
-        with LiveTensors() as live:  # the trainer's loss, whole or chunked
-            loss = model_loss(model, tokens, tokens, loops, t.loss_chunk_tokens, tensor_parallel=tp_mesh is not None)
-            total = live.live_bytes(own)
-        del loss
-        return total
+    with FusedAttention(), loss_parallel() if tp_mesh is not None else contextlib.nullcontext():
+        return live_activation_bytes(  # the trainer's loss, whole or chunked
+            lambda: model_loss(model, tokens, tokens, loops, t.loss_chunk_tokens, tensor_parallel=tp_mesh is not None),
+            model)
 
 
 def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None,
@@ -185,15 +182,9 @@ def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: Devic
     tp = tp_mesh.size() if tp_mesh is not None else 1  # sequence parallel: a slice enters each layer
     h = torch.zeros(t.local_batch_size, t.seq_len // tp, args.dim, dtype=dtype, device="meta", requires_grad=True)
     rope = model.rope[:, : t.seq_len]
-    layers = {layer.kind: layer for layer in [*model.input_layers, *model.recurrent.layers, *model.output_layers]}
-    best = 0
-    for layer in layers.values():
-        own = {storage_key(x) for x in [*layer.parameters(), *layer.buffers(), h, model.rope]}
-        with fused_attention(), LiveTensors() as live:
-            y = layer(h, rope)
-            best = max(best, live.live_bytes(own))
-        del y
-    return best
+    layers = {layer.kind: layer for layer in model.layers()}
+    with FusedAttention():
+        return max(live_activation_bytes(lambda: layer(h, rope), layer, h, model.rope) for layer in layers.values())
 
 
 def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_mesh: DeviceMesh | None = None,
@@ -257,8 +248,7 @@ def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp_mesh: DeviceMesh | 
     cp, tp = (mesh.size() if mesh is not None else 1 for mesh in (cp_mesh, tp_mesh))
     dtype = getattr(torch, cfg.training.mixed_precision_param)
     pd = torch.finfo(dtype).bits // 8
-    loops = cfg.elr.max_loops if cfg.elr.enabled else 1
-    args = dataclasses.replace(model_args, max_loops=max(model_args.max_loops, loops))
+    args, loops = model_args, model_args.max_loops  # K, as model_args_from_config took it from [elr]
     model = meta_model(args, torch.float32, tp_mesh)
     n = sum(p.numel() for p in model.parameters())  # the whole model (DTensor numel is global)
     fsdp = dims.dp_world * cp > 1  # FSDP runs over dp_shard x cp (HSDP: replicated over dp_replicate)

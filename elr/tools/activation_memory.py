@@ -2,16 +2,20 @@
 
 `LiveTensors` is a dispatch mode that notes every tensor an op creates; after the forward (with the
 loss still referenced) the storages still alive are exactly what autograd, activation checkpointing
-(region inputs, selectively saved outputs) and the caller keep for backward. It runs the same on the
-meta device, which is how scripts/plan_memory.py predicts a full-size model's activations from its
-layer shapes without allocating them; tests hold it to real CPU runs and to saved_tensors_hooks.
+(region inputs, selectively saved outputs) and the caller keep for backward. `live_activation_bytes`
+is the one counter built on it: the memory plan (elr/tools/memory_plan.py) runs it on the meta device
+to predict a full-size model's activations from its layer shapes without allocating them, and the
+tests run it on real CPU forwards to hold the plan to what the code keeps.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -46,32 +50,12 @@ class LiveTensors(TorchDispatchMode):
         )
 
 
-def forward_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, loops: int, loss_fn) -> int:
-    """Bytes retained for backward after model(tokens, loops) and loss_fn(logits, tokens).
-
-    Parameters and buffers are not activations and are left out.
-    """
-    own = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+def live_activation_bytes(run: Callable[[], Any], module: nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes that `run()` (a forward, and its loss) leaves alive while its result is still held: what
+    backward will read. The module's parameters and buffers and the given inputs are not activations."""
+    own = {storage_key(t) for t in [*module.parameters(), *module.buffers(), *inputs]}
     with LiveTensors() as live:
-        loss = loss_fn(model(tokens, loops=loops), tokens)
+        result = run()
         total = live.live_bytes(own)
-    del loss
+    del result
     return total
-
-
-def saved_tensor_bytes(model: torch.nn.Module, tokens: torch.Tensor, loops: int, loss_fn) -> int:
-    """Bytes autograd saves for backward, counted with saved_tensors_hooks (unique storages, no
-    parameters or buffers). Inside activation-checkpoint regions torch's own hooks take over, so
-    this sees everything only without AC."""
-    own = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if storage_key(t) not in own:
-            seen[storage_key(t)] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(model(tokens, loops=loops), tokens)
-    del loss
-    return sum(seen.values())

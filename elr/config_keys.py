@@ -1,0 +1,84 @@
+"""Typed keys: TOML tables and `--section.key value` overrides set onto a config of dataclass sections.
+
+Each value is checked against its field's annotated type (CLI strings parsed, lists comma-separated),
+and an unknown section or key is one ConfigError naming it. elr/config.py holds the sections, their
+defaults and the checks of their values; this is the mechanism that fills them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from elr.errors import ConfigError
+
+
+def coerce(key: str, value, typ):
+    """Check a TOML value (or parse a CLI string) against the field's annotated type."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item_type,) = typing.get_args(typ)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [coerce(key, v, item_type) for v in value]
+    if typ is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ in (int, float):
+        if isinstance(value, str):
+            try:
+                value = typ(value)
+            except ValueError:
+                pass
+        accepted = int if typ is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise ConfigError(f"{key}: expected {'an integer' if typ is int else 'a number'}, got {value!r}")
+        return typ(value)
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise TypeError(f"unsupported config type {typ} for {key}")
+
+
+def set_key(cfg, key: str, value) -> None:
+    """cfg.<section>.<name> = value for key "section.name", checked against the field's type."""
+    section_name, _, name = key.partition(".")
+    section = getattr(cfg, section_name, None)
+    if section is None or not dataclasses.is_dataclass(section) or not name:
+        raise ConfigError(f"{key}: unknown config section {section_name!r}")
+    hints = typing.get_type_hints(type(section))
+    if name not in hints:
+        raise ConfigError(f"{key}: unknown key in [{section_name}]")
+    setattr(section, name, coerce(key, value, hints[name]))
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, str]]:
+    """["--section.key", "value", "--other.key=value", ...] -> [(key, value), ...]."""
+    pairs, i = [], 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"{arg}: expected --section.key value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(overrides):
+                raise ConfigError(f"{key}: missing value")
+            value, i = overrides[i + 1], i + 1
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def apply_tables(cfg, raw: dict) -> None:
+    """Every {section: {name: value}} of a TOML file (or a saved config) onto cfg."""
+    for section_name, section in raw.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"{section_name}: expected a [{section_name}] table")
+        for name, value in section.items():
+            set_key(cfg, f"{section_name}.{name}", value)

@@ -1,0 +1,66 @@
+"""The layer kinds, one registration each, and the pre-norm residual layer that holds one of them.
+
+`LAYER_KINDS` is the only place a letter of ModelArgs.layer_pattern is matched to code: each entry
+(elr/models/kinds.py says what it holds) names the functions of its kind's own file. The model, tensor
+and context parallelism, inference caches and their byte counts, Muon's parameter choice and the
+checkpoint format check all read the entry, so a new kind is its file plus one entry here. Order
+matters only for messages: tensor parallelism checks the kinds' sizes in this order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elr.models.args import ModelArgs
+from elr.models.attention import Attention, AttentionKV, attention_flops, attention_kv_bytes, attention_split
+from elr.models.ffn import MoE, dense_feed_forward, dense_flops, dense_split, moe_flops, moe_split
+from elr.models.gdp import HEAD_MAJOR, GatedDeltaProduct, GDPState, gdp_flops, gdp_split, gdp_state_bytes
+from elr.models.kinds import InferenceState, LayerKind
+
+LAYER_KINDS: dict[str, LayerKind] = {kind.letter: kind for kind in (
+    LayerKind("A", "attention", Attention, attention_flops, attention_split, inputs=("rope", "cache"),
+              mixes_tokens=True, inference_state=InferenceState("attention_kv", AttentionKV, attention_kv_bytes)),
+    LayerKind("G", "Gated DeltaProduct", GatedDeltaProduct, gdp_flops, gdp_split, inputs=("cache",),
+              mixes_tokens=True, inference_state=InferenceState("gdp_state", GDPState, gdp_state_bytes),
+              gates=("a_proj", "b_proj"), layouts=(HEAD_MAJOR,)),
+    LayerKind("F", "dense feed-forward", dense_feed_forward, dense_flops, dense_split),
+    LayerKind("E", "mixture of experts", MoE, moe_flops, moe_split, inputs=("route",), gates=("router",)),
+)}
+
+
+def layer_kind(letter: str) -> LayerKind:
+    if letter not in LAYER_KINDS:
+        raise ValueError(f"layer_pattern has an unknown layer kind {letter!r}; use one of {', '.join(LAYER_KINDS)}")
+    return LAYER_KINDS[letter]
+
+
+class Layer(nn.Module):
+    """One pre-norm residual sublayer, x + sublayer(norm(x)), of a registered kind.
+
+    In the recurrent block a FiLM triple (scale, shift, gate) from the loop conditioning turns
+    this into x + (1 + gate) * sublayer(norm(x) * (1 + scale) + shift); all zeros is the plain layer.
+    The sublayer is handed what its kind takes beside its input (`LayerKind.inputs`).
+    """
+
+    def __init__(self, kind: str, args: ModelArgs):
+        super().__init__()
+        spec = layer_kind(kind)
+        self.kind, self.inputs = kind, spec.inputs
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.sublayer = spec.build(args)
+
+    def init_weights(self, out_std: float):
+        self.norm.reset_parameters()
+        self.sublayer.init_weights(out_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route=None, cache=None) -> torch.Tensor:
+        h = self.norm(x)
+        gate = None
+        if film is not None:
+            scale, shift, *gate = film
+            h = h * (1 + scale) + shift
+            gate = gate[0] if gate else None
+        given = {"rope": rope, "cache": cache, "route": route}
+        y = self.sublayer(h, *[given[name] for name in self.inputs])
+        return x + (y if gate is None else (1 + gate) * y)
