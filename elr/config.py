@@ -47,6 +47,7 @@ class ELR:
     conditioning_budget: bool = True  # E_budget[k] in the conditioning; false: the loop index alone
     conditioning_gate: bool = True  # the FiLM gate (1 + gate) on each sublayer's output; false: scale, shift only
     conditioning_first_loop: bool = True  # false: loop 1 unconditioned (k=1 is exactly the shared block)
+    conditioning_later_loops: bool = True  # false: loops 2..k unconditioned (conditioning cannot switch them off)
     conditioning_silu: bool = False  # a SiLU on c = E_loop[i] + E_budget[k] before the FiLM heads (DiT's adaLN)
     loss_every_loop: bool = False  # loss at the exit of every loop 1..k of a slot (their mean); needs
     # no budget embedding (conditioning_budget = false or conditioning = false): one forward at k is then
@@ -268,6 +269,9 @@ def validate(cfg: JobConfig) -> None:
     _check(e.step_lr_scale > 0, "elr.step_lr_scale", "must be > 0", e.step_lr_scale)
     _check(e.step_weight_decay >= 0, "elr.step_weight_decay", "must be >= 0", e.step_weight_decay)
     _check(0.0 <= e.switch_at < 1.0, "elr.switch_at", "must lie in [0, 1)", e.switch_at)
+    _check(e.conditioning_first_loop or e.conditioning_later_loops, "elr.conditioning_later_loops",
+           "and elr.conditioning_first_loop are both false: no loop is conditioned (set elr.conditioning = false)",
+           e.conditioning_later_loops)
     if e.loss_every_loop:
         _check(not (e.conditioning and e.conditioning_budget), "elr.loss_every_loop",
                "needs elr.conditioning_budget = false (with the budget embedding loop i of a k-loop run is "

@@ -5,12 +5,12 @@ evaluated at every loop count k (README "Does the recipe work?"; the library is 
     python scripts/study.py --suite depth --quick       # pointer chasing, one seed: under 15 min on 2 cores
     python scripts/study.py --suite depth --seeds 0 1 2 # the depth suite -> docs/study/depth
     python scripts/study.py --quick                     # the text suite's quick subset, one seed
-    python scripts/study.py --seeds 0 1 2               # the text grid -> docs/study
+    python scripts/study.py --seeds 0 1 2               # the text grid -> docs/study/text
     python scripts/study.py ... --report-only           # tables and figures from the finished runs
 
 A suite is train_configs/study/<suite>.toml plus the variants of <suite>_variants.toml. Runs live in
 outputs/study/<suite>[-quick|-custom]/runs/<variant>/seed<N>: finished ones are skipped, interrupted
-ones resume. Only the full grid at the suite's own length writes docs/study (the committed results);
+ones resume. Only the full grid at the suite's own length writes docs/study/<suite> (committed);
 a quick run, a subset of variants or other --steps writes beside its runs unless --out says where.
 """
 
@@ -25,7 +25,7 @@ from elr.tools.study import depth_report, text_report
 from elr.tools.study.byte_data import bundled_prose_as_bytes
 from elr.tools.study.runs import ROOT, SUITES, Run, Suite, log, train_all
 
-COMMITTED = {"text": ROOT / "docs/study", "depth": ROOT / "docs/study/depth"}
+COMMITTED = {"text": ROOT / "docs/study/text", "depth": ROOT / "docs/study/depth"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-steps", type=int, help="validation microbatches per k (default: the suite config's)")
     p.add_argument("--data", type=Path, help="text suite: prepared data folder (default: the bundled prose as bytes)")
     p.add_argument("--runs", type=Path, help="where the runs live (default: outputs/study/<suite>[-quick|-custom]/runs)")
-    p.add_argument("--out", type=Path, help="where results and figures go (default: docs/study[/depth] for the "
+    p.add_argument("--out", type=Path, help="where results and figures go (default: docs/study/<suite> for the "
                    "full grid, else beside the runs)")
     p.add_argument("--jobs", type=int, default=2, help="runs trained at once (one thread each)")
     p.add_argument("--stats-batches", type=int, default=4, help="text: validation batches for the loop statistics")

@@ -357,6 +357,25 @@ def test_unconditioned_first_loop_is_exactly_the_shared_block():
         assert not torch.allclose(plain(x, loops=2), first_free(x, loops=2))
 
 
+def test_unconditioned_later_loops_are_the_shared_block_and_loop_one_is_not():
+    x = tokens()
+    plain = make(conditioning=False)
+    first_only = perturb_conditioning(make(conditioning=True, cond_later_loops=False))
+    copy_shared_weights(plain, first_only)
+    with torch.no_grad():
+        assert first_only.recurrent.conditioning(2, 3) == [None] * len(first_only.recurrent.layers)
+        assert all(film is not None for film in first_only.recurrent.conditioning(1, 3))
+        assert not torch.allclose(plain(x, loops=1), first_only(x, loops=1))
+
+
+def test_conditioning_with_no_loop_conditioned_is_refused():
+    from elr.config import load_config
+    from elr.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no loop is conditioned"):
+        load_config(None, ["--elr.conditioning_first_loop", "false", "--elr.conditioning_later_loops", "false"])
+
+
 def test_conditioning_without_gate_has_scale_and_shift_only():
     model, plain = make(conditioning=True, cond_gate=False), make(conditioning=False)
     copy_shared_weights(plain, model)

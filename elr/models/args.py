@@ -54,6 +54,7 @@ class ModelArgs:
     cond_budget: bool = True  # E_budget[k] in the conditioning (false: the loop index alone)
     cond_gate: bool = True  # FiLM's gate term (1 + gate) on the sublayer's output
     cond_first_loop: bool = True  # false: loop 1 unconditioned, so k=1 is exactly the shared block
+    cond_later_loops: bool = True  # false: loops 2..k unconditioned, the shared block as it is
     cond_silu: bool = False  # a SiLU on c_{i,k} before the FiLM heads (not additive in i and k)
 
     def __post_init__(self):

@@ -75,5 +75,6 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = 
         cond_budget=e.conditioning_budget,
         cond_gate=e.conditioning_gate,
         cond_first_loop=e.conditioning_first_loop,
+        cond_later_loops=e.conditioning_later_loops,
         cond_silu=e.conditioning_silu,
     )

@@ -87,15 +87,17 @@ class LoopConditioning(nn.Module):
     (docs/LOG.md, 2026-12-01): `budget` false drops E_budget, so the first i loops of any budget are
     the same computation (a budget-k run holds every shorter one); `gate` false drops the gate term,
     the sublayer's output then is never scaled per loop; `first_loop` false leaves loop 1
-    unconditioned, so k=1 is exactly the shared block; `silu` passes c through a SiLU before the
+    unconditioned, so k=1 is exactly the shared block; `later_loops` false leaves loops 2..k
+    unconditioned, so the heads cannot scale them down (what the conditioned runs learn to do); `silu` passes c through a SiLU before the
     heads (as DiT's adaLN does), so a head is no longer additive in i and k and can single out a pair
     such as "the last loop of k".
     """
 
     def __init__(self, n_layers: int, max_loops: int, dim: int, cond_dim: int, budget: bool = True,
-                 gate: bool = True, first_loop: bool = True, silu: bool = False):
+                 gate: bool = True, first_loop: bool = True, later_loops: bool = True, silu: bool = False):
         super().__init__()
-        self.budget, self.gate, self.first_loop, self.silu = budget, gate, first_loop, silu
+        self.budget, self.gate, self.silu = budget, gate, silu
+        self.first_loop, self.later_loops = first_loop, later_loops
         self.loop_embed = nn.Embedding(max_loops, cond_dim)
         self.budget_embed = nn.Embedding(max_loops, cond_dim) if budget else None
         self.heads = nn.ModuleList(nn.Linear(cond_dim, (3 if gate else 2) * dim) for _ in range(n_layers))
@@ -110,7 +112,7 @@ class LoopConditioning(nn.Module):
 
     def forward(self, loop: int, loops: int) -> list[tuple[torch.Tensor, ...] | None]:
         """Per recurrent layer (scale, shift, gate), (scale, shift) without the gate, or None."""
-        if loop == 1 and not self.first_loop:
+        if not (self.first_loop if loop == 1 else self.later_loops):
             return [None] * len(self.heads)
         c = self.loop_embed.weight[loop - 1]
         if self.budget_embed is not None:
@@ -138,7 +140,7 @@ class RecurrentBlock(nn.Module):
         self.step_size = AdaptiveStep(args.dim, args.norm_eps, args.step_input) if args.update == "adaptive_delta" else None
         self.conditioning = (
             LoopConditioning(len(layers), args.max_loops, args.dim, args.cond_dim, args.cond_budget, args.cond_gate,
-                             args.cond_first_loop, args.cond_silu) if args.conditioning else None
+                             args.cond_first_loop, args.cond_later_loops, args.cond_silu) if args.conditioning else None
         )
         self.route_replay = args.moe_route_replay
         # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
