@@ -357,7 +357,7 @@ def test_unconditioned_first_loop_is_exactly_the_shared_block():
         assert not torch.allclose(plain(x, loops=2), first_free(x, loops=2))
 
 
-def test_unconditioned_later_loops_are_the_shared_block_and_loop_one_is_not():
+def test_first_loop_only_conditioning_leaves_the_later_loops_unconditioned():
     x = tokens()
     plain = make(conditioning=False)
     first_only = perturb_conditioning(make(conditioning=True, cond_later_loops=False))
