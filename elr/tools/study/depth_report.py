@@ -89,10 +89,10 @@ def verdicts(results: dict) -> list[str]:
         monotone = all(b >= a for a, b in zip(means, means[1:]))
         checks = [
             (all(deep - a <= 0.10 for a in at_k), f"k={K} at h*: {', '.join(f'{a:.1%}' for a in at_k)} "
-             f"(within 10 points of {deep:.1%} on every seed)"),
-            (all(g >= 0.30 for g in gains), f"k={K} - k=1 at h*: {', '.join(f'{g:+.1%}' for g in gains)} (>= +30 points each)"),
-            (one_gap <= 0.03, f"k=1 vs matched baseline: largest gap {one_gap:.1%} over difficulties (<= 3 points)"),
-            (monotone, f"mean accuracy by k: {' / '.join(f'{m:.1%}' for m in means)} (never falls)"),
+             f"(wanted: within 10 points of {deep:.1%} on every seed)"),
+            (all(g >= 0.30 for g in gains), f"k={K} - k=1 at h*: {', '.join(f'{g:+.1%}' for g in gains)} (wanted: >= +30 points on each seed)"),
+            (one_gap <= 0.03, f"k=1 vs matched baseline: largest gap {one_gap:.1%} over difficulties (wanted: <= 3 points)"),
+            (monotone, f"mean accuracy by k: {' / '.join(f'{m:.1%}' for m in means)} (wanted: never falls from k to k + 1)"),
         ]
         lines.append(f"{r['label']}: " + "; ".join(f"{'met' if ok else 'NOT met'}: {text}" for ok, text in checks))
     return lines
