@@ -57,13 +57,14 @@ def loop_statistics(model, batches) -> dict[str, list[float]]:
     batches = list(batches)
     loops = model.args.max_loops
     model.record_loop_statistics(True)
-    sums: dict[str, list[float]] = {}
+    sums: dict[str, list[float | None]] = {}  # None: the loop has no such statistic (an unconditioned loop's gate)
     with torch.no_grad():
         for inputs, _ in batches:
             model(inputs, loops=loops)
             for i, stats in enumerate(model.loop_statistics()):
                 for name, value in stats.items():
-                    sums.setdefault(name, [0.0] * loops)[i] += value.item() / len(batches)
+                    row = sums.setdefault(name, [None] * loops)
+                    row[i] = (row[i] or 0.0) + value.item() / len(batches)
     model.record_loop_statistics(False)
     return sums
 
@@ -189,7 +190,7 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> No
         for v, r in elr.items():
             norms = " | ".join(f"{x:.3f}" for x in r["loop_stats"]["update_norm"][1:])
             gates = r["loop_stats"].get("film_gate_mean")
-            lines.append(f"| {r['label']} | {norms} | {' / '.join(f'{g:.2f}' for g in gates) if gates else '–'} |")
+            lines.append(f"| {r['label']} | {norms} | {' / '.join('–' if g is None else f'{g:.2f}' for g in gates) if gates else '–'} |")
         lines.append("")
     (out / "results.md").write_text("\n".join(lines))
 
