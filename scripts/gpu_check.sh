@@ -35,13 +35,14 @@ fi
 echo "## gpu_check: scale"
 python scripts/gpu_check_memory.py "$@" || status=1
 
-# ---- section: the depth study (pointer chasing: 5 variants x 3 seeds at once on the one GPU, ~3 min) ----
+# ---- section: the depth study (pointer chasing: 6 variants x 3 seeds at once on the one GPU; not yet timed on one) ----
 echo "## gpu_check: depth study"
 if $dry_run; then
     python scripts/study.py --suite depth --seeds 0 --variants baseline_matched elr --steps 4 --val-steps 1 \
         --extrapolation-examples 64 --runs outputs/gpu_check/depth/runs --out outputs/gpu_check/depth || status=1
 else
-    python scripts/study.py --suite depth --seeds 0 1 2 --jobs 15 --runs outputs/gpu_check/depth/runs \
+    python scripts/study.py --suite depth --seeds 0 1 2 --jobs 18 --runs outputs/gpu_check/depth/runs \
+        --variants baseline_matched untied_k4 elr elr_paper elr_fixed4 elr_k4_heavy \
         --out outputs/gpu_check/depth || status=1
     cat outputs/gpu_check/depth/results.md
 fi
