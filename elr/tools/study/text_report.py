@@ -91,8 +91,8 @@ def mean_per_key(dicts: list[dict]) -> dict:
     first = dicts[0]
     if isinstance(first, dict):
         return {key: mean_per_key([d[key] for d in dicts]) for key in first}
-    if isinstance(first, list):
-        return [statistics.fmean(d[i] for d in dicts) for i in range(len(first))]
+    if isinstance(first, list):  # None: a statistic the loop does not have (the same on every seed)
+        return [None if first[i] is None else statistics.fmean(d[i] for d in dicts) for i in range(len(first))]
     return statistics.fmean(dicts)
 
 
