@@ -347,11 +347,17 @@ def test_budget_embedding_changes_loop_one_with_the_budget():
         assert torch.equal(loop_only.recurrent.conditioning(1, 1)[0][0], loop_only.recurrent.conditioning(1, 3)[0][0])
 
 
+def plain_and_conditioned(**cond_options) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """An unconditioned model and a conditioned one (non-zero heads) sharing every other weight."""
+    plain = make(conditioning=False)
+    conditioned = perturb_conditioning(make(conditioning=True, **cond_options))
+    copy_shared_weights(plain, conditioned)
+    return plain, conditioned
+
+
 def test_unconditioned_first_loop_is_exactly_the_shared_block():
     x = tokens()
-    plain = make(conditioning=False)
-    first_free = perturb_conditioning(make(conditioning=True, cond_first_loop=False))
-    copy_shared_weights(plain, first_free)
+    plain, first_free = plain_and_conditioned(cond_first_loop=False)
     with torch.no_grad():
         assert torch.equal(plain(x, loops=1), first_free(x, loops=1))
         assert not torch.allclose(plain(x, loops=2), first_free(x, loops=2))
@@ -359,9 +365,7 @@ def test_unconditioned_first_loop_is_exactly_the_shared_block():
 
 def test_first_loop_only_conditioning_leaves_the_later_loops_unconditioned():
     x = tokens()
-    plain = make(conditioning=False)
-    first_only = perturb_conditioning(make(conditioning=True, cond_later_loops=False))
-    copy_shared_weights(plain, first_only)
+    plain, first_only = plain_and_conditioned(cond_later_loops=False)
     with torch.no_grad():
         assert first_only.recurrent.conditioning(2, 3) == [None] * len(first_only.recurrent.layers)
         assert all(film is not None for film in first_only.recurrent.conditioning(1, 3))
