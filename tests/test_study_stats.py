@@ -30,3 +30,26 @@ def test_paired_differences_use_shared_seeds_only():
 ])
 def test_verdict_rule(diffs, sign, word):
     assert verdict(diffs, sign) == word
+
+
+def _entry(per_seed):
+    return {"seeds": list(range(len(per_seed))), "per_seed": per_seed, "loss": per_seed[0]}
+
+
+def test_report_judges_each_paper_comparison_seed_by_seed():
+    from elr.tools.study.text_report import claims_section
+
+    replace = _entry([[2.0, 1.9], [2.1, 2.0], [2.2, 2.1]])
+    results = {
+        "replace": replace,
+        "default": _entry([[1.9, 1.8], [2.0, 1.9], [2.1, 2.0]]),                      # lower on every seed, every k
+        "residual": _entry([[2.1, 1.8], [2.2, 1.9], [2.3, 2.0]]),                     # learned step lower at k=1 only
+        "reinject": _entry([[1.8, 1.7], [1.9, 1.8], [2.0, 1.9]]),                     # lower, the paper says higher
+    }
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in claims_section(results) if line.startswith("| ")}
+    assert rows["Figure 4a: the learned step beats replacement (conditioned)"].endswith("| reproduced |")
+    assert "k=2: -0.1000 ± 0.0000 (3/3)" in rows["Figure 4a: the learned step beats replacement (conditioned)"]
+    assert rows["Figure 4a: the learned step beats residual addition (conditioned)"].endswith("| inconclusive |")
+    assert rows["Table 14: re-injecting h_in is worse (conditioned)"].endswith("| contradicted |")
+    assert "+0.0028 / +0.0052" in rows["Table 14: re-injecting h_in is worse (conditioned)"]   # the paper's own difference
+    assert not any(key.startswith("Table 3") for key in rows)                     # no sync_* runs: no row

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from elr.tools.study.runs import Run, final_validation, latest_checkpoint
 from elr.tools.route_diagnostics import route_drift
-from elr.tools.study.stats import paired, relative, summarise
+from elr.tools.study.stats import paired, relative, summarise, verdict
 
 # What each group reproduces, and the paper's numbers (arXiv 2610.12582; GPT-0.5B, K = 5, k = 1..5).
 GROUPS = {
@@ -38,6 +38,35 @@ PAPER = {  # group -> variant -> validation loss at k = 1..5
     "table_14": {"default": [1.6830, 1.6391, 1.6299, 1.6278, 1.6273], "reinject": [1.6858, 1.6442, 1.6352, 1.6329, 1.6325]},
 }
 PAPER_BASELINE = 1.6852
+# The comparisons the paper makes, as (variant, reference, claimed sign of variant - reference, the
+# k at which it is claimed: "every" or "K", what the paper says). Judged seed by seed (stats.verdict).
+# The paper's rows are unconditioned (the *_uncond variants); the conditioned ones are our extra rows.
+PAPER_CLAIMS = [
+    ("default", "replace", -1, "every", "Figure 4a: the learned step beats replacement"),
+    ("default", "residual", -1, "every", "Figure 4a: the learned step beats residual addition"),
+    ("indep_uniform", "sync_uniform", -1, "every", "Table 3: independent beats synchronized (uniform)"),
+    ("indep_weighted", "sync_weighted", -1, "every", "Table 3: independent beats synchronized (weighted)"),
+    ("default", "sync_uniform", -1, "every", "Table 3: the 15% override beats synchronized uniform"),
+    ("default", "sync_weighted", -1, "every", "Table 3: the 15% override beats synchronized weighted"),
+    ("reinject", "default", 1, "every", "Table 14: re-injecting h_in is worse"),
+]
+CLAIMS = ([(f"{a}_uncond", f"{b}_uncond", sign, at, claim) for a, b, sign, at, claim in PAPER_CLAIMS]
+          + [("switch50", "default_uncond", -1, "K", "Figure 6: a late switch at 50% beats unconditioned mixed depth from scratch at K"),
+             ("moe_replay", "moe_dynamic", 1, "K", "Table 1: route replay in training costs a little at K")]
+          + [(a, b, sign, at, f"{claim} (conditioned)") for a, b, sign, at, claim in PAPER_CLAIMS]
+          + [("switch50", "default", -1, "K", "Figure 6: a late switch at 50% beats mixed depth from scratch at K (conditioned)")])
+PAPER_DIFF_AT_K = {("switch50", "default"): 1.6147 - 1.6273, ("moe_replay", "moe_dynamic"): 0.0038}  # Figure 6, Table 1
+
+
+def paper_difference(variant: str, reference: str) -> str:
+    """The paper's own variant - reference at k = 1 and k = K (its K = 5), where its tables give both."""
+    variant, reference = variant.removesuffix("_uncond"), reference.removesuffix("_uncond")
+    for table in PAPER.values():
+        if variant in table and reference in table:
+            a, b = table[variant], table[reference]
+            return f"{a[0] - b[0]:+.4f} / {a[-1] - b[-1]:+.4f}"
+    diff = PAPER_DIFF_AT_K.get((variant, reference))
+    return "–" if diff is None else f"– / {diff:+.4f}"
 
 
 def val_windows(data: Path, cfg: dict, batches: int):
@@ -180,6 +209,7 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> No
                     row += " – | – | – |"
             lines.append(row)
         lines.append("")
+    lines += claims_section(results)
     elr = {v: r for v, r in results.items() if "loop_stats" in r}
     if elr:
         lines += ["## Later loops at work", "",
@@ -202,6 +232,44 @@ def per_seed(entry: dict, k: int) -> dict[int, float]:
 
 def fmt_paired(p: dict | None) -> str:
     return "–" if p is None else f"{100 * p['mean']:+.2f}% ± {100 * p['sd']:.2f} ({p['below']}/{p['n']} below)"
+
+
+def claim_verdict(words: list[str]) -> str:
+    """A claim made at several k is reproduced (or contradicted) only when it is at every one of them."""
+    return words[0] if len(set(words)) == 1 else "inconclusive"
+
+
+def claims_section(results: dict) -> list[str]:
+    """Each comparison the paper makes, seed by seed: the paired difference (variant - reference, nats
+    per byte) at each k it is claimed at, how many seeds have the paper's sign, and the rule's word."""
+    rows = []
+    for variant, reference, sign, at, claim in CLAIMS:
+        a, b = results.get(variant), results.get(reference)
+        if a is None or b is None:
+            continue
+        K = min(len(a["loss"]), len(b["loss"]))
+        ks = range(1, K + 1) if at == "every" else [K]
+        cells, words = [], []
+        for k in ks:
+            p = paired(per_seed(a, k), per_seed(b, k))
+            if p is None:
+                break
+            words.append(verdict(p["diffs"], sign))
+            agree = sum((d > 0) - (d < 0) == sign for d in p["diffs"])
+            cells.append(f"k={k}: {p['mean']:+.4f} ± {p['sd']:.4f} ({agree}/{p['n']})")
+        if words:
+            rows.append(f"| {claim} | {'lower' if sign < 0 else 'higher'} | {paper_difference(variant, reference)} | "
+                        f"{'; '.join(cells)} | {claim_verdict(words)} |")
+    if not rows:
+        return []
+    return ["## The paper's comparisons, seed by seed", "",
+            "Variants that share a seed share initialisation, data order and loop draws, so each comparison is "
+            "the per-seed difference (variant − reference, nats per byte): mean ± sd, and how many seeds have the "
+            "paper's sign. Rule (elr/tools/study/stats.py): *reproduced* when every seed has the paper's sign (or, "
+            "with more than three seeds, a paired t above 2 that way), *contradicted* when every seed has the "
+            "opposite sign, otherwise *inconclusive*; a claim made at every k needs the same word at each k.", "",
+            "| claim | paper: variant is | paper's difference k=1 / k=K | ours, paired per k (seeds with the paper's sign) | verdict |",
+            "|---|---|---|---|---|", *rows, ""]
 
 
 def controls_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
