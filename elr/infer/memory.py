@@ -3,15 +3,16 @@
 Each layer kind that keeps state between decoding calls registers the bytes of one entry
 (`LayerKind.inference_state`, elr/models/layers.py): attention 2 x n_kv_heads x head_dim x context,
 GDP heads x head_dim^2 plus the short convolutions' last kernel_size - 1 inputs, times the element
-size. A layer outside the recurrent block has one entry; a recurrent layer has k entries in
-`per_loop` mode and one in `last_loop` mode (elr/infer/cache.py). Matches `InferenceCache.nbytes`.
+size. A layer outside the recurrent block has one entry; a recurrent layer has k entries where the
+mode keeps its kind's state per loop and one otherwise (elr/infer/cache.py). Matches
+`InferenceCache.nbytes`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from elr.infer.cache import MODES
+from elr.infer.cache import MODES, keeps_per_loop
 from elr.models import ModelArgs
 from elr.models.layers import LAYER_KINDS
 
@@ -22,8 +23,8 @@ def entry_counts(args: ModelArgs, loops: int, mode: str) -> dict[str, int]:
         raise ValueError(f"unknown KV cache mode {mode!r}; use one of {', '.join(MODES)}")
     n_in, n_rec, _ = args.partition
     recurrent = args.layer_pattern[n_in:n_in + n_rec]
-    copies = loops if mode == "per_loop" else 1
-    return {letter: args.layer_pattern.count(letter) + (copies - 1) * recurrent.count(letter)
+    return {letter: args.layer_pattern.count(letter)
+            + (loops - 1 if keeps_per_loop(mode, kind.inference_state.name) else 0) * recurrent.count(letter)
             for letter, kind in LAYER_KINDS.items() if kind.inference_state is not None}
 
 
