@@ -5,7 +5,7 @@
         model='elr', model_args='checkpoint=outputs/debug/checkpoint/step-150,loops=3', tasks=['piqa']))"
 
 Importing this module registers the model name "elr". Log-likelihoods come from the same scoring as
-scripts/evaluate.py; generation uses the KV-cached decoder (`kv` = per_loop | last_loop). Tested
+scripts/evaluate.py; generation uses the KV-cached decoder (`kv`: one of elr.infer.cache.MODES). Tested
 against lm-eval 0.4.13's `LM` API (requests, rolling windows, generation)."""
 
 from __future__ import annotations
