@@ -13,9 +13,10 @@ import torch
 from elr.chat_data import IGNORE_INDEX, ChatSplit
 from elr.config import load_config
 from elr.infer import chat
+from elr.infer.evaluate import chat_validation_loss
 from elr.infer.load import load_model, load_tokenizer, run_config
 from elr.train.trainer import Trainer
-from trainer_utils import ROOT, losses, run
+from trainer_utils import ROOT, losses, records, run
 
 SFT_TOML = ROOT / "train_configs" / "sft_debug.toml"
 CHAT_DATA = ROOT / "data" / "chat"
@@ -50,14 +51,20 @@ def test_an_sft_step_scores_exactly_the_assistant_tokens_and_resumes_exactly(pre
                                for i in (dataset.conversation(g) for g in range(4)))
     finally:
         trainer.close()
-    straight = run_sft(tmp_path / "b", pretrained, 3)
+    straight = run_sft(tmp_path / "b", pretrained, 3, "--validation.freq", "3")
     run_sft(tmp_path / "c", pretrained, 2)
     resumed = run_sft(tmp_path / "c", pretrained, 3)  # resumes its own step-2, not the initial weights
     assert resumed == straight
+    # scripts/evaluate.py's loss on a chat folder is the trainer's validation: the same rows and labels
+    val = [r for r in records(tmp_path / "b") if "val/loss_k1" in r][-1]
+    model, _ = load_model(tmp_path / "b" / "checkpoint" / "step-3")
+    for k in (1, 3):
+        assert chat_validation_loss(model, CHAT_DATA, 128, k, 1, 2) == pytest.approx(val[f"val/loss_k{k}"], rel=1e-5)
 
 
-def run_sft(dump, pretrained, steps):
-    trainer = Trainer(load_config(SFT_TOML, sft_overrides(dump, pretrained, steps, "--checkpoint.interval", "1")))
+def run_sft(dump, pretrained, steps, *extra):
+    trainer = Trainer(load_config(SFT_TOML, sft_overrides(dump, pretrained, steps, "--checkpoint.interval", "1",
+                                                          *extra)))
     try:
         trainer.train()
     finally:
