@@ -3,9 +3,8 @@ assistant-only labels on a hand-built example, one conversation per row, exact r
 of the conversation stream, and bad input refused in one line with nothing written."""
 
 import copy
+import importlib.util
 import json
-import subprocess
-import sys
 
 import jinja2
 import pytest
@@ -138,17 +137,23 @@ BAD = [
 ]
 
 
+@pytest.fixture(scope="module")
+def prepare_data():
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("line, message", BAD)
-def test_bad_conversations_fail_in_one_line_naming_file_and_line(tmp_path, line, message):
+def test_bad_conversations_fail_in_one_line_naming_file_and_line(tmp_path, line, message, prepare_data, capsys):
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations(3)) + line + "\n")
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--format", "chat",
-                             "--tokenizer", TOKENIZER, "--out", str(out), "--max-tokens", "64", str(src)],
-                            capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 1
-    err = result.stderr.strip().splitlines()
-    assert len(err) == 1 and f"{src}:4:" in err[0] and message in err[0], result.stderr
+    argv = ["--format", "chat", "--tokenizer", TOKENIZER, "--out", str(out), "--max-tokens", "64", str(src)]
+    assert prepare_data.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{src}:4:" in err[0] and message in err[0], err
     assert not out.exists() or not any(out.iterdir())  # nothing half-written
 
 
@@ -168,3 +173,13 @@ def test_bundled_conversations_are_prepared_from_their_jsonl(tmp_path, tok, monk
     for name in ("train.bin", "train.mask.bin", "train.offsets.bin", "val.bin", "val.mask.bin", "val.offsets.bin"):
         assert (tmp_path / name).read_bytes() == (bundled / name).read_bytes(), name
     assert meta["splits"] == json.loads((bundled / "meta.json").read_text())["splits"]
+
+
+def test_prepare_data_chat_command_writes_a_folder_the_trainer_reads(tmp_path, prepare_data, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", conversations(40))
+    assert prepare_data.main(["--format", "chat", "--tokenizer", TOKENIZER, "--out", str(tmp_path / "d"),
+                              "--val-fraction", "0.25", str(src)]) == 0
+    assert "scored" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["format"] == "chat" and sum(s["conversations"] for s in meta["splits"].values()) == 40
+    assert not list((tmp_path / "d").glob(".*.tmp"))
