@@ -23,11 +23,12 @@ from elr.tokenizer import EOT, Tokenizer
 ROLES = ("system", "user", "assistant")
 
 # Jinja (Hugging Face's tokenizer.chat_template); `render` below is the same text, a test holds it.
+# No newline follows a block tag, so Hugging Face's trim_blocks / lstrip_blocks render it the same.
 CHAT_TEMPLATE = (
     "<|endoftext|>"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}<|endoftext|>{% endif %}\n"
+    "{{ '<|endoftext|>' if message['role'] == 'assistant' else '' }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -45,9 +45,11 @@ def conversations(n):
 
 
 def test_jinja_template_renders_what_render_does():
-    jinja = jinja2.Environment().from_string(CHAT_TEMPLATE)
-    for prompt in (False, True):
-        assert jinja.render(messages=TALK, add_generation_prompt=prompt) == render(TALK, prompt)
+    """Also with Hugging Face's settings (apply_chat_template compiles with trim_blocks and lstrip_blocks)."""
+    for settings in ({}, {"trim_blocks": True, "lstrip_blocks": True}):
+        jinja = jinja2.Environment(**settings).from_string(CHAT_TEMPLATE)
+        for prompt in (False, True):
+            assert jinja.render(messages=TALK, add_generation_prompt=prompt) == render(TALK, prompt)
     assert render(TALK[:2], True).endswith("<|user|>\nWhat is 2 plus 3?\n<|assistant|>\n")
 
 
