@@ -99,7 +99,8 @@ class LRScheduler:
 
 @dataclass
 class Data:
-    path: str = "data/tinyprose"  # folder with train.bin, val.bin and meta.json (scripts/prepare_data.py)
+    path: str = "data/tinyprose"  # folder with train.bin, val.bin and meta.json (scripts/prepare_data.py); a
+    # chat folder (--format chat, elr/chat_data.py) serves one conversation per row, assistant tokens scored
     shuffle: bool = True
     # A depth-bound task generated on the fly instead of token files (elr/tasks.py): its own tiny
     # vocabulary, loss on the answer only, validation accuracy per difficulty at every k.

@@ -4,7 +4,8 @@
         --tasks data/tasks/piqa.jsonl data/tasks/openbookqa.jsonl --limit 200 --out outputs/debug/eval.json
     python scripts/evaluate.py ... --baseline outputs/base/checkpoint/step-150   # adds a baseline column
 
-Validation loss uses the run's prepared data folder (or --data); tasks are JSONL files (see
+Validation loss uses the run's prepared data folder (or --data; a chat folder scores the assistant
+tokens of its validation conversations, as the trainer's validation does); tasks are JSONL files (see
 elr/infer/evaluate.py and scripts/convert_mc_tasks.py). Latency: time to first token of a fixed
 prompt and per-token decode, each also relative to k=1. Prints a Markdown table and writes it, with
 the JSON, next to --out; scripts/plot_loops.py draws figures from the JSON. A run trained on a depth
@@ -23,8 +24,9 @@ import torch
 
 from elr.errors import UserError
 from elr.infer.cache import MODES
-from elr.infer.evaluate import (decoded_loss, load_task, measure_latency, read_tokens, score_multiple_choice,
-                                task_accuracy, validation_loss)
+from elr.chat_data import is_chat_folder
+from elr.infer.evaluate import (chat_validation_loss, decoded_loss, load_task, measure_latency, read_tokens,
+                                score_multiple_choice, task_accuracy, validation_loss)
 from elr.infer.load import load_model, load_tokenizer
 from elr.tasks import build_task
 
@@ -60,14 +62,18 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
     val_path = Path(data) / "val.bin"
     if not val_path.is_file():
         val_path = Path(__file__).resolve().parents[1] / data / "val.bin"
-    tokens = read_tokens(val_path) if args.val_batches or args.decoded_windows else None
+    chat = is_chat_folder(val_path.parent)  # conversations: the loss on their assistant tokens
+    tokens = read_tokens(val_path) if (args.val_batches or args.decoded_windows) and not chat else None
     tasks = {Path(path).stem: load_task(path)[:args.limit or None] for path in args.tasks}
     prompt = ([tokenizer.eot_id] + tokenizer.encode(LATENCY_TEXT * 64))[:args.latency_prompt_tokens]
     for k in loops:
-        if args.val_batches:
+        if args.val_batches and not chat:
             rows.setdefault("val_loss", {})[k] = validation_loss(
                 model, tokens, cfg["training"]["seq_len"], k, args.val_batches, args.batch_size)
-        for mode in MODES if args.decoded_windows else ():
+        elif args.val_batches and chat:
+            rows.setdefault("val_loss", {})[k] = chat_validation_loss(
+                model, val_path.parent, cfg["training"]["seq_len"], k, args.val_batches, args.batch_size)
+        for mode in MODES if tokens is not None and args.decoded_windows else ():
             rows.setdefault(f"val_loss_decoded/{mode}", {})[k] = decoded_loss(
                 model, tokens, cfg["training"]["seq_len"], k, mode, args.decoded_windows)
         for name, items in tasks.items():

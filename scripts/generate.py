@@ -5,6 +5,8 @@
     python scripts/generate.py --checkpoint ... --loops 1,2,3 --prompt "..."   # the same prompt at each depth
     python scripts/generate.py --checkpoint ... --memory 131072                # KV/state bytes per request
     python scripts/generate.py --flavor koi_4b --loops 4 --memory 131072 --dtype bfloat16
+    python scripts/generate.py --checkpoint outputs/sft_debug/checkpoint/step-80 --chat --loops 3   # REPL
+    python scripts/generate.py --checkpoint ... --messages chat.json --loops 1,3   # one reply per k
 
 For each k it prints a header line with tokens/s, then the generated text; the last line printed is
 the text generated at the last k. Several --prompt flags decode as one left-padded batch.
@@ -19,6 +21,7 @@ import time
 import torch
 
 from elr.errors import UserError
+from elr.infer import chat
 from elr.infer.cache import MODES
 from elr.infer.generate import Sampling, generate
 from elr.infer.load import load_model, load_tokenizer, run_config
@@ -52,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", type=int, metavar="TOKENS",
                    help="print KV-cache and GDP-state bytes per request of TOKENS tokens and exit")
     p.add_argument("--flavor", choices=sorted(flavors), help="with --memory: a named flavor instead of a checkpoint")
+    p.add_argument("--chat", action="store_true", help="chat on stdin with the chat template (elr/infer/chat.py)")
+    p.add_argument("--messages", help="JSON list of messages: print the assistant's reply at each k")
     args = p.parse_args(argv)
+    if (args.chat or args.messages) and args.checkpoint:
+        return chat_main(args)
     if args.memory is not None and args.flavor:
         dtype = getattr(torch, args.dtype)
         print(memory_table(flavors[args.flavor], max(args.loops), args.memory, dtype))
@@ -96,6 +103,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- k={k} kv={args.kv}: {n_tokens} tokens in {elapsed:.2f} s, {n_tokens / elapsed:.1f} tokens/s")
         for out in outputs:
             print(tokenizer.decode(out).replace("\n", " "))
+    return 0
+
+
+def chat_main(args) -> int:
+    """--chat (a REPL at k = the first --loops, `/loops N` to change it) or --messages FILE."""
+    try:
+        if args.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be at least 1")
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        messages = chat.read_messages(args.messages) if args.messages else None
+        tokenizer = load_tokenizer(run_config(args.checkpoint), args.tokenizer)
+        model, _ = load_model(args.checkpoint, args.device, getattr(torch, args.dtype))
+        generator = torch.Generator(args.device).manual_seed(args.seed)
+        if messages is None:
+            chat.repl(model, tokenizer, args.loops[0], args.max_new_tokens, sys.stdin, sys.stdout, args.kv, sampling,
+                      generator)
+        for k in args.loops if messages is not None else []:
+            print(f"--- k={k}\n" + chat.reply(model, tokenizer, messages, k, args.max_new_tokens, args.kv, sampling,
+                                              generator))
+    except (UserError, FileNotFoundError, ValueError) as e:
+        print(f"generate: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

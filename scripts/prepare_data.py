@@ -23,12 +23,19 @@ train. Train parts are written in input order (the loader shuffles windows); val
 in memory and written in the order of a hash of their document's text, so that the first windows
 of val.bin (which validation reads) mix the sources, and val.bin does not depend on input order.
 
+--format chat reads .jsonl conversations ({"messages": [{"role": "system|user|assistant",
+"content": ...}, ...]}, one per line), renders them with elr/chat.py's template and writes token,
+scored-flag and offset files per split (elr/chat_data.py; split by a hash of each conversation);
+--max-tokens refuses a conversation longer than the training row (seq_len + 1), naming its line.
+
 Outputs are written under temporary names and renamed only when complete.
 
     python scripts/prepare_data.py --tokenizer data/tokenizer/elr8k.tiktoken \\
         --out data/tinyprose path/to/texts/ more.jsonl
     python scripts/prepare_data.py --tokenizer data/tokenizer/elr8k.tiktoken \\
         --out data/tinyprose --split tail --val-fraction 0.02 path/to/texts/
+    python scripts/prepare_data.py --format chat --tokenizer data/tokenizer/elr8k.tiktoken \\
+        --out data/chat --val-fraction 0.15 --max-tokens 129 data/chat/conversations.jsonl
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from elr.chat_data import prepare_chat
+from elr.errors import DataError
 from elr.tokenizer import Tokenizer, build_tokenizer, file_sha256
 
 SPLITS = ("train", "val")
@@ -282,9 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--text-field", default="text", help="JSON field of .jsonl documents")
+    parser.add_argument("--format", choices=("text", "chat"), default="text",
+                        help="text: documents (above); chat: .jsonl conversations, loss on the assistant turns")
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="chat: refuse a conversation longer than this (training.seq_len + 1; 0: no limit)")
     args = parser.parse_args(argv)
 
     start = time.monotonic()
+    if args.format == "chat":
+        return main_chat(args, start)
     try:
         meta = prepare(
             args.inputs, args.tokenizer, args.out, args.val_fraction, args.text_field,
@@ -298,6 +313,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{split}: {c['documents']:,} documents, {c['tokens']:,} tokens "
             f"({c['text_bytes'] / c['tokens']:.2f} bytes/token) -> {Path(args.out) / c['file']}"
         )
+    print(f"{meta['dtype']}, vocab {meta['vocab_size']}, {time.monotonic() - start:.1f} s")
+    return 0
+
+
+def main_chat(args, start: float) -> int:
+    """--format chat: conversations -> elr/chat_data.py's files; errors name the file and line."""
+    try:
+        if not 0.0 < args.val_fraction < 1.0:
+            raise InputError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+        files = [p for _, group in list_input_files(args.inputs) for p in group]
+        if any(p.suffix != ".jsonl" for p in files):
+            raise InputError(f"--format chat reads .jsonl files, not {next(p for p in files if p.suffix != '.jsonl')}")
+        meta = prepare_chat(files, build_tokenizer(args.tokenizer), args.tokenizer, args.out, args.val_fraction,
+                            args.max_tokens)
+    except (InputError, DataError, FileNotFoundError) as e:
+        print(f"prepare_data: error: {e}", file=sys.stderr)
+        return 1
+    for split, c in meta["splits"].items():
+        print(f"{split}: {c['conversations']:,} conversations, {c['tokens']:,} tokens ({c['scored_tokens']:,} "
+              f"scored), longest {c['longest']} ({c['longest_at']}) -> {Path(args.out) / c['file']}")
     print(f"{meta['dtype']}, vocab {meta['vocab_size']}, {time.monotonic() - start:.1f} s")
     return 0
 

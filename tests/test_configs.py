@@ -13,7 +13,9 @@ CONFIGS = ROOT / "train_configs"
 # (config, K, one-loop override, switch): Table 3's "synchronized, 15% override" for GPT-0.5B;
 # Table 6's "10% one-loop rank override" for the 4B/30B hybrids.
 PRODUCTION = [("gpt_0p5b.toml", 5, 0.15, 0.75), ("gdp_hybrid_4b.toml", 4, 0.1, 0.5), ("koi4b.toml", 4, 0.1, 0.5),
-              ("gdp_hybrid_30b_a3b.toml", 4, 0.1, 0.5)]
+              ("gdp_hybrid_30b_a3b.toml", 4, 0.1, 0.5), ("koi4b_sft.toml", 4, 0.1, 0.0)]
+# A later stage starts from its own run's checkpoint: the baseline's stage from the baseline's run.
+FROM_OWN_RUN = {"koi4b_sft.toml"}
 
 
 def flat(path: Path) -> dict:
@@ -22,7 +24,7 @@ def flat(path: Path) -> dict:
 
 
 def test_every_production_config_is_listed_here_with_a_baseline():
-    shipped = {p.name for p in CONFIGS.glob("*.toml")} - {"debug.toml", "koi4b_midtrain.toml"}
+    shipped = {p.name for p in CONFIGS.glob("*.toml")} - {"debug.toml", "koi4b_midtrain.toml", "sft_debug.toml"}
     assert shipped == {name for name, *_ in PRODUCTION} | {name.replace(".toml", "_baseline.toml")
                                                            for name, *_ in PRODUCTION}
 
@@ -44,6 +46,9 @@ def test_production_configs_sample_synchronized_with_a_one_loop_rank_override(na
 def test_baseline_differs_from_its_elr_config_only_in_elr_keys(name):
     elr, baseline = flat(CONFIGS / name), flat(CONFIGS / name.replace(".toml", "_baseline.toml"))
     differ = {key for key in elr if elr[key] != baseline[key]}
+    if name in FROM_OWN_RUN:
+        assert "_baseline/" in baseline["checkpoint.initial_load_path"]
+        differ.discard("checkpoint.initial_load_path")
     assert differ - {"job.description", "job.dump_folder"} <= {k for k in elr if k.startswith("elr.")}
     assert "job.dump_folder" in differ  # a baseline never writes into the ELR run's folder
     assert (baseline["elr.enabled"], baseline["elr.max_loops"], baseline["elr.conditioning"]) == (False, 1, False)
@@ -60,3 +65,22 @@ def test_koi4b_midtrain_continues_koi4b_at_256k_with_its_mixed_depth_schedule():
     final = Path(pre["job.dump_folder"]) / pre["checkpoint.folder"] / f"step-{pre['training.steps']}"
     assert Path(mid["checkpoint.initial_load_path"]) == final
     assert mid["parallelism.context_parallel_degree"] > 1 and mid["activation_checkpoint.mode"] == "full"
+
+
+def test_koi4b_sft_continues_midtraining_with_its_mixed_depth_schedule_on_conversations():
+    """Table 6, stage 3: SFT as the mixed-depth phase (loop counts drawn as in pretraining, conditioning
+    on), from mid-training's last step, weights only (initial_load_path)."""
+    mid, sft = flat(CONFIGS / "koi4b_midtrain.toml"), flat(CONFIGS / "koi4b_sft.toml")
+    assert {k: sft[k] for k in sft if k.startswith("elr.")} == {k: mid[k] for k in mid if k.startswith("elr.")}
+    assert sft["model.flavor"] == mid["model.flavor"] and sft["tokenizer.path"] == mid["tokenizer.path"]
+    final = Path(mid["job.dump_folder"]) / mid["checkpoint.folder"] / f"step-{mid['training.steps']}"
+    assert Path(sft["checkpoint.initial_load_path"]) == final
+
+
+def test_sft_debug_fine_tunes_the_quick_start_model():
+    """The tiny SFT run: the quick start's model and loop sampling, from its checkpoint, on data/chat."""
+    debug, sft = flat(CONFIGS / "debug.toml"), flat(CONFIGS / "sft_debug.toml")
+    same = [k for k in debug if k.startswith(("elr.", "model.", "tokenizer."))] + ["training.seq_len"]
+    assert {k: sft[k] for k in same} == {k: debug[k] for k in same}
+    assert Path(sft["checkpoint.initial_load_path"]) == Path(debug["job.dump_folder"]) / debug["checkpoint.folder"]
+    assert sft["data.path"] == "data/chat"

@@ -15,6 +15,7 @@ from trainer_utils import ROOT
 LAYERS = {
     "kernels": 0,
     "elr.errors": 1, "elr.config": 1, "elr.config_keys": 1, "elr.tasks": 1, "elr.tokenizer": 1,
+    "elr.chat": 1, "elr.chat_data": 1,
     "elr.models": 2,
     "elr.parallel": 3, "elr.checkpoint": 3,
     "elr.train": 4, "elr.infer": 4,

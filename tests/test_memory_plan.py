@@ -111,6 +111,7 @@ def test_full_ac_grows_with_k_by_about_one_layer_input_per_recurrent_call():
     ("gdp_hybrid_30b_a3b.toml", ["--parallelism.expert_parallel_degree", "1"], False),
     ("koi4b_midtrain.toml", [], True),  # 256K over CP 8: fits through the chunked loss alone
     ("koi4b_midtrain.toml", ["--training.loss_chunk_tokens", "0"], False),
+    ("koi4b_sft.toml", [], True),  # 8192-token conversation rows, FSDP 8, AC full
 ])
 def test_plan_verdicts_of_shipped_configs(config, overrides, fits):
     result = subprocess.run(

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from elr.chat_data import IGNORE_INDEX, ChatSplit
 from elr.infer.cache import InferenceCache
 from elr.tokenizer import Tokenizer
 
@@ -160,6 +161,24 @@ def decoded_loss(model, tokens: np.ndarray, seq_len: int, loops: int, kv_mode: s
         logits.append(model(rows[:, t:t + 1], loops, cache))
     logits = torch.cat(logits, dim=1)  # predictions of tokens prefill .. seq_len
     return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, prefill:].flatten()).item()
+
+
+@torch.no_grad()
+def chat_validation_loss(model, data_dir: str | Path, seq_len: int, loops: int, batches: int, batch_size: int) -> float:
+    """Mean cross entropy over the assistant tokens of a chat folder's first batches x batch_size
+    validation conversations, one per row as training reads them (elr/chat_data.py)."""
+    split = ChatSplit(data_dir, "val")
+    split.check_fits(seq_len)
+    n = min(batches * batch_size, split.num_conversations)
+    device, total, count = model.output.weight.device, 0.0, 0
+    for start in range(0, n, batch_size):
+        inputs, labels = split.rows(list(range(start, min(start + batch_size, n))), seq_len)
+        logits = model(inputs.to(device), loops)
+        labels = labels.to(device)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                                 ignore_index=IGNORE_INDEX).item()
+        count += int((labels != IGNORE_INDEX).sum())
+    return total / count
 
 
 def _sync(device) -> None:

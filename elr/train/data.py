@@ -10,7 +10,9 @@ e = g // W. Data parallelism cuts the stream into global microbatches of dp_worl
 local_batch_size samples, and rank r takes the r-th run of local_batch_size samples of each.
 The loader state is therefore one integer, the number of global samples consumed, identical on
 every rank; loading it with another dp_world (same global microbatch) continues the same stream
-without repeating or skipping a sample. A generated task (elr/tasks.py) streams the same way.
+without repeating or skipping a sample. A generated task (elr/tasks.py) streams the same way, and so
+does a folder of conversations (elr/chat_data.py, meta.json "format": "chat"): sample g is then
+conversation perm_e(g mod N), one per row, padded, its labels scored on the assistant turns only.
 
 Also here, the job's data arithmetic and checks made before any work: microbatches per update, the
 task's row length, and that the token files were made by the configured tokenizer.
@@ -31,6 +33,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from elr import tasks
+from elr.chat_data import ChatSplit, is_chat_folder
 from elr.config import JobConfig, Training
 from elr.errors import ConfigError, DataError
 from elr.tokenizer import Tokenizer
@@ -296,6 +299,32 @@ class TaskDataset(GlobalStream):
         return tuple(torch.from_numpy(x.copy()) for x in tasks.inputs_and_labels(rows))
 
 
+class ChatDataset(GlobalStream):
+    """Endless stream of this rank's conversation rows (elr/chat_data.py): sample g is conversation
+    perm_e(g mod N) of epoch e, shuffled as token windows are; (inputs, labels) [local_batch_size, seq_len]."""
+
+    def __init__(self, data_dir: str | Path, seq_len: int, local_batch_size: int, dp_rank: int, dp_world: int,
+                 seed: int, shuffle: bool = True):
+        super().__init__(local_batch_size, dp_rank, dp_world)
+        self.split = ChatSplit(data_dir, "train")
+        self.split.check_fits(seq_len)
+        self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
+        self.n = self.split.num_conversations
+        self._perm = WindowPermutation(self.n, seed, epoch=0)
+
+    def conversation(self, g: int) -> int:
+        epoch, i = divmod(g, self.n)
+        if not self.shuffle:
+            return i
+        if self._perm.epoch != epoch:
+            self._perm = WindowPermutation(self.n, self.seed, epoch)
+        return self._perm(i)
+
+    def samples(self, first: int) -> Batch:
+        return self.split.rows([self.conversation(g) for g in range(first, first + self.local_batch_size)],
+                               self.seq_len)
+
+
 def build_train_loader(
     path: str,
     seq_len: int,
@@ -308,8 +337,12 @@ def build_train_loader(
     """The training loader: one microbatch per step; its dataset is `loader.dataset`.
 
     Batches are already formed by the dataset (batch_size=None) and read in the main process
-    (num_workers=0): a memmap slice is cheap, and the state stays the single `position`."""
-    dataset = TokenWindowDataset(path, seq_len, local_batch_size, dp_rank, dp_world, seed, shuffle)
+    (num_workers=0): a memmap slice is cheap, and the state stays the single `position`. A chat
+    folder's train.bin serves conversation rows (ChatDataset)."""
+    if is_chat_folder(Path(path).parent):
+        dataset = ChatDataset(Path(path).parent, seq_len, local_batch_size, dp_rank, dp_world, seed, shuffle)
+    else:
+        dataset = TokenWindowDataset(path, seq_len, local_batch_size, dp_rank, dp_world, seed, shuffle)
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
 
 
@@ -329,9 +362,12 @@ def val_batches(
     dp_world: int,
 ) -> Iterator[Batch]:
     """This rank's share of the first num_batches * dp_world * local_batch_size windows of the
-    validation file, in order: the same each call, so validation losses are comparable."""
+    validation file, in order: the same each call, so validation losses are comparable. A chat
+    folder's: its first conversations, one per row, in order."""
     if not 0 <= dp_rank < dp_world:
         raise ValueError(f"dp_rank {dp_rank} is outside dp_world {dp_world}")
+    if is_chat_folder(Path(path).parent):
+        return _val_chat_batches(Path(path).parent, seq_len, local_batch_size, num_batches, dp_rank, dp_world)
     tokens = load_tokens(path)
     available = num_windows(tokens, seq_len, path)
     global_batch = dp_world * local_batch_size
@@ -346,6 +382,24 @@ def val_batches(
         for b in range(num_batches):
             first = b * global_batch + dp_rank * local_batch_size
             yield windows_to_batch(tokens, list(range(first, first + local_batch_size)), seq_len)
+
+    return batches()
+
+
+def _val_chat_batches(data_dir: Path, seq_len: int, local_batch_size: int, num_batches: int, dp_rank: int,
+                      dp_world: int) -> Iterator[Batch]:
+    split = ChatSplit(data_dir, "val")
+    split.check_fits(seq_len)
+    global_batch = dp_world * local_batch_size
+    if num_batches * global_batch > split.num_conversations:
+        raise DataError(f"{data_dir}: {num_batches} validation batches of {dp_world} x {local_batch_size} "
+                        f"conversations need {num_batches * global_batch}; the val split has "
+                        f"{split.num_conversations}. Lower validation.steps or add validation conversations.")
+
+    def batches() -> Iterator[Batch]:
+        for b in range(num_batches):
+            first = b * global_batch + dp_rank * local_batch_size
+            yield split.rows(list(range(first, first + local_batch_size)), seq_len)
 
     return batches()
 
