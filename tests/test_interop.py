@@ -329,39 +329,23 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(model_and_export, tmp_
 
 HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 needs_lm_eval = pytest.mark.skipif(not HAS_LM_EVAL, reason='lm-eval is not installed (pip install -e ".[eval,hf]")')
-QUESTIONS = [("The king said to his", ["son", "table", "seven", "blue"]), ("Once upon a", ["time", "dog", "ran", "green"]),
-             ("She opened the", ["door", "sang", "of", "quickly"]), ("He went to the", ["market", "was", "very", "and"])]
-TASKS = {
-    "elr_tiny_mc": "output_type: multiple_choice\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: 0\n"
-                   "target_delimiter: \" \"\nmetric_list:\n  - metric: acc\n",
-    "elr_tiny_gen": "output_type: generate_until\ndoc_to_target: \"{{choices[0]}}\"\ngeneration_kwargs:\n"
-                    "  until: [\"\\n\", \".\"]\n  max_gen_toks: 8\n  do_sample: false\n"
-                    "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n",
-}
+TASKS = ROOT / "tests" / "fixtures" / "lm_eval"  # two tasks on four questions: multiple choice and generation
+TASK_NAMES = ("elr_tiny_mc", "elr_tiny_gen")
+QUESTIONS = [(d["question"], d["choices"]) for d in map(json.loads, (TASKS / "questions.jsonl").read_text().splitlines())]
 
 
-def local_tasks(folder):
-    """Two tasks lm-eval reads from a local JSONL file: multiple choice and generation."""
-    folder.mkdir()
-    data = folder / "questions.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c}) + "\n" for q, c in QUESTIONS))
-    for name, body in TASKS.items():
-        (folder / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-                                             f"    test: {data}\ntest_split: test\ndoc_to_text: \"{{{{question}}}}\"\n{body}")
-    return folder
-
-
-def lm_eval_cli(command: list[str], tasks, out, tmp_path) -> dict[str, list[dict]]:
-    """Run lm-eval's command line on the local tasks; returns each task's logged samples."""
+def lm_eval_cli(command: list[str], out, tmp_path) -> dict[str, list[dict]]:
+    """Run lm-eval's command line on the local tasks (from the repository root, as the README does);
+    returns each task's logged samples."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
            "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
-    result = subprocess.run([*command, "--tasks", ",".join(TASKS), "--include_path", str(tasks), "--device", "cpu",
-                             "--batch_size", "4", "--output_path", str(out), "--log_samples"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    result = subprocess.run([*command, "--tasks", ",".join(TASK_NAMES), "--include_path", str(TASKS), "--device",
+                             "cpu", "--batch_size", "4", "--output_path", str(out), "--log_samples"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return {name: [json.loads(line) for f in out.rglob(f"samples_{name}_*.jsonl") for line in f.read_text().splitlines()]
-            for name in TASKS}
+            for name in TASK_NAMES}
 
 
 @needs_lm_eval
@@ -371,11 +355,10 @@ def test_lm_eval_cli_scores_the_export_at_k_1_and_3(model_and_export, tmp_path):
     from elr.infer.evaluate import continuation_logprobs
 
     model, tokenizer, folder = model_and_export
-    tasks = local_tasks(tmp_path / "tasks")
     lm_eval = [str(shutil.which("lm_eval") or "lm_eval"), "--model", "hf", "--model_args"]
     for k in (1, 3):
         hf = lm_eval_cli([*lm_eval, f"pretrained={folder},trust_remote_code=True,loops={k},kv=last_loop,"
-                          "add_bos_token=True"], tasks, tmp_path / f"hf{k}", tmp_path)
+                          "add_bos_token=True"], tmp_path / f"hf{k}", tmp_path)
         pairs = [([tokenizer.eot_id] + tokenizer.encode(q), tokenizer.encode(" " + c)) for q, cs in QUESTIONS for c in cs]
         want = [score for score, _ in continuation_logprobs(model, pairs, k, 4)]
         got = [float(r[0][0]) for s in sorted(hf["elr_tiny_mc"], key=lambda s: s["doc_id"]) for r in s["resps"]]
@@ -386,7 +369,7 @@ def test_lm_eval_cli_scores_the_export_at_k_1_and_3(model_and_export, tmp_path):
         assert texts == [tokenizer.decode(t).split("\n")[0].split(".")[0] for t in ours]
     # the package's own "elr" model through lm-eval's command line: the same scores at k = 3
     elr = lm_eval_cli([sys.executable, "-m", "elr.infer.lm_eval_adapter", "--model", "elr", "--model_args",
-                       f"checkpoint={folder},loops=3,kv=last_loop"], tasks, tmp_path / "elr3", tmp_path)
+                       f"checkpoint={folder},loops=3,kv=last_loop"], tmp_path / "elr3", tmp_path)
     got = [float(r[0][0]) for s in sorted(elr["elr_tiny_mc"], key=lambda s: s["doc_id"]) for r in s["resps"]]
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert [s["resps"][0][0] for s in sorted(elr["elr_tiny_gen"], key=lambda s: s["doc_id"])] == texts
