@@ -125,6 +125,16 @@ def test_this_packages_loaders_read_the_export(model_and_export, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == tokenizer.decode(want).replace("\n", " ")
 
 
+def test_evaluate_script_scores_the_export(model_and_export, tmp_path):
+    _, _, folder = model_and_export
+    out = tmp_path / "eval.json"
+    argv = ["--checkpoint", str(folder), "--loops", "1,3", "--val-batches", "1", "--batch-size", "2",
+            "--latency-new-tokens", "0", "--out", str(out)]
+    assert script("evaluate").main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows["val_loss"]) == {"1", "3"} and all(v > 0 for v in rows["val_loss"].values())
+
+
 HF_SCRIPT = r"""
 import sys, torch
 from safetensors.torch import save_file
@@ -309,6 +319,8 @@ def test_a_malformed_export_config_is_one_error(model_and_export, tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--checkpoint.export_format", "hf"], "checkpoint.export_format: writes an export only with checkpoint.export_dtype"),
     (["--checkpoint.export_format", "safetensors"], "checkpoint.export_format: must be one of dcp, hf"),
+    (["--checkpoint.export_dtype", "float32", "--checkpoint.export_format", "hf", "--data.task", "pointer_chase"],
+     "checkpoint.export_format: hf exports a tokenizer; a data.task run has none"),
 ])
 def test_export_format_is_validated(extra, message):
     with pytest.raises(ConfigError, match=message):

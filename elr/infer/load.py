@@ -75,7 +75,6 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     checkpoint = Path(checkpoint)
     if is_export(checkpoint):
         return load_export(checkpoint, device, dtype, max_seq_len)
-    logger.warning(dcp_note(checkpoint))
     marker = verify(checkpoint)  # committed, sizes and SHA-256 of every file, a format this code reads
     cfg = run_config(checkpoint)
     saved = read_metadata(checkpoint).state_dict_metadata
@@ -94,6 +93,7 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     load_module(checkpoint, model, saved, root=prefix.rstrip("."), what="the model its config describes")
     if max_seq_len is not None:
         model.extend_positions(max_seq_len)
+    logger.warning(dcp_note(checkpoint))  # once it loaded: a checkpoint that fails says only why
     return model.to(dtype).eval(), cfg
 
 

@@ -211,12 +211,12 @@ class Trainer:
         """Start from another run's weights (a later stage of training); everything else is fresh."""
         if is_export(path):
             return self._load_initial_export(path)
-        if self.rank == 0:
-            logger.warning(dcp_note(path))
         loaded = self.checkpointer.load_initial(path, {"model": ModelState(self.model)},
                                                 allow_missing=self._missing_before_switch())
         if loaded is None:
             raise ConfigError(f"checkpoint.initial_load_path: no committed checkpoint at {path}")
+        if self.rank == 0:
+            logger.warning(dcp_note(path))
         logger.info(f"started from the weights of {path} (step {loaded}); optimizer, schedule and data position fresh")
 
     def _load_initial_export(self, path: str) -> None:
