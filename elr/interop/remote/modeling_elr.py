@@ -37,6 +37,7 @@ class ELRForCausalLM(PreTrainedModel):
     def __init__(self, config: ELRConfig):
         super().__init__(config)
         self.model = build_model(model_args(config.elr_model))
+        self.model.init_weights()  # the package's own init (a no-op on the meta device from_pretrained builds on)
         self.post_init()
 
     def _init_weights(self, module):
