@@ -19,7 +19,6 @@ import torch
 
 from elr.config import load_config
 from elr.errors import CheckpointError, ConfigError, UserError
-from elr.infer.cache import MODES
 from elr.infer.generate import generate, left_pad
 from elr.infer.load import load_model
 from elr.interop import hf_config, write_export
@@ -90,10 +89,6 @@ def test_the_export_holds_what_transformers_needs(model_and_export):
     assert config["max_loops"] == 3 and config["loops"] == 3 and config["kv"] == "last_loop"
     assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
     assert not list(folder.parent.glob("*.tmp")), "nothing half-written is left"
-
-
-def test_kv_modes_are_the_caches():
-    assert hf_config.KV_MODES == MODES
 
 
 @pytest.mark.skipif(not HAS_TOKENIZERS, reason="the tokenizers library is not installed (transformers brings it)")

@@ -5,7 +5,7 @@ It WRAPS the `elr` package's model rather than copying it: `elr` must be install
 so logits and greedy tokens equal the trainer's inference at every loop count.
 
     model(input_ids, attention_mask=None, labels=None, loops=k)   -> CausalLMOutput (logits, loss)
-    model.generate(input_ids, attention_mask=None, max_new_tokens=N, loops=k, kv="per_loop" | "last_loop",
+    model.generate(input_ids, attention_mask=None, max_new_tokens=N, loops=k, kv=<an elr.infer.cache mode>,
                    do_sample=False, temperature=1.0, top_k=0, top_p=1.0, stopping_criteria=None)
 
 `generate` is the package's KV-cached decoder (elr.infer.generate), not transformers' GenerationMixin:
