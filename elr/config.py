@@ -125,10 +125,11 @@ class Checkpoint:
     load_step: int = -1  # -1: resume from the newest complete checkpoint, if any
     async_save: bool = False
     export_dtype: str = "none"  # none | float32 | bfloat16: also write model-only weights at the end
+    export_format: str = "dcp"  # dcp (step-N-model/, this package only) | hf (step-N-hf/: safetensors, transformers)
     create_seed: bool = False  # save the initial weights as step 0 and exit (one process): every
     # world size then starts from the same weights, which sharded initialisation does not give
-    initial_load_path: str = ""  # start a new run from another run's weights: a step-N folder, or a
-    # checkpoint folder (its newest step); model only: optimizer, schedule and data position start fresh.
+    initial_load_path: str = ""  # start a new run from another run's weights: a step-N folder, a
+    # checkpoint folder (its newest step) or a Hugging Face export (scripts/export_hf.py); model only: optimizer, schedule and data position start fresh.
     # Used only when this run has no checkpoint of its own to resume (empty: off)
 
 
@@ -203,6 +204,7 @@ CHOICES = {
     "optimizer.name": ("adamw", "muon"),
     "lr_scheduler.decay_type": ("cosine", "wsd"),
     "checkpoint.export_dtype": ("none", "float32", "bfloat16"),
+    "checkpoint.export_format": ("dcp", "hf"),
     "activation_checkpoint.mode": ("none", "selective", "full"),
 }
 
@@ -322,6 +324,10 @@ def validate(cfg: JobConfig) -> None:
     _check(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)
     _check(c.load_step >= -1, "checkpoint.load_step", "must be -1 (latest) or a step", c.load_step)
     _check(c.enable or not c.create_seed, "checkpoint.create_seed", "needs checkpoint.enable = true", c.create_seed)
+    _check(c.export_format == "dcp" or c.export_dtype != "none", "checkpoint.export_format",
+           "writes an export only with checkpoint.export_dtype set (float32 or bfloat16)", c.export_format)
+    _check(c.export_format != "hf" or not cfg.data.task, "checkpoint.export_format",
+           "hf exports a tokenizer; a data.task run has none (use dcp)", c.export_format)
     if e.switch_at > 0:
         _check(c.enable, "checkpoint.enable", "must be true when elr.switch_at > 0 (the switch saves and reloads)",
                c.enable)

@@ -17,9 +17,12 @@ LAYERS = {
     "elr.errors": 1, "elr.config": 1, "elr.config_keys": 1, "elr.tasks": 1, "elr.tokenizer": 1,
     "elr.chat": 1, "elr.chat_data": 1,
     "elr.models": 2,
-    "elr.parallel": 3, "elr.checkpoint": 3,
+    # interop (the Hugging Face export format) sits beside checkpoint: training writes and reads it,
+    # inference reads it, and it needs only the models below
+    "elr.parallel": 3, "elr.checkpoint": 3, "elr.interop": 3,
     "elr.train": 4, "elr.infer": 4,
-    "elr.tools": 5, "scripts": 5, "train": 5,
+    # the remote code an export carries wraps inference (its cache and decoder) for transformers: on top
+    "elr.tools": 5, "scripts": 5, "train": 5, "elr.interop.remote": 5,
 }
 NEIGHBOURS = [("elr.parallel", "elr.checkpoint"), ("elr.train", "elr.infer")]  # neither imports the other
 NEVER = {"elr.models": ("torch.distributed",)}
@@ -85,6 +88,7 @@ def test_the_rule_finds_planted_violations():
         "elr.infer.load": "def f():\n    from elr.train.checkpoint import CheckpointManager",
         "elr.checkpoint.format": "from elr.parallel import parallelize",
         "elr.config": "from elr.models import flavors",
+        "elr.interop.hf_import": "from elr.infer.cache import InferenceCache",
         "kernels.gated_delta_product.chunk": "import elr.errors",
     }
     for module, line in planted.items():

@@ -26,11 +26,11 @@ from elr.checkpoint.format import (
     verify,
     write_marker,
 )
-from elr.checkpoint.safe import load_model_export, load_module, load_state_dict, read_metadata
+from elr.checkpoint.safe import dcp_note, load_model_export, load_module, load_state_dict, read_metadata
 
 __all__ = [
     "CONFIG", "FORMAT", "MARKER", "STEP_DIR", "check_format", "check_hashes", "check_keys", "check_sizes",
-    "committed_files", "committed_steps", "first_nonfinite", "hash_files", "latest_step", "load_model_export",
+    "committed_files", "committed_steps", "dcp_note", "first_nonfinite", "hash_files", "latest_step", "load_model_export",
     "load_module", "load_state_dict", "marker_or_reason", "read_config", "read_marker", "read_metadata",
     "step_folders", "verify", "write_marker",
 ]

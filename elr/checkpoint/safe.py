@@ -163,6 +163,13 @@ def load_model_export(path: str | Path, model: torch.nn.Module) -> None:
     load_module(path, model, saved)
 
 
+def dcp_note(path: str | Path) -> str:
+    """The one line printed where a DCP checkpoint is handed to inference or to another run."""
+    return (f"note: {path} is a DCP checkpoint, meant for your own runs: its .metadata is a pickle (read by a "
+            "restricted unpickler that builds only DCP metadata); to share a model, export it as safetensors "
+            "(scripts/export_hf.py)")
+
+
 def _first_line(e: BaseException) -> str:
     text = (str(e).strip().split("\n") or [""])[0]
     return f"{type(e).__name__}: {text[:157] + '...' if len(text) > 160 else text}"

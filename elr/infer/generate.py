@@ -7,6 +7,7 @@ after `max_new_tokens`; finished rows keep stepping (their tokens are dropped) u
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,9 +62,11 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], loops: int, max_new_tokens: int, eot_id: int,
              kv_mode: str = "per_loop", sampling: Sampling = Sampling(),
-             generator: torch.Generator | None = None) -> list[list[int]]:
+             generator: torch.Generator | None = None,
+             stop: Callable[[list[list[int]]], list[bool]] | None = None) -> list[list[int]]:
     """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
-    (without the end-of-text token)."""
+    (without the end-of-text token). `stop`, given the new tokens so far, says which rows are done
+    (e.g. a stop string was generated); their tokens so far are kept."""
     device = model.output.weight.device
     tokens, pad = left_pad(prompts, eot_id, device)
     cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, loops, kv_mode, pad)
@@ -76,6 +79,8 @@ def generate(model, prompts: list[list[int]], loops: int, max_new_tokens: int, e
         for row, tok in enumerate(nxt.tolist()):
             if not done[row]:
                 out[row].append(tok)
+        if stop is not None:
+            done |= torch.tensor(stop(out), dtype=torch.bool, device=device)
         if done.all() or step == max_new_tokens - 1:
             break
         logits = model(nxt[:, None], loops, cache)[:, -1]

@@ -1,12 +1,18 @@
 """lm-evaluation-harness adapter: evaluate an ELR checkpoint at loop count k on the harness's tasks.
 
     pip install -e ".[eval]"        # lm-eval; not needed by anything else here
+    python -m elr.infer.lm_eval_adapter --model elr \
+        --model_args checkpoint=outputs/debug/checkpoint/step-150,loops=3,kv=last_loop --tasks piqa
     python -c "import elr.infer.lm_eval_adapter, lm_eval; print(lm_eval.simple_evaluate(
         model='elr', model_args='checkpoint=outputs/debug/checkpoint/step-150,loops=3', tasks=['piqa']))"
 
-Importing this module registers the model name "elr". Log-likelihoods come from the same scoring as
-scripts/evaluate.py; generation uses the KV-cached decoder (`kv`: one of elr.infer.cache.MODES). Tested
-against lm-eval 0.4.13's `LM` API (requests, rolling windows, generation)."""
+Importing this module registers the model name "elr" (lm-eval 0.4.13 finds models only by registration:
+no entry-point discovery), and running it as a module is lm-eval's own command line with "elr"
+registered. `checkpoint` is any folder elr.infer.load reads: a DCP checkpoint, a step-N-model export
+or a Hugging Face export (which plain `lm_eval --model hf ... trust_remote_code=True` also reads, see
+README). Log-likelihoods come from the same scoring as scripts/evaluate.py; generation is the
+KV-cached decoder (`kv`: one of elr.infer.cache.MODES), `batch_size` requests at a time. Tested against
+lm-eval 0.4.13's `LM` API (requests, rolling windows, generation)."""
 
 from __future__ import annotations
 
@@ -49,17 +55,38 @@ class ELRHarnessModel(LM):
         return results
 
     def generate_until(self, requests) -> list[str]:
-        outputs = []
-        for context, gen_kwargs in (r.args for r in requests):
+        """Requests with the same generation settings decode together, `batch_size` rows (left-padded) at
+        a time; a row stops at <|endoftext|>, `max_gen_toks` or once its text holds a stop string."""
+        groups: dict[tuple, list[int]] = {}
+        settings = []
+        for i, (_, gen_kwargs) in enumerate(r.args for r in requests):
             kwargs = dict(gen_kwargs)
             until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = (until,) if isinstance(until, str) else tuple(until)
             max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
-            sampling = Sampling(temperature=float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0)
-            prompt = self._context(context)[-(self.model.args.max_seq_len - max_new):]
-            tokens = generate(self.model, [prompt], self.loops, max_new, self.tokenizer.eot_id, self.kv, sampling)[0]
-            text = self.tokenizer.decode(tokens)
-            for stop in until:
-                text = text.split(stop)[0]
-            outputs.append(text)
+            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+            settings.append((until, max_new, temperature))
+            groups.setdefault(settings[-1], []).append(i)
+        outputs: list[str] = [""] * len(requests)
+        for (until, max_new, temperature), rows in groups.items():
+            for start in range(0, len(rows), self.batch_size):
+                batch = rows[start:start + self.batch_size]
+                prompts = [self._context(requests[i].args[0])[-(self.model.args.max_seq_len - max_new):] for i in batch]
+
+                def stop(out):
+                    return [any(s in self.tokenizer.decode(tokens) for s in until) for tokens in out]
+
+                tokens = generate(self.model, prompts, self.loops, max_new, self.tokenizer.eot_id, self.kv,
+                                  Sampling(temperature=temperature), stop=stop if until else None)
+                for i, row in zip(batch, tokens):
+                    text = self.tokenizer.decode(row)
+                    for s in until:
+                        text = text.split(s)[0]
+                    outputs[i] = text
         return outputs
+
+
+if __name__ == "__main__":  # lm-eval's own command line, with the model "elr" registered
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

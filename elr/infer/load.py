@@ -1,6 +1,7 @@
 """Load a trained model from any checkpoint the trainer writes, on any device, without a process group.
 
-Accepted: a DCP training checkpoint folder `.../checkpoint/step-N` (saved by any number of ranks,
+Accepted: a Hugging Face export (elr/interop: config.json and safetensors, nothing unpickled; the form
+to share), a DCP training checkpoint folder `.../checkpoint/step-N` (saved by any number of ranks,
 before or after the late switch: a pre-switch checkpoint has no loop-conditioning parameters, so
 the model is built without them), or a model-only export `.../checkpoint/step-N-model`. DCP
 reshards on load, so the world size the checkpoint was saved from does not matter.
@@ -15,7 +16,6 @@ still loads, with the run's config.json and one warning line saying so.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import warnings
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from elr.checkpoint import check_format, load_module, read_config, read_marker, read_metadata, verify
+from elr.checkpoint import check_format, dcp_note, load_module, read_config, read_marker, read_metadata, verify
 from elr.config import config_from_dict
 from elr.errors import CheckpointError, ConfigError, TokenizerError
+from elr.interop import is_export, load_export, load_export_config
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import Tokenizer, build_tokenizer
@@ -49,6 +50,8 @@ def run_config(checkpoint: str | Path) -> dict:
     """The config the checkpoint was trained with: its own config.json (format >= 3), or for an older
     checkpoint the run's config.json above it, with a warning that it may have been rewritten."""
     checkpoint = Path(checkpoint)
+    if is_export(checkpoint):
+        return load_export_config(checkpoint)
     marker = read_marker(checkpoint)
     raw = read_config(checkpoint, marker)
     if raw is None:
@@ -70,6 +73,8 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     length (positions beyond it were never trained). Any problem with the checkpoint is a
     CheckpointError (a UserError) naming it."""
     checkpoint = Path(checkpoint)
+    if is_export(checkpoint):
+        return load_export(checkpoint, device, dtype, max_seq_len)
     marker = verify(checkpoint)  # committed, sizes and SHA-256 of every file, a format this code reads
     cfg = run_config(checkpoint)
     saved = read_metadata(checkpoint).state_dict_metadata
@@ -81,13 +86,14 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     conditioning = any(key.startswith(prefix) and ".conditioning." in key for key in saved)
     # the trainer's own config -> ModelArgs step; a checkpoint without conditioning keys predates the switch
     args = model_args_from_config(config_from_dict(cfg), embedding.size[0], mixed_depth=conditioning)
-    if max_seq_len is not None:
-        args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, max_seq_len))
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device=device)
     model.init_weights()  # fills the RoPE table; every parameter is then overwritten
     load_module(checkpoint, model, saved, root=prefix.rstrip("."), what="the model its config describes")
+    if max_seq_len is not None:
+        model.extend_positions(max_seq_len)
+    logger.warning(dcp_note(checkpoint))  # once it loaded: a checkpoint that fails says only why
     return model.to(dtype).eval(), cfg
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -89,6 +90,14 @@ class ELRModel(nn.Module):
         h = self.norm(h)
         h = self.output(h) if head else h
         return h.unflatten(0, (loops, tokens.shape[0])) if every_loop else h
+
+    def extend_positions(self, max_seq_len: int) -> None:
+        """Enlarge the RoPE table to `max_seq_len` positions (never shrinks it); positions past the
+        training length were never trained."""
+        a = self.args
+        if max_seq_len > a.max_seq_len:
+            self.args = a = dataclasses.replace(a, max_seq_len=max_seq_len)
+            self.rope = rope_table(a.rope_dim, max_seq_len, a.rope_theta).to(self.rope)
 
     def layers(self) -> Iterator[nn.Module]:
         """Every layer once, in order: the input block, the recurrent block, the output block."""

@@ -7,6 +7,7 @@ says what a committed folder holds and reads it without running anything stored 
     step-{N}.tmp/      a save in progress: DCP files (`__{rank}_0.distcp`, `.metadata`)
     step-{N}/          a committed save: the same files, config.json, and `commit.json`, written last
     step-{N}-model/    model weights only (`export_model`), committed the same way
+    step-{N}-hf/       a Hugging Face folder (`export_hf`: safetensors, elr/interop), written atomically
     step-{N}.abandoned-{time}/   a checkpoint newer than the one a run resumed from, kept aside
 
 Commit: all ranks wrote their files -> rank 0 writes config.json -> the ranks hash the files (SHA-256,
@@ -51,11 +52,12 @@ from elr.checkpoint import CONFIG, STEP_DIR, check_format, check_hashes, check_k
 from elr.checkpoint import first_nonfinite, hash_files, latest_step, load_state_dict, marker_or_reason, read_metadata
 from elr.checkpoint import step_folders, write_marker
 from elr.errors import CheckpointError, UnusableCheckpoint
+from elr.interop import write_export
 
 logger = logging.getLogger(__name__)
 
-_OWN_TMP = re.compile(r"step-\d+(-model)?\.tmp")  # what a killed save or export of ours leaves
-_STEP_OR_EXPORT = re.compile(r"step-(\d+)(-model)?")
+_OWN_TMP = re.compile(r"step-\d+(-model|-hf)?\.tmp")  # what a killed save or export of ours leaves
+_STEP_OR_EXPORT = re.compile(r"step-(\d+)(-model|-hf)?")
 # DCP warns at every save/load without a process group that it assumes one process: we mean that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
@@ -158,15 +160,9 @@ class CheckpointManager:
         Shards are gathered one tensor at a time (a collective) onto rank 0's CPU, which writes a
         plain set of full tensors: `load_model_export` reads it into any module, no process group.
         """
-        self.wait()  # an async upload would share our gloo group from its thread
         final = self.folder / f"step-{step}-model"
         tmp = final.with_name(final.name + ".tmp")
-        full = {}
-        for name, value in get_model_state_dict(model).items():
-            value = value.detach().to(dtype)
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            if self._rank == 0:
-                full[name] = value.cpu()
+        full = self._full_tensors(model, dtype)
         if self._rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             dcp.save(full, checkpoint_id=tmp, no_dist=True)
@@ -176,6 +172,28 @@ class CheckpointManager:
             _replace_dir(tmp, final)
         self._barrier()
         return final
+
+    def export_hf(self, step: int, model: nn.Module, args, tokenizer, dtype: torch.dtype) -> Path:
+        """Write the model as a Hugging Face folder `step-{N}-hf/` (elr/interop/hf_export.py: safetensors,
+        config.json, tokenizer.json, remote code), gathered like `export_model`; rank 0 writes."""
+        final = self.folder / f"step-{step}-hf"
+        full = self._full_tensors(model, dtype)
+        if self._rank == 0:
+            write_export(full, args, self.config or {}, tokenizer, final, dtype=dtype, overwrite=True)
+        self._barrier()
+        return final
+
+    def _full_tensors(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The model's weights cast to `dtype` as full CPU tensors on rank 0 (empty elsewhere): shards
+        are gathered one tensor at a time (a collective)."""
+        self.wait()  # an async upload would share our gloo group from its thread
+        full = {}
+        for name, value in get_model_state_dict(model).items():
+            value = value.detach().to(dtype)
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if self._rank == 0:
+                full[name] = value.cpu()
+        return full
 
     def _bytes_needed(self, state_dict: dict[str, Any]) -> int:
         """Bytes this save writes on all ranks together: every tensor shard, plus 1 MiB per rank."""

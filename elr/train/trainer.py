@@ -18,11 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 
-from elr.checkpoint import first_nonfinite
+from elr.checkpoint import dcp_note, first_nonfinite
 from elr.config import JobConfig
-from elr.errors import ConfigError
+from elr.errors import CheckpointError, ConfigError
+from elr.interop import check_fits, differences, is_export, read_export
+from elr.interop.hf_weights import check_installed
 from elr.models import build_model
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.parallel.context_parallel import shard_sequence
@@ -57,6 +60,8 @@ def is_conditioning_key(key: str) -> bool:
 class Trainer:
     def __init__(self, cfg: JobConfig):
         check_model_config(cfg)  # the config checks that need the model code, before any work
+        if cfg.checkpoint.export_format == "hf":
+            check_installed("checkpoint.export_format = \"hf\"")
         self.cfg = cfg
         t = cfg.training
         self.rank, self.world_size, self.device = init_distributed()
@@ -72,6 +77,7 @@ class Trainer:
 
         self.dump_folder = Path(cfg.job.dump_folder)
         self.task = job_task(cfg) if cfg.data.task else None
+        self.tokenizer = None
         if self.task is not None:  # generated examples in the task's own vocabulary: no files, no tokenizer
             self.vocab_size = self.task.vocab_size
             self.train_loader = build_task_loader(
@@ -80,7 +86,7 @@ class Trainer:
             )
         else:
             data_dir = Path(cfg.data.path)
-            tokenizer = build_tokenizer(cfg.tokenizer.path)
+            self.tokenizer = tokenizer = build_tokenizer(cfg.tokenizer.path)
             self.vocab_size = tokenizer.n_vocab
             check_tokenizer(data_dir, tokenizer, cfg)
             self.train_loader = build_train_loader(
@@ -203,11 +209,32 @@ class Trainer:
 
     def _load_initial(self, path: str) -> None:
         """Start from another run's weights (a later stage of training); everything else is fresh."""
+        if is_export(path):
+            return self._load_initial_export(path)
         loaded = self.checkpointer.load_initial(path, {"model": ModelState(self.model)},
                                                 allow_missing=self._missing_before_switch())
         if loaded is None:
             raise ConfigError(f"checkpoint.initial_load_path: no committed checkpoint at {path}")
+        if self.rank == 0:
+            logger.warning(dcp_note(path))
         logger.info(f"started from the weights of {path} (step {loaded}); optimizer, schedule and data position fresh")
+
+    def _load_initial_export(self, path: str) -> None:
+        """Start from a Hugging Face export's weights (safetensors: nothing unpickled), read by every rank
+        and placed into this job's (possibly sharded) model; one line names what differs from its config."""
+        args, _, state = read_export(path)
+        diff = differences(args, self.model_args)
+        if diff and self.rank == 0:
+            logger.warning("checkpoint.initial_load_path: the export's model differs from this job's: " + "; ".join(diff))
+        try:
+            check_fits(self.model, state, path, allow_missing=self._missing_before_switch())
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint.initial_load_path: {e}" + (f"; its config differs: {'; '.join(diff)}"
+                                                                          if diff else "")) from None
+        dtypes = {k: v.dtype for k, v in self.model.state_dict().items()}
+        state = {k: v.to(dtypes[k]) for k, v in state.items()}
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        logger.info(f"started from the weights of the export {path}; optimizer, schedule and data position fresh")
 
     def _log_setup(self) -> None:
         for line in setup_lines(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch):
@@ -394,8 +421,13 @@ class Trainer:
                         break
                 self.checkpointer.wait()
                 if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
-                    path = self.checkpointer.export_model(self.step, self.model, getattr(torch, cfg.checkpoint.export_dtype))
-                    logger.info(f"exported model weights ({cfg.checkpoint.export_dtype}) to {path}")
+                    dtype = getattr(torch, cfg.checkpoint.export_dtype)
+                    if cfg.checkpoint.export_format == "hf":
+                        path = self.checkpointer.export_hf(self.step, self.model, self.model_args, self.tokenizer, dtype)
+                    else:
+                        path = self.checkpointer.export_model(self.step, self.model, dtype)
+                    logger.info(f"exported model weights ({cfg.checkpoint.export_dtype}, "
+                                f"{cfg.checkpoint.export_format}) to {path}")
         finally:
             self.metrics.close()
 

@@ -1,0 +1,117 @@
+"""config.json of a Hugging Face export: what transformers needs to find the remote code, every ModelArgs
+field (the one source our loaders build from), the default loop count and KV mode, and the job config.
+
+    {"model_type": "elr", "architectures": ["ELRForCausalLM"], "auto_map": {...},
+     "elr_model": {every ModelArgs field}, "loops": default k, "kv": a KV mode (elr.infer.cache.MODES),
+     "max_loops", "vocab_size", "hidden_size", ...: read-only mirrors of elr_model for tools that look for them,
+     "elr_job": the training job's config, "elr_tokenizer": the ranks file in the folder (or an encoding name),
+     "elr_export_format": 1}
+
+Everything here is JSON: nothing read from an export runs code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+from elr.errors import CheckpointError
+from elr.models.args import ModelArgs
+
+CONFIG = "config.json"
+FORMAT = 1
+MODEL_TYPE = "elr"
+ARCHITECTURE = "ELRForCausalLM"
+AUTO_MAP = {"AutoConfig": "configuration_elr.ELRConfig", "AutoModelForCausalLM": "modeling_elr.ELRForCausalLM"}
+
+
+def hf_config(args: ModelArgs, job: dict, *, loops: int, kv: str, dtype: str, eot_id: int,
+              tokenizer: str) -> dict:
+    """The config.json of an export of a model built from `args`. `kv` is one of elr.infer.cache.MODES
+    (checked where it is chosen, scripts/export_hf.py, and by the cache when it runs)."""
+    if not 1 <= loops:
+        raise CheckpointError(f"the default loop count must be >= 1, got {loops}")
+    fields = dataclasses.asdict(args)
+    fields["partition"] = list(args.partition)
+    return {
+        "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], "auto_map": AUTO_MAP,
+        "elr_model": fields, "loops": loops, "kv": kv,
+        "max_loops": args.max_loops, "vocab_size": args.vocab_size, "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers, "max_position_embeddings": args.max_seq_len,
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": eot_id, "tie_word_embeddings": False,
+        "dtype": dtype, "elr_job": job, "elr_tokenizer": tokenizer, "elr_export_format": FORMAT,
+    }
+
+
+def is_export(path: str | Path) -> bool:
+    """Whether `path` is a folder holding an ELR export's config.json (not a DCP checkpoint)."""
+    file = Path(path) / CONFIG
+    if not file.is_file() or (Path(path) / "commit.json").exists():
+        return False
+    try:
+        return json.loads(file.read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_config(folder: str | Path) -> dict:
+    """The export's config.json, checked: a format this code reads and a valid `elr_model`."""
+    path = Path(folder) / CONFIG
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} is not an ELR export: it has no {CONFIG}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("model_type") != MODEL_TYPE:
+        raise CheckpointError(f"{path}: not an ELR export (model_type is not {MODEL_TYPE!r})")
+    if raw.get("elr_export_format") != FORMAT:
+        raise CheckpointError(f"{path}: export format {raw.get('elr_export_format')!r}; this code reads {FORMAT}")
+    model_args(raw.get("elr_model"), path)
+    if not isinstance(raw.get("elr_job"), dict):
+        raise CheckpointError(f"{path}: elr_job must be the training job's config")
+    return raw
+
+
+def model_args(fields, where: str | Path = CONFIG) -> ModelArgs:
+    """ModelArgs from config.json's `elr_model`: exactly ModelArgs' fields, each of its type."""
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{where}: elr_model must be an object of ModelArgs fields")
+    names = [f.name for f in dataclasses.fields(ModelArgs)]
+    missing, unknown = [n for n in names if n not in fields], [n for n in fields if n not in names]
+    if missing or unknown:
+        raise CheckpointError(f"{where}: elr_model " + "; ".join(
+            part for part in (f"lacks {', '.join(missing)}" if missing else "",
+                              f"has unknown {', '.join(unknown)} (written by a newer version?)" if unknown else "")
+            if part))
+    hints = typing.get_type_hints(ModelArgs)
+    for name in names:
+        value, want = fields[name], hints[name]
+        if want is tuple[int, int, int] or name == "partition":
+            ok = isinstance(value, list) and len(value) == 3 and all(_is(v, int) for v in value)
+        else:
+            ok = _is(value, want)
+        if not ok:
+            raise CheckpointError(f"{where}: elr_model.{name} must be {getattr(want, '__name__', want)}, got {value!r}")
+    try:
+        return ModelArgs(**{**fields, "partition": tuple(fields["partition"])})
+    except ValueError as e:
+        raise CheckpointError(f"{where}: elr_model: {e}") from None
+
+
+def _is(value, want) -> bool:
+    if want is bool:
+        return isinstance(value, bool)
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if want is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, want)
+
+
+def differences(saved: ModelArgs, wanted: ModelArgs) -> list[str]:
+    """`field saved -> wanted` for each ModelArgs field that differs."""
+    return [f"{f.name} {getattr(saved, f.name)!r} -> {getattr(wanted, f.name)!r}" for f in dataclasses.fields(ModelArgs)
+            if getattr(saved, f.name) != getattr(wanted, f.name)]

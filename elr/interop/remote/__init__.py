@@ -1,0 +1,2 @@
+"""The remote code an export carries (copied verbatim by elr/interop/hf_export.py): transformers imports
+these two files from the export folder when a model is loaded with `trust_remote_code=True`."""

@@ -1,0 +1,61 @@
+"""Export a checkpoint as a Hugging Face folder: safetensors weights, config.json, tokenizer.json, remote code.
+
+    python scripts/export_hf.py --checkpoint outputs/debug/checkpoint/step-150 --out outputs/debug/hf
+    python scripts/export_hf.py --checkpoint ... --out ... --dtype bfloat16 --loops 3 --kv last_loop
+
+The folder loads in transformers with `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`
+(the remote code wraps this package, which must be installed) and in this package's own loaders
+(generate.py, evaluate.py, checkpoint.initial_load_path). Share this folder, not the DCP checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from elr.errors import UserError
+from elr.infer.cache import MODES
+from elr.infer.load import load_model, load_tokenizer
+from elr.interop import write_export
+
+_SIZE = re.compile(r"(\d+)\s*(B|KB|MB|GB|KiB|MiB|GiB)?", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"--max-shard-size takes a size like 5GB or 500MiB, not {text!r}")
+    return int(m[1]) * _UNITS[(m[2] or "b").lower()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="step-N (DCP), step-N-model, or an export folder")
+    p.add_argument("--out", required=True, type=Path, help="the folder to write (must not exist)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--loops", type=int, help="default loop count of forward/generate (default: the model's max_loops)")
+    p.add_argument("--kv", choices=MODES, default="per_loop", help="default KV cache mode of generate")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="split weights above this (default 5GB)")
+    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file, written into tokenizer_config.json")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
+    args = p.parse_args(argv)
+    try:
+        model, cfg = load_model(args.checkpoint)
+        tokenizer = load_tokenizer(cfg, args.tokenizer)
+        template = args.chat_template.read_text() if args.chat_template else None
+        out = write_export(model.state_dict(), model.args, cfg, tokenizer, args.out, dtype=getattr(torch, args.dtype),
+                           loops=args.loops, kv=args.kv, chat_template=template, max_shard_bytes=args.max_shard_size)
+    except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
+        print(f"export_hf: error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
