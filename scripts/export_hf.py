@@ -41,15 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loops", type=int, help="default loop count of forward/generate (default: the model's max_loops)")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="default KV cache mode of generate")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="split weights above this (default 5GB)")
-    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file, written into tokenizer_config.json")
+    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizer_config.json "
+                   "(default: the template SFT trains with, elr/chat.py)")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     args = p.parse_args(argv)
     try:
         model, cfg = load_model(args.checkpoint)
         tokenizer = load_tokenizer(cfg, args.tokenizer)
-        template = args.chat_template.read_text() if args.chat_template else None
+        template = {"chat_template": args.chat_template.read_text()} if args.chat_template else {}
         out = write_export(model.state_dict(), model.args, cfg, tokenizer, args.out, dtype=getattr(torch, args.dtype),
-                           loops=args.loops, kv=args.kv, chat_template=template, max_shard_bytes=args.max_shard_size)
+                           loops=args.loops, kv=args.kv, max_shard_bytes=args.max_shard_size, **template)
     except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 2

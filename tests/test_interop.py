@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from elr.chat import CHAT_TEMPLATE, encode_conversation
 from elr.config import load_config
 from elr.errors import CheckpointError, ConfigError, UserError
 from elr.infer.generate import generate, left_pad
@@ -35,7 +36,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
 
 TOKENIZER = ROOT / "data" / "tokenizer" / "elr8k.tiktoken"
 PROMPTS = ["The king said", "Once upon a time there was"]
-TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def script(name: str):
@@ -67,7 +67,7 @@ def model_and_export(tmp_path_factory):
     model.eval()
     folder = tmp_path_factory.mktemp("export")
     write_export(model.state_dict(), args, cfg.to_dict(), tokenizer, folder / "hf", max_shard_bytes=2_000_000,
-                 kv="last_loop", chat_template=TEMPLATE)
+                 kv="last_loop")  # the default chat template: the one SFT trains with
     shutil.copytree(folder / "hf", folder / "copied")
     shutil.rmtree(folder / "hf")  # the copy stands alone
     return model, tokenizer, folder / "copied"
@@ -87,7 +87,7 @@ def test_the_export_holds_what_transformers_needs(model_and_export):
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
     assert hf_config.model_args(config["elr_model"]) == model.args  # every ModelArgs field
     assert config["max_loops"] == 3 and config["loops"] == 3 and config["kv"] == "last_loop"
-    assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
+    assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
     assert not list(folder.parent.glob("*.tmp")), "nothing half-written is left"
 
 
@@ -135,6 +135,8 @@ import sys, torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 folder, out, prompts = sys.argv[1], sys.argv[2], sys.argv[3:]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 plus 7?"},
+        {"role": "assistant", "content": "19."}, {"role": "user", "content": "And 3 plus 4?"}]
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
 tokenizer.padding_side = "left"
@@ -144,15 +146,16 @@ with torch.no_grad():
     for k in (1, 2, 3):
         result[f"logits{k}"] = model(batch.input_ids[1:], loops=k).logits.contiguous()
         result[f"padded{k}"] = model(**batch, loops=k).logits.contiguous()
-        for kv in ("per_loop", "last_loop"):
+        for kv in ("per_loop", "last_loop_kv", "last_loop"):
             result[f"greedy{k}_{kv}"] = model.generate(**batch, max_new_tokens=8, loops=k, kv=kv, do_sample=False)
     result["greedy_default"] = model.generate(**batch, max_new_tokens=8)
+text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+result["chat_ids"] = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
 save_file(result, out)
 """
 
 
-@needs_transformers
-@pytest.mark.slow  # a fresh process importing torch and transformers: 19 s on 2 busy cores
+@needs_transformers  # in the default tier (20 s on 2 busy cores): the export's promise, checked on every CI run
 def test_transformers_loads_the_export_in_a_fresh_process_with_this_packages_logits(model_and_export, tmp_path):
     from safetensors.torch import load_file
 
@@ -174,11 +177,15 @@ def test_transformers_loads_the_export_in_a_fresh_process_with_this_packages_log
             # the left-padded row's real positions score as the row alone
             short = got[f"padded{k}"][0, pad[0]:]
             torch.testing.assert_close(short, model(torch.tensor([prompts[0]]), k)[0], atol=1e-5, rtol=1e-5)
-            for kv in ("per_loop", "last_loop"):
+            for kv in ("per_loop", "last_loop_kv", "last_loop"):
                 ours = generate(model, prompts, k, 8, tokenizer.eot_id, kv)
                 theirs = got[f"greedy{k}_{kv}"][:, tokens.shape[1]:]
                 for row, want_row in zip(theirs.tolist(), ours):
                     assert row[:len(want_row)] == want_row, (k, kv)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 plus 7?"},
+            {"role": "assistant", "content": "19."}, {"role": "user", "content": "And 3 plus 4?"}]
+    ids, _ = encode_conversation(chat, tokenizer, add_generation_prompt=True)  # the template SFT trains with
+    assert got["chat_ids"].flatten().tolist() == ids
     ours = generate(model, prompts, 3, 8, tokenizer.eot_id, "last_loop")  # the export's defaults: k = 3, last_loop
     assert [row[:len(w)] for row, w in zip(got["greedy_default"][:, tokens.shape[1]:].tolist(), ours)] == ours
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from elr.chat import CHAT_TEMPLATE
 from elr.errors import CheckpointError
 from elr.interop.hf_config import CONFIG, hf_config
 from elr.interop.hf_tokenizer import write_tokenizer
@@ -49,11 +50,11 @@ The remote code wraps the `elr` package, which must be installed (`pip install -
 
 def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict, tokenizer: Tokenizer,
                  out: str | Path, *, dtype: torch.dtype = torch.float32, loops: int | None = None,
-                 kv: str = "per_loop", chat_template: str | None = None,
+                 kv: str = "per_loop", chat_template: str | None = CHAT_TEMPLATE,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
     """Export the ELR model weights `state_dict` (plain names, full CPU tensors) built from `args`.
-    `loops`: the default loop count (default: the model's max_loops). `chat_template`: a Jinja template
-    written into tokenizer_config.json. An existing `out` is an error unless `overwrite`."""
+    `loops`: the default loop count (default: the model's max_loops). `chat_template`: the Jinja template
+    written into tokenizer_config.json (default: the one SFT trains with, elr/chat.py; None: none). An existing `out` is an error unless `overwrite`."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists: remove it or export to another folder")
