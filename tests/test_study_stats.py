@@ -53,3 +53,19 @@ def test_report_judges_each_paper_comparison_seed_by_seed():
     assert rows["Table 14: re-injecting h_in is worse (conditioned)"].endswith("| contradicted |")
     assert "+0.0028 / +0.0052" in rows["Table 14: re-injecting h_in is worse (conditioned)"]   # the paper's own difference
     assert not any(key.startswith("Table 3") for key in rows)                     # no sync_* runs: no row
+
+
+def test_tradeoff_points_are_paired_k1_gap_and_best_k_gain():
+    from elr.tools.study.text_report import tradeoff_points
+
+    results = {
+        "baseline_matched": {**_entry([[2.0], [2.2]]), "groups": ["baseline"]},
+        "default": {**_entry([[2.1, 1.9], [2.2, 2.2]]), "groups": ["figure_4a"]},
+        "uncond": {**_entry([[1.9, 1.9], [2.2, 2.2]]), "groups": ["remedies"]},
+        "replace": {**_entry([[2.0, 1.0], [2.0, 1.0]]), "groups": ["figure_4a"]},  # not a remedy: no point
+    }
+    points = tradeoff_points(results)
+    assert set(points) == {"default", "uncond"}
+    one, gain = points["default"]
+    assert one == pytest.approx((0.1 / 2.0 + 0.0) / 2) and gain == pytest.approx((-0.2 / 2.1 + 0.0) / 2)
+    assert points["uncond"] == pytest.approx(((-0.1 / 2.0) / 2, 0.0))

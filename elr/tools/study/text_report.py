@@ -317,6 +317,22 @@ def remedies_section(results: dict, members: list[str], title: str, claim: str) 
     return lines + [""]
 
 
+def tradeoff_points(results: dict) -> dict[str, tuple[float, float]]:
+    """Per remedy (and the paper's recipe): the paired relative k = 1 gap to the matched baseline and
+    the paired relative gain of its best k over its own k = 1, the two properties the recipe wants."""
+    base = results.get("baseline_matched")
+    points = {}
+    for v, r in results.items():
+        if base is None or len(r["loss"]) < 2 or not ({"remedies"} & set(r["groups"]) or v == "default"):
+            continue
+        one = paired(relative(per_seed(r, 1), per_seed(base, 1)), {s: 0.0 for s in r["seeds"]})
+        best = 2 + min(range(len(r["loss"]) - 1), key=lambda i: r["loss"][i + 1])
+        gain = paired(relative(per_seed(r, best), per_seed(r, 1)), {s: 0.0 for s in r["seeds"]})
+        if one is not None:
+            points[v] = (one["mean"], gain["mean"])
+    return points
+
+
 def replay_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
     lines = [f"## {title}", "", f"Paper: {claim}", "", "| routing | val loss k=K | Δ vs dynamic | paper Δ |", "|---|---|---|---|"]
     dynamic = next((results[v] for v in members if "loss_replay_at_inference" in results[v]), None)
@@ -359,6 +375,22 @@ def plot(results: dict, out: Path) -> list[Path]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = out / f"loss_vs_k_{group}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    points = tradeoff_points(results)
+    if points:
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for label, (one, gain) in points.items():
+            ax.scatter(100 * one, 100 * gain)
+            ax.annotate(label, (100 * one, 100 * gain), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.axvline(0, color="black", linestyle="--", linewidth=0.8)
+        ax.axhline(-1, color="gray", linestyle=":", linewidth=0.8)
+        ax.set(title="One-loop parity against loop gain (wanted: left of the dashed line, below the dotted)",
+               xlabel="k = 1 vs matched baseline (%, paired)", ylabel="best k vs own k = 1 (%, paired)")
+        ax.title.set_fontsize(8)
+        fig.tight_layout()
+        path = out / "tradeoff.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
