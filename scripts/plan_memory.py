@@ -20,6 +20,7 @@ from elr.errors import ConfigError
 from elr.tools.memory_plan import plan_memory
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import vocab_size
+from elr.train.data import job_tokenizer_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
-        vocab = args.vocab_size or vocab_size(cfg.tokenizer.path)
+        vocab = args.vocab_size or vocab_size(job_tokenizer_path(cfg))
         model_args = model_args_from_config(cfg, vocab)
         plan = plan_memory(cfg, model_args, args.ngpu, args.gpu_memory_gib, Path(args.config).name)
     except ConfigError as err:

@@ -243,6 +243,7 @@ def prepare(
             "vocab_size": tokenizer.n_vocab,
             "eot_id": tokenizer.eot_id,
             "tokenizer": tok_file.name if tok_file.is_file() else tokenizer_path,
+            "tokenizer_path": str(tok_file.resolve()) if tok_file.is_file() else None,  # the trainer's default
             "tokenizer_sha256": file_sha256(tok_file) if tok_file.is_file() else None,
             "split": split,
             "val_fraction": val_fraction,
