@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from elr.cli import HelpFormatter
 from elr.config import load_config
 from elr.errors import ConfigError
 from elr.models import build_model
@@ -73,7 +74,7 @@ def human(n: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("configs", nargs="+", help="TOML job configs")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="vocabulary to size the embedding/head with (default: the config tokenizer's)")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from elr.cli import HelpFormatter
 from elr.errors import UserError
 from elr.infer.cache import MODES
 from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss
@@ -97,7 +98,7 @@ def markdown(loops: list[int], rows: dict, baseline: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", required=True, help="step-N (DCP) or step-N-model (export) folder")
     p.add_argument("--loops", type=parse_loops, help="loop counts, e.g. 1,2,3 (default: every k in 1..K; an "
                    "unconditioned model also runs k > K, extrapolating)")
@@ -108,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=0, help="first N questions of each task (0: all)")
     p.add_argument("--data", help="prepared data folder with val.bin (default: the run config's)")
     p.add_argument("--val-batches", type=int, default=4, help="validation batches (0: skip the loss)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--latency-prompt-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    p.add_argument("--latency-prompt-tokens", type=int, default=64, help="prompt length of the decode-latency measurement")
     p.add_argument("--latency-new-tokens", type=int, default=16, help="decode steps timed (0: skip latency)")
     p.add_argument("--baseline", help="checkpoint of a non-recurrent baseline, evaluated at k=1")
     p.add_argument("--route-replay", action="store_true", help="force MoE route replay on at inference")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument("--out", type=Path, help="write the results JSON here and the table beside it (.md)")
     args = p.parse_args(argv)

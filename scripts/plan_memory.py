@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from elr.cli import HelpFormatter
 from elr.config import load_config
 from elr.errors import ConfigError
 from elr.tools.memory_plan import plan_memory
@@ -24,10 +25,10 @@ from elr.train.data import job_tokenizer_path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--ngpu", type=int, default=8)
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument("--config", required=True, help="TOML job config to plan")
+    parser.add_argument("--ngpu", type=int, default=8, help="GPUs the job runs on")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, GiB")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the config tokenizer's")
     args, overrides = parser.parse_known_args(argv)
     try:

@@ -15,6 +15,8 @@ import math
 import sys
 from pathlib import Path
 
+from elr.cli import HelpFormatter
+
 
 def score_metrics(rows: dict) -> list[str]:
     return [m for m in rows if not m.startswith("latency/")]
@@ -73,7 +75,7 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("results", type=Path, help="JSON written by scripts/evaluate.py --out")
     p.add_argument("--out-dir", type=Path, help="folder for the PNGs (default: beside the JSON)")
     args = p.parse_args(argv)

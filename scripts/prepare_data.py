@@ -45,6 +45,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from elr.cli import HelpFormatter
 from elr.tokenizer import Tokenizer, build_tokenizer, file_sha256
 
 SPLITS = ("train", "val")
@@ -270,7 +271,7 @@ def prepare(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories")
     parser.add_argument("--tokenizer", required=True, help="ranks file or tiktoken encoding name")
     parser.add_argument("--out", required=True, help="output directory")
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         help="document: whole documents go to val by a hash of their text (large corpora); "
         "tail: the last val fraction of every document's tokens goes to val (small corpora)",
     )
-    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="share of documents (document split) or of each document's tokens (tail split) for val")
     parser.add_argument("--text-field", default="text", help="JSON field of .jsonl documents")
     args = parser.parse_args(argv)
 

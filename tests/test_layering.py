@@ -14,11 +14,12 @@ from trainer_utils import ROOT
 
 LAYERS = {
     "kernels": 0,
-    "elr.errors": 1, "elr.config": 1, "elr.config_keys": 1, "elr.tasks": 1, "elr.tokenizer": 1,
+    "elr.errors": 1, "elr.config": 1, "elr.config_keys": 1, "elr.config_help": 1, "elr.tasks": 1, "elr.tokenizer": 1,
+    "elr.progress": 1,
     "elr.models": 2,
     "elr.parallel": 3, "elr.checkpoint": 3,
     "elr.train": 4, "elr.infer": 4,
-    "elr.tools": 5, "scripts": 5, "train": 5,
+    "elr.tools": 5, "elr.cli": 5, "scripts": 5, "train": 5,
 }
 NEIGHBOURS = [("elr.parallel", "elr.checkpoint"), ("elr.train", "elr.infer")]  # neither imports the other
 NEVER = {"elr.models": ("torch.distributed",)}
