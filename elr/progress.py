@@ -52,6 +52,10 @@ class Progress:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the line (a terminal) or print the final count (a file), once."""
         if self.tty:
             self.stream.write("\n")
         elif not self.total or self._printed < 10:

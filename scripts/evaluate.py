@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from elr.cli import HelpFormatter
+from elr.progress import Progress
 from elr.errors import UserError
 from elr.infer.cache import MODES
 from elr.infer.evaluate import load_task, measure_latency, read_tokens, score_multiple_choice, task_accuracy, validation_loss
@@ -63,6 +64,7 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
     tokens = read_tokens(val_path) if args.val_batches else None
     tasks = {Path(path).stem: load_task(path)[:args.limit or None] for path in args.tasks}
     prompt = ([tokenizer.eot_id] + tokenizer.encode(LATENCY_TEXT * 64))[:args.latency_prompt_tokens]
+    progress = Progress("evaluate", len(loops), "loop counts")  # one-line counter with ETA, on stderr
     for k in loops:
         if tokens is not None:
             rows.setdefault("val_loss", {})[k] = validation_loss(
@@ -75,6 +77,8 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
             for name, seconds in measure_latency(model, prompt, k, args.kv, args.latency_new_tokens).items():
                 rows.setdefault(f"latency/{name}", {})[k] = seconds
         print(f"k={k}: " + ", ".join(f"{m} {v[k]:.4g}" for m, v in rows.items()), file=sys.stderr)
+        progress.update()
+    progress.close()
     return cfg, rows
 
 

@@ -64,3 +64,16 @@ def test_progress_counts_to_the_end_in_a_tenth_of_the_lines():
     lines = out.getvalue().splitlines()
     assert len(lines) == 11 and lines[-1].startswith("prepare: 100/100 files | ")
     assert duration(3725) == "1h02m" and duration(65) == "1m05s" and duration(4) == "4s"
+
+
+def test_plot_loops_draws_a_runs_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from trainer_utils import ROOT
+
+    dump = tmp_path / "run"
+    run(dump, 2, "--validation.freq", "2")
+    spec = importlib.util.spec_from_file_location("plot_loops_script", ROOT / "scripts" / "plot_loops.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main([str(dump / "metrics.jsonl"), "--out-dir", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "metrics_over_steps.png").stat().st_size > 1000
