@@ -33,7 +33,7 @@ class Job:
 class Model:
     """[model]: what each key means (the README table and --help are made from these lines).
 
-    flavor: a flavor of elr/models/args.py (the table in [Models](#models))
+    flavor: a flavor of elr/models/args.py (README, Models: `debug`, `gpt_0p5b`, `gdp_hybrid_4b`, ...)
     gdp_impl: the Gated DeltaProduct op's implementation: `auto` (`triton` on CUDA, `chunk` elsewhere), `triton`,
         `chunk` or `naive` (the oracle); decoding one token at a time takes the one-token step of the same choice
         (`chunk` and `naive`: the token loop)
