@@ -182,3 +182,28 @@ def test_loop_statistics_cover_every_loop_of_the_window(tmp_path):
         assert recs[4][f"loop{i}/update_norm"] == pytest.approx(sum(values) / len(values), rel=1e-5)
     assert not any(re.match(r"loop\d+/", k) for k in recs[3])  # only on console-line steps
     assert sorted(losses(dump)) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow  # a real kill -9 of a training process, then its resume: about a minute on 2 cores
+def test_kill_9_then_resume_logs_each_step_once(tmp_path):
+    import os
+    import signal
+    import time
+
+    dump = tmp_path / "run"
+    command = [sys.executable, "train.py", *overrides(dump, 100000, *CKPT, "--checkpoint.interval", "3")]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # past a checkpoint, and some steps beyond it
+        steps = losses(dump) if (dump / "metrics.jsonl").exists() else {}
+        if (dump / "checkpoint" / "step-3").is_dir() and max(steps, default=0) >= 5:
+            break
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = max(int(p.name[5:]) for p in (dump / "checkpoint").glob("step-*") if p.name[5:].isdigit())
+    logged = max(losses(dump))
+    (dump / "train.lock").unlink(missing_ok=True)  # its pid is gone: a resume would take it over anyway
+    run(dump, logged + 2, *CKPT, "--checkpoint.interval", "3")
+    steps = [r["step"] for r in records(dump)]
+    assert steps == list(range(1, logged + 3)), (saved, logged, steps)

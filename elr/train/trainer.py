@@ -102,6 +102,7 @@ class Trainer:
         )
         # The resume's changes, checked before anything is written: a frozen key stops the job here.
         self.resume_history, self.resume_changes = [], {}
+        self.checkpointer.config = run_config(cfg, self.resume_history)
         self.planned_step = None
         if cfg.checkpoint.enable:
             self.planned_step = self.checkpointer.latest_step() if cfg.checkpoint.load_step == -1 else cfg.checkpoint.load_step
