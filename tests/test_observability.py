@@ -50,6 +50,15 @@ def test_wandb_logs_offline(tmp_path, monkeypatch):
     assert list((dump / "wandb").glob("offline-run-*"))
 
 
+def test_wandb_without_the_package_is_one_config_error():
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    from elr.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^metrics.enable_wandb: needs wandb"):
+        load_config(None, ["--metrics.enable_wandb"])
+
+
 def test_a_too_small_validation_split_names_validation_steps(tmp_path):
     with pytest.raises(DataError, match="validation.steps"):
         Trainer(load_config(DEBUG_TOML, overrides(tmp_path / "run", 1, "--validation.freq", "1",

@@ -110,12 +110,7 @@ class MetricsLogger:
 def _wandb_run(dump_folder: Path, config: dict | None):
     """A Weights & Biases run in dump_folder/wandb, resumed under one id per folder; offline unless
     WANDB_MODE says otherwise (a cluster node rarely reaches the service; `wandb sync` uploads later)."""
-    try:
-        import wandb
-    except ImportError:
-        from elr.errors import ConfigError
-
-        raise ConfigError('metrics.enable_wandb: needs wandb (pip install -e ".[wandb]")') from None
+    import wandb  # present: the config check (elr/config.py) looked for it
     run_id = hashlib.sha1(str(dump_folder.resolve()).encode()).hexdigest()[:12]
     id_file = dump_folder / "wandb_id"
     if id_file.is_file():
