@@ -3,6 +3,9 @@
     python train.py                                            # the debug config (CPU, about a minute)
     python train.py --config train_configs/debug.toml --training.steps 50
     torchrun --nproc_per_node 8 train.py --config train_configs/koi4b.toml
+
+Installed, the same command is `elr-train`. A run resumes from its newest checkpoint when started
+again (README, Checkpoints); one already at its last step exits 0 and changes nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ DEFAULT_CONFIG = Path(__file__).parent / "train_configs" / "debug.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML job config (default: %(default)s)")
+    from elr.config_help import help_text
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=help_text(), allow_abbrev=False)
+    parser.add_argument("--config", "--job.config_file", "--job.config-file", dest="config", default=str(DEFAULT_CONFIG),
+                        help="TOML job config; --job.config_file is torchtitan's name for it (default: %(default)s)")
     args, overrides = parser.parse_known_args(argv)
 
     rank = int(os.environ.get("RANK", 0))
@@ -29,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from elr.config import load_config
     from elr.errors import UserError
+    from elr.train.resume import finished_step
     from elr.train.trainer import NonFiniteLossError, Trainer
 
     # A user's mistake (bad config, missing or mismatched files, unusable checkpoint) is one line and
@@ -36,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     user_errors = (UserError, FileNotFoundError)
     try:
         cfg = load_config(args.config, overrides)
+        if (done := finished_step(cfg)) is not None:  # before the lock or any file is opened for writing
+            logging.info(f"run already finished at step {done} (training.steps = {cfg.training.steps}); nothing to do")
+            return 0
         trainer = Trainer(cfg)
     except user_errors as e:
         logging.error(f"error: {e}")

@@ -7,171 +7,354 @@ typo or an impossible setting costs one line of error instead of a crashed job a
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli
 
-from elr.config_keys import apply_tables, parse_overrides, set_key
+from elr.config_keys import apply_tables, key_type, parse_overrides, set_key
 from elr.errors import ConfigError
 from elr.tasks import TASKS
 
 
 @dataclass
 class Job:
+    """[job]: what each key means (the README table and --help are made from these lines).
+
+    description: free text, saved with the run
+    dump_folder: metrics.jsonl, TensorBoard (`tb/`), checkpoints and config.json go here
+    """
+
     description: str = ""
-    dump_folder: str = "outputs/debug"  # metrics, TensorBoard, checkpoints and the resolved config go here
+    dump_folder: str = "outputs/debug"
 
 
 @dataclass
 class Model:
-    flavor: str = "debug"  # a key of elr.models.args.flavors (checked in elr/models/from_config.py)
-    # the GDP op's implementation, one of kernels.gated_delta_product.IMPL_CHOICES: auto (triton on CUDA,
-    # chunk elsewhere) | triton | chunk | naive (the oracle); decoding takes the one-token step
+    """[model]: what each key means (the README table and --help are made from these lines).
+
+    flavor: a flavor of elr/models/args.py (README, Models: `debug`, `gpt_0p5b`, `gdp_hybrid_4b`, ...)
+    gdp_impl: the Gated DeltaProduct op's implementation: `auto` (`triton` on CUDA, `chunk` elsewhere), `triton`,
+        `chunk` or `naive` (the oracle); decoding one token at a time takes the one-token step of the same choice
+        (`chunk` and `naive`: the token loop)
+    """
+
+    flavor: str = "debug"
     gdp_impl: str = "auto"
 
 
 @dataclass
 class ELR:
-    enabled: bool = True  # false: the non-recurrent baseline (every layer once, no ELR parameters)
-    max_loops: int = 3  # K: loop counts are drawn from 1..K; validation runs every k in 1..K
-    partition: list[int] = field(default_factory=list)  # [L_in, L_rec, L_out]; empty: the flavor's
-    # the option strings of these two live in elr/models/recurrence.py, next to their code
-    recurrent_input: str = "state"  # state | state_plus_input (re-injection from loop 2 on)
-    update: str = "adaptive_delta"  # adaptive_delta | replace | residual (s_i = s_{i-1} + r_i)
-    # the learned step of adaptive_delta (elr/models/recurrence.py, AdaptiveStep)
-    step_input: str = "state"  # what the step sees: state (s~) | delta (r - s) | channel (nothing: per channel)
-    step_lr_scale: float = 1.0  # the step's parameters train at optimizer.lr x this
-    step_weight_decay: float = 0.0  # weight decay of the step's parameters (pulls the step towards 1)
-    conditioning: bool = True  # loop-index/budget embeddings + zero-initialised FiLM heads
-    conditioning_budget: bool = True  # E_budget[k] in the conditioning; false: the loop index alone
-    conditioning_gate: bool = True  # the FiLM gate (1 + gate) on each sublayer's output; false: scale, shift only
-    conditioning_first_loop: bool = True  # false: loop 1 unconditioned (k=1 is exactly the shared block)
-    conditioning_later_loops: bool = True  # false: loops 2..k unconditioned (conditioning cannot switch them off)
-    conditioning_silu: bool = False  # a SiLU on c = E_loop[i] + E_budget[k] before the FiLM heads (DiT's adaLN)
-    loss_every_loop: bool = False  # loss at the exit of every loop 1..k of a slot (their mean); needs
-    # no budget embedding (conditioning_budget = false or conditioning = false): one forward at k is then
-    # the model at every budget up to k
-    sampling: str = "independent"  # independent (each slot draws k) | synchronized (one k per update)
-    one_loop_override: float = 0.0  # fraction f of data-parallel ranks that run k=1 on every microbatch (rotating;
-    # whole expert groups under expert parallelism, microbatch slots when one group spans every rank)
-    loop_weights: list[float] = field(default_factory=list)  # weights over k=1..K; empty: uniform
-    switch_at: float = 0.0  # fraction of training.steps run at k=1 before mixed depth starts
+    """[elr]: what each key means (the README table and --help are made from these lines).
+
+    enabled: false: the non-recurrent baseline (every layer once, no ELR parameters; needs `max_loops = 1` and
+        `conditioning = false`; `update` and `recurrent_input` do not apply)
+    max_loops: K: loop counts are drawn from 1..K; validation runs every k in 1..K
+    partition: `[L_in, L_rec, L_out]`, must add up to the flavor's layer count; empty: the flavor's
+    recurrent_input: `state` or `state_plus_input` (re-injection of h_in from loop 2 on, the Table 14 ablation; k =
+        1 stays the plain stack)
+    update: `adaptive_delta` (learned step), `replace` (s_i = r_i) or `residual` (s_i = s_{i-1} + r_i; k = 1 is not
+        the plain stack)
+    step_input: what `adaptive_delta`'s step a = 2σ(W norm(x) + b) sees: `state` (x = s~_i), `delta` (x = r_i −
+        s_{i-1}) or `channel` (no input: one step per channel, a = 2σ(b))
+    step_lr_scale: the step's parameters train at `optimizer.lr` × this (their own optimizer group)
+    step_weight_decay: weight decay of the step's parameters (pulls W towards 0, the step towards 1)
+    conditioning: loop-index/budget embeddings with zero-initialised FiLM heads
+    conditioning_budget: the budget embedding E_budget[k] in the conditioning; false: the loop index alone, so the
+        first i loops of every budget are the same computation
+    conditioning_gate: FiLM's gate term (1 + gate) on each recurrent sublayer's output; false: scale and shift only
+    conditioning_first_loop: false: loop 1 unconditioned, so k=1 is exactly the shared block
+    conditioning_later_loops: false: loops 2..k unconditioned (only loop 1 has FiLM), so conditioning cannot scale
+        the later loops down; not both this and `conditioning_first_loop` false
+    conditioning_silu: a SiLU on c = E_loop[i] + E_budget[k] before the FiLM heads (as DiT's adaLN), so a head is
+        not additive in i and k
+    loss_every_loop: the loss at the exit of every loop 1..k of a slot (their mean), not k's alone; needs
+        `conditioning_budget = false` or no conditioning
+    sampling: `independent` (each slot draws k) or `synchronized` (one k per update)
+    one_loop_override: fraction f in [0, 1] of data-parallel ranks that run k=1 on every microbatch (rotating over
+        ranks; over whole expert groups under expert parallelism; over microbatch slots when one group spans every
+        rank, or in one process)
+    loop_weights: K non-negative weights over k = 1..K; empty: uniform
+    switch_at: fraction of `training.steps` trained at k=1 before mixed depth; needs checkpoints
+    """
+
+    enabled: bool = True
+    max_loops: int = 3
+    partition: list[int] = field(default_factory=list)
+    recurrent_input: str = "state"
+    update: str = "adaptive_delta"
+    step_input: str = "state"
+    step_lr_scale: float = 1.0
+    step_weight_decay: float = 0.0
+    conditioning: bool = True
+    conditioning_budget: bool = True
+    conditioning_gate: bool = True
+    conditioning_first_loop: bool = True
+    conditioning_later_loops: bool = True
+    conditioning_silu: bool = False
+    loss_every_loop: bool = False
+    sampling: str = "independent"
+    one_loop_override: float = 0.0
+    loop_weights: list[float] = field(default_factory=list)
+    switch_at: float = 0.0
 
 
 @dataclass
 class MoE:
-    route_replay: bool = False  # recurrent MoE layers reuse loop-1 routes on later loops
-    bias_update_rate: float = 1e-3  # aux-loss-free balancing: expert bias step per optimizer update
-    aux_loss_coeff: float = 0.0  # sequence-level balance loss weight, per routing call; 0 disables
+    """[moe]: what each key means (the README table and --help are made from these lines).
+
+    route_replay: recurrent MoE layers reuse loop-1 routes on later loops
+    bias_update_rate: aux-loss-free balancing: expert-bias step per optimizer update
+    aux_loss_coeff: weight of the sequence-level balance loss (DeepSeek-V3 form, our choice), summed over routing
+        calls; under route replay loop 1 only; 0 disables
+    """
+
+    route_replay: bool = False
+    bias_update_rate: float = 1e-3
+    aux_loss_coeff: float = 0.0
 
 
 @dataclass
 class Training:
+    """[training]: what each key means (the README table and --help are made from these lines).
+
+    steps: optimizer updates
+    seq_len: tokens per sequence
+    local_batch_size: sequences per microbatch (one slot)
+    global_batch_size: sequences per update; a multiple of local × data-parallel ranks (the rest is gradient
+        accumulation); -1: local × ranks
+    max_norm: gradient-norm clipping; 0 disables
+    seed: initialisation, data order and loop draws
+    mixed_precision_param: `float32` or `bfloat16`: parameter dtype in compute under FSDP (gradients reduce in fp32)
+    max_nonfinite_steps: consecutive NaN/Inf updates skipped before the run stops
+    loss_chunk_tokens: > 0: cross entropy from the final hidden states this many tokens at a time, each chunk's
+        logits recomputed in backward (`elr/train/loss.py`), so only one chunk's logits are ever alive (under TP,
+        vocab-parallel: each rank's [chunk, vocab / tp] share); 0: the whole microbatch's logits at once
+    """
+
     steps: int = 100
     seq_len: int = 256
-    local_batch_size: int = 8  # sequences per microbatch (one slot)
-    global_batch_size: int = -1  # sequences per optimizer update; -1: local_batch_size x data-parallel ranks
-    max_norm: float = 1.0  # gradient clipping; 0 disables
+    local_batch_size: int = 8
+    global_batch_size: int = -1
+    max_norm: float = 1.0
     seed: int = 0
-    mixed_precision_param: str = "float32"  # float32 | bfloat16 (parameters as seen by compute under FSDP)
-    max_nonfinite_steps: int = 3  # consecutive NaN/Inf updates skipped before the run aborts
-    loss_chunk_tokens: int = 0  # > 0: cross entropy from the hidden states this many tokens at a time; 0 = off
+    mixed_precision_param: str = "float32"
+    max_nonfinite_steps: int = 3
+    loss_chunk_tokens: int = 0
 
 
 @dataclass
 class Optimizer:
-    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest)
+    """[optimizer]: what each key means (the README table and --help are made from these lines).
+
+    name: `adamw`, or `muon`: Muon for hidden matrices (each expert its own), AdamW for embeddings, head, norms,
+        biases, gates (router, GDP decay/beta) and ELR heads
+    lr: peak learning rate (Muon's is scaled per matrix by 0.2·sqrt(max(out, in)) to match AdamW's update RMS)
+    betas: AdamW's (beta1, beta2); on the command line a comma-separated list, `--optimizer.betas 0.9,0.95`
+    eps: AdamW's epsilon
+    weight_decay: on matrices only: not on norms, biases, embeddings, ELR step size or conditioning
+    muon_momentum: `muon`: Nesterov momentum of the Muon matrices
+    """
+
+    name: str = "adamw"
     lr: float = 3e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
-    muon_momentum: float = 0.95  # muon: momentum of the Muon matrices (Nesterov)
+    muon_momentum: float = 0.95
 
 
 @dataclass
 class LRScheduler:
+    """[lr_scheduler]: what each key means (the README table and --help are made from these lines).
+
+    warmup_steps: linear warmup
+    decay_type: `cosine` (to the minimum at the last step) or `wsd` (constant, then linear cool-down)
+    decay_fraction: wsd: fraction of the steps in the final decay
+    min_lr_ratio: final lr / peak lr
+    """
+
     warmup_steps: int = 10
-    decay_type: str = "cosine"  # cosine | wsd (warmup-stable-decay, linear cool-down)
-    decay_fraction: float = 0.2  # wsd: fraction of training.steps spent in the final decay
-    min_lr_ratio: float = 0.01  # final lr as a fraction of optimizer.lr
+    decay_type: str = "cosine"
+    decay_fraction: float = 0.2
+    min_lr_ratio: float = 0.01
 
 
 @dataclass
 class Data:
-    path: str = "data/tinyprose"  # folder with train.bin, val.bin and meta.json (scripts/prepare_data.py); a
-    # chat folder (--format chat, elr/chat_data.py) serves one conversation per row, assistant tokens scored
+    """[data]: what each key means (the README table and --help are made from these lines).
+
+    path: folder with train.bin, val.bin, meta.json from scripts/prepare_data.py; a chat folder (`--format chat`,
+        elr/chat_data.py) serves one conversation per row, its assistant tokens scored
+    shuffle: permute windows each epoch (O(1)-memory bijection seeded by seed and epoch)
+    task: a depth-bound task generated on the fly instead of token files: `pointer_chase` or `var_chain` (its own
+        vocabulary, loss on the answer only, validation accuracy per difficulty at every k; data parallelism only)
+    task_items: pairs (pointer_chase) or statements (var_chain) in each example's context
+    task_max_difficulty: hops (pointer_chase) or binding depth (var_chain) drawn from 1..this
+    task_curriculum_steps: updates over which the hardest difficulty drawn grows from 1 to the maximum in equal
+        stages; 0: all from the start
+    """
+
+    path: str = "data/tinyprose"
     shuffle: bool = True
-    # A depth-bound task generated on the fly instead of token files (elr/tasks.py): its own tiny
-    # vocabulary, loss on the answer only, validation accuracy per difficulty at every k.
-    task: str = ""  # "" (token files) | pointer_chase | var_chain
-    task_items: int = 8  # pairs in the context (pointer_chase) or statements (var_chain)
-    task_max_difficulty: int = 6  # hops (pointer_chase) or binding depth (var_chain): 1..this
-    task_curriculum_steps: int = 0  # updates over which the hardest difficulty drawn grows to the max; 0: off
+    task: str = ""
+    task_items: int = 8
+    task_max_difficulty: int = 6
+    task_curriculum_steps: int = 0
 
 
 @dataclass
 class Tokenizer:
-    path: str = "data/tokenizer/elr8k.tiktoken"  # a tiktoken ranks file, or a tiktoken encoding name
-    sha256: str = ""  # the ranks file's SHA-256, checked when set; the trainer records it in config.json
+    """[tokenizer]: what each key means (the README table and --help are made from these lines).
+
+    path: a tiktoken ranks file, or a tiktoken encoding name (`o200k_base`, ...); empty: the tokenizer recorded in
+        `data.path`'s meta.json (looked up beside the data, then under the repository's `data/tokenizer/`)
+    sha256: the ranks file's SHA-256 (64 hex digits), checked when set; empty: the trainer records the file's hash
+        here in config.json (and in every checkpoint's), so inference refuses another tokenizer
+    """
+
+    path: str = ""
+    sha256: str = ""
 
 
 @dataclass
 class Checkpoint:
+    """[checkpoint]: what each key means (the README table and --help are made from these lines).
+
+    enable: periodic saves and resume from the newest checkpoint
+    folder: relative to `job.dump_folder`
+    interval: steps between saves; the last step always saves
+    keep_latest_k: committed checkpoints kept, counted up to the one just saved (never a newer one); 0 keeps all
+    load_step: resume from this step (a rollback: newer checkpoints are moved aside as `step-M.abandoned-<time>`);
+        -1: the newest usable one, if any
+    async_save: write in the background (DCP async save) while training continues
+    export_dtype: `none`, `float32` or `bfloat16`: at the end also write model weights only
+    export_format: `dcp` (`step-N-model/`, this package's loaders) or `hf` (`step-N-hf/`: safetensors, config.json,
+        tokenizer.json and remote code for transformers; needs `export_dtype`)
+    create_seed: save the initial weights as step 0 and exit (one process)
+    initial_load_path: start from another run's weights: a `step-N` folder, a checkpoint folder (its newest
+        step) or a Hugging Face export (scripts/export_hf.py); model only, optimizer, schedule and data position fresh; ignored once this run has checkpoints of its
+        own
+    """
+
     enable: bool = False
-    folder: str = "checkpoint"  # relative to job.dump_folder
-    interval: int = 500  # steps between saves; the last step always saves
-    keep_latest_k: int = 3  # 0 keeps every checkpoint
-    load_step: int = -1  # -1: resume from the newest complete checkpoint, if any
+    folder: str = "checkpoint"
+    interval: int = 500
+    keep_latest_k: int = 3
+    load_step: int = -1
     async_save: bool = False
-    export_dtype: str = "none"  # none | float32 | bfloat16: also write model-only weights at the end
-    export_format: str = "dcp"  # dcp (step-N-model/, this package only) | hf (step-N-hf/: safetensors, transformers)
-    create_seed: bool = False  # save the initial weights as step 0 and exit (one process): every
-    # world size then starts from the same weights, which sharded initialisation does not give
-    initial_load_path: str = ""  # start a new run from another run's weights: a step-N folder, a
-    # checkpoint folder (its newest step) or a Hugging Face export (scripts/export_hf.py); model only: optimizer, schedule and data position start fresh.
-    # Used only when this run has no checkpoint of its own to resume (empty: off)
+    export_dtype: str = "none"
+    export_format: str = "dcp"
+    create_seed: bool = False
+    initial_load_path: str = ""
 
 
 @dataclass
 class Metrics:
+    """[metrics]: what each key means (the README table and --help are made from these lines).
+
+    log_freq: steps between console lines; the line's loss per k, mean k, gnorm, tok/s and MFU, and the per-loop
+        statistics in metrics.jsonl, are over every step since the previous line
+    enable_tensorboard: write TensorBoard scalars under `dump_folder/tb`
+    peak_tflops: per-device peak for MFU (H100/H200 dense bf16)
+    enable_wandb: also log the scalars to Weights & Biases (`pip install -e ".[wandb]"`), into `dump_folder/wandb`,
+        offline unless `WANDB_MODE` says otherwise; one run per dump folder, resumed with it
+    """
+
     log_freq: int = 10
     enable_tensorboard: bool = True
-    peak_tflops: float = 989.0  # per device, for MFU (H100/H200 dense bf16)
+    peak_tflops: float = 989.0
+    enable_wandb: bool = False
 
 
 @dataclass
 class Validation:
-    freq: int = 50  # steps between evaluations (and at the last step); 0 disables
-    steps: int = 4  # microbatches per evaluation, at each k
+    """[validation]: what each key means (the README table and --help are made from these lines).
+
+    freq: steps between evaluations (also at step 0 and the last step); 0 disables
+    steps: microbatches per evaluation, each run at every k
+    """
+
+    freq: int = 50
+    steps: int = 4
 
 
 @dataclass
 class Parallelism:
-    data_parallel_shard_degree: int = -1  # FSDP; -1: every rank not used by other dimensions
-    data_parallel_replicate_degree: int = 1  # HSDP replicas
-    expert_parallel_degree: int = 1  # ranks per expert group (each owns E / ep whole experts); 1: off
-    # Inside each data-parallel replica: ranks that split one sequence (context parallel) and ranks
-    # that split every layer's heads / hidden dims (tensor + sequence parallel); 1 = off. Mesh order:
-    # dp_replicate x dp_shard x cp x tp, so a TP group is neighbouring ranks (one node).
+    """[parallelism]: what each key means (the README table and --help are made from these lines).
+
+    data_parallel_shard_degree: FSDP2 shards; -1: every rank not used by replication
+    data_parallel_replicate_degree: HSDP replicas
+    expert_parallel_degree: ranks per expert group, each owning E / ep whole experts of every MoE layer (MoE
+        flavors; divides dp_shard and the expert count); 1: off
+    context_parallel_degree: ranks that split each sequence into contiguous slices (cp × tp must divide
+        `training.seq_len`); 1 = off
+    tensor_parallel_degree: ranks that split every layer's heads / hidden dims, with the sequence split between
+        layers (TP + SP); must divide the world size, the heads and `training.seq_len`
+    """
+
+    data_parallel_shard_degree: int = -1
+    data_parallel_replicate_degree: int = 1
+    expert_parallel_degree: int = 1
     context_parallel_degree: int = 1
     tensor_parallel_degree: int = 1
 
 
 @dataclass
 class Compile:
-    enable: bool = False  # torch.compile each layer once; recurrent layers reuse it on every loop
+    """[compile]: what each key means (the README table and --help are made from these lines).
+
+    enable: torch.compile each layer once; recurrent layers reuse their compiled code on every loop
+    """
+
+    enable: bool = False
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"  # none | selective | full (recompute each layer call in backward)
-    selective_ac_option: str = "op"  # selective: "op" (keep matmul/attention outputs) or N (every N-th layer)
+    """[activation_checkpoint]: what each key means (the README table and --help are made from these lines).
+
+    mode: `none`, `selective` or `full` (recompute each layer call in backward, keep its input); every call of a
+        recurrent layer is its own checkpoint
+    selective_ac_option: selective: `op` (keep matmul and attention outputs, recompute the rest) or an integer N
+        (fully checkpoint every N-th layer)
+    """
+
+    mode: str = "none"
+    selective_ac_option: str = "op"
 
 
 @dataclass
 class Float8:
-    enable: bool = False  # torchao float8 training for the large linear layers
+    """[float8]: what each key means (the README table and --help are made from these lines).
+
+    enable: torchao float8 training for linear layers with dims divisible by 16 (not the head, router or ELR heads);
+        emulated on CPU
+    """
+
+    enable: bool = False
+
+
+@dataclass
+class Profiling:
+    """torch.profiler traces and CUDA memory snapshots (elr/train/profiling.py), as torchtitan's.
+
+    enable_profiling: a torch.profiler trace (CPU, and CUDA kernels on a GPU) of one step every `profile_freq`
+        steps, into `dump_folder/save_traces_folder/iteration_<step>/rank<r>_trace.json` (Perfetto, chrome://tracing)
+    profile_freq: steps between traces and between memory snapshots (>= 2: warm-up steps precede each trace)
+    save_traces_folder: relative to `job.dump_folder`
+    enable_memory_snapshot: CUDA only (a warning elsewhere): record the allocator's history and dump a snapshot
+        every `profile_freq` steps to `save_memory_snapshot_folder/iteration_<step>/rank<r>_memory_snapshot.pickle`
+        (https://pytorch.org/memory_viz)
+    save_memory_snapshot_folder: relative to `job.dump_folder`
+    """
+
+    enable_profiling: bool = False
+    profile_freq: int = 10
+    save_traces_folder: str = "profile_traces"
+    enable_memory_snapshot: bool = False
+    save_memory_snapshot_folder: str = "memory_snapshot"
 
 
 @dataclass
@@ -192,6 +375,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -222,16 +406,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomli.TOMLDecodeError as e:
             raise ConfigError(f"--config: {path} is not valid TOML ({e})") from None
         apply_tables(cfg, raw)
-    for key, value in parse_overrides(overrides or []):
+    for key, value in parse_overrides(overrides or [], is_flag=lambda key: key_type(cfg, key) is bool):
         set_key(cfg, key, value)
+    resolve_bundled_paths(cfg)
     validate(cfg)
     return cfg
 
 
+REPOSITORY = Path(__file__).resolve().parents[1]
+BUNDLED_PATHS = ("data.path", "tokenizer.path")  # the shipped configs name files under data/
+
+
+def resolve_bundled_paths(cfg: JobConfig, cwd: Path | None = None) -> None:
+    """A relative data or tokenizer path that does not exist from the working directory but does
+    under the repository (the bundled data/) is made absolute there, so `python /path/to/train.py`
+    works from any directory. What exists from the working directory wins; config.json records the
+    path that was used."""
+    cwd = cwd or Path.cwd()
+    for key in BUNDLED_PATHS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and not Path(value).is_absolute() and not (cwd / value).exists() and (REPOSITORY / value).exists():
+            setattr(getattr(cfg, section), name, str(REPOSITORY / value))
+
+
 def config_from_dict(raw: dict) -> JobConfig:
-    """A JobConfig from `JobConfig.to_dict()` output, e.g. a run's config.json; validated."""
+    """A JobConfig from `JobConfig.to_dict()` output, e.g. a run's config.json; validated. The run's
+    list of resume changes ("resumes", elr/train/resume.py) is history, not config: skipped."""
     cfg = JobConfig()
-    apply_tables(cfg, raw)
+    apply_tables(cfg, {k: v for k, v in raw.items() if k != "resumes"})
     validate(cfg)
     return cfg
 
@@ -343,7 +546,13 @@ def validate(cfg: JobConfig) -> None:
                "parallelism.context_parallel_degree and tensor_parallel_degree to 1", d.task)
 
     _check(cfg.metrics.log_freq >= 1, "metrics.log_freq", "must be >= 1", cfg.metrics.log_freq)
+    _check(cfg.profiling.profile_freq >= 2, "profiling.profile_freq", "must be >= 2 (warm-up steps precede a trace)",
+           cfg.profiling.profile_freq)
+    for key in ("save_traces_folder", "save_memory_snapshot_folder"):
+        _check(getattr(cfg.profiling, key) != "", f"profiling.{key}", "must name a folder", "")
     _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops", "must be > 0", cfg.metrics.peak_tflops)
+    _check(not cfg.metrics.enable_wandb or importlib.util.find_spec("wandb") is not None, "metrics.enable_wandb",
+           'needs wandb, an optional extra (pip install -e ".[wandb]")', cfg.metrics.enable_wandb)
     _check(cfg.validation.freq >= 0, "validation.freq", "must be >= 0", cfg.validation.freq)
     _check(cfg.validation.steps >= 1, "validation.steps", "must be >= 1", cfg.validation.steps)
 

@@ -1,7 +1,9 @@
 """Typed keys: TOML tables and `--section.key value` overrides set onto a config of dataclass sections.
 
-Each value is checked against its field's annotated type (CLI strings parsed, lists comma-separated),
-and an unknown section or key is one ConfigError naming it. elr/config.py holds the sections, their
+Each value is checked against its field's annotated type (CLI strings parsed, lists comma-separated:
+`--optimizer.betas 0.9,0.95`), and an unknown section or key is one ConfigError naming it. As in
+torchtitan, a boolean key given bare (`--checkpoint.enable`) is true, and a key may be spelled with
+dashes (`--checkpoint.keep-latest-k`). elr/config.py holds the sections, their
 defaults and the checks of their values; this is the mechanism that fills them.
 """
 
@@ -46,8 +48,18 @@ def coerce(key: str, value, typ):
     raise TypeError(f"unsupported config type {typ} for {key}")
 
 
+def key_type(cfg, key: str):
+    """The annotated type of "section.name", or None for no such key."""
+    section_name, _, name = key.replace("-", "_").partition(".")
+    section = getattr(cfg, section_name, None)
+    if section is None or not dataclasses.is_dataclass(section):
+        return None
+    return typing.get_type_hints(type(section)).get(name)
+
+
 def set_key(cfg, key: str, value) -> None:
     """cfg.<section>.<name> = value for key "section.name", checked against the field's type."""
+    key = key.replace("-", "_")
     section_name, _, name = key.partition(".")
     section = getattr(cfg, section_name, None)
     if section is None or not dataclasses.is_dataclass(section) or not name:
@@ -58,15 +70,22 @@ def set_key(cfg, key: str, value) -> None:
     setattr(section, name, coerce(key, value, hints[name]))
 
 
-def parse_overrides(overrides: list[str]) -> list[tuple[str, str]]:
-    """["--section.key", "value", "--other.key=value", ...] -> [(key, value), ...]."""
+def parse_overrides(overrides: list[str], is_flag=lambda key: False) -> list[tuple[str, str]]:
+    """["--section.key", "value", "--other.key=value", "--flag", ...] -> [(key, value), ...];
+    `is_flag(key)`: a boolean key, true when given without a value."""
     pairs, i = [], 0
     while i < len(overrides):
         arg = overrides[i]
         if not arg.startswith("--"):
             raise ConfigError(f"{arg}: expected --section.key value")
         key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
         if not eq:
+            bare = i + 1 >= len(overrides) or (overrides[i + 1].startswith("--") and not _is_number(overrides[i + 1]))
+            if bare and is_flag(key):
+                pairs.append((key, "true"))
+                i += 1
+                continue
             if i + 1 >= len(overrides):
                 raise ConfigError(f"{key}: missing value")
             value, i = overrides[i + 1], i + 1
@@ -82,3 +101,11 @@ def apply_tables(cfg, raw: dict) -> None:
             raise ConfigError(f"{section_name}: expected a [{section_name}] table")
         for name, value in section.items():
             set_key(cfg, f"{section_name}.{name}", value)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from elr.cli import HelpFormatter
+
 
 def time_call(fn, repeats, warmup=1):
     """Median wall time of fn() in seconds, after warm-up calls."""
@@ -276,11 +278,11 @@ BENCHMARKS = {"gdp": bench_gdp, "model": bench_model, "replay": bench_replay}
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=sorted(BENCHMARKS))
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--naive-repeats", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument("which", choices=sorted(BENCHMARKS), help="what to time: the GDP op or a model training step")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is reported)")
+    parser.add_argument("--naive-repeats", type=int, default=2, help="repeats of the slow naive GDP loop")
     parser.add_argument("--flavor", default="debug", help="model: the flavor to time")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences per step")
     parser.add_argument("--tiny", action="store_true",

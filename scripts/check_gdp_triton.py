@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from elr.cli import HelpFormatter
 from kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
@@ -57,9 +58,9 @@ def relative_error(a, e):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="B=1, T=37, H=2, D=16 (interpreter)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the Triton run, compared with the fp32 naive op")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"

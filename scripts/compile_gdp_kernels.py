@@ -18,6 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from elr.cli import HelpFormatter
 from kernels.gated_delta_product import triton_chunk as tc
 from kernels.gated_delta_product import triton_decode as td
 
@@ -50,11 +51,11 @@ def kernels(dtype, D, C):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype the kernels are compiled for")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension K = V")
+    parser.add_argument("--chunk", type=int, default=64, help="chunk size of the chunked kernels")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

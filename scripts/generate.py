@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from elr.cli import HelpFormatter
 from elr.errors import UserError
 from elr.infer import chat
 from elr.infer.cache import MODES
@@ -37,20 +38,20 @@ def parse_loops(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", help="step-N (DCP) or step-N-model (export) folder")
     p.add_argument("--loops", type=parse_loops, default=[1], help="k, or several as 1,2,3 (default 1)")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0: no top-k cut")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1: off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--route-replay", action="store_true",
                    help="force MoE route replay on (on anyway when the model was trained with it)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument("--memory", type=int, metavar="TOKENS",
                    help="print KV-cache and GDP-state bytes per request of TOKENS tokens and exit")

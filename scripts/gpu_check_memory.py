@@ -27,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from elr.cli import HelpFormatter
 from elr.config import load_config
 from elr.models import build_model, flavors
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -137,7 +138,7 @@ def grouped_moe_row(device: torch.device) -> tuple[list[str], bool]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few steps")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak for MFU")
     args = parser.parse_args()

@@ -15,23 +15,25 @@ import argparse
 import sys
 from pathlib import Path
 
+from elr.cli import HelpFormatter
 from elr.config import load_config
 from elr.errors import ConfigError
 from elr.tools.memory_plan import plan_memory
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import vocab_size
+from elr.train.data import job_tokenizer_path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--ngpu", type=int, default=8)
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument("--config", required=True, help="TOML job config to plan")
+    parser.add_argument("--ngpu", type=int, default=8, help="GPUs the job runs on")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, GiB")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the config tokenizer's")
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
-        vocab = args.vocab_size or vocab_size(cfg.tokenizer.path)
+        vocab = args.vocab_size or vocab_size(job_tokenizer_path(cfg))
         model_args = model_args_from_config(cfg, vocab)
         plan = plan_memory(cfg, model_args, args.ngpu, args.gpu_memory_gib, Path(args.config).name)
     except ConfigError as err:

@@ -1,6 +1,12 @@
-"""Figures from evaluate.py's JSON: score against loop count k, and score against relative latency.
+"""Figures from evaluate.py's JSON (score against loop count k and against relative latency), or
+from a run's metrics.jsonl (training loss per k and per-loop update norms over steps).
 
     python scripts/plot_loops.py outputs/debug/eval.json --out-dir docs/figures
+    python scripts/plot_loops.py outputs/debug/metrics.jsonl     # -> outputs/debug/metrics_over_steps.png
+
+From metrics.jsonl: `<name>_over_steps.png`, three panels: the training loss of each k (points: the
+steps where some slot ran that k), the validation loss of each k, and each loop's update norm
+||s_i - s_{i-1}|| / ||s_{i-1}|| (the logging window's means, loop1/update_norm ...).
 
 Writes `<name>_vs_k.png` (one panel per metric, the baseline as a dashed line; like the paper's
 Figure 2) and `<name>_vs_latency.png` (each metric against decode time relative to k=1; like its
@@ -12,8 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
+
+from elr.cli import HelpFormatter
 
 
 def score_metrics(rows: dict) -> list[str]:
@@ -72,9 +81,47 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
     return written
 
 
+def plot_metrics(path: Path, out_dir: Path, name: str) -> list[Path]:
+    """Loss per k, validation loss per k and per-loop update norms against the step, from metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not any("loss/train" in r for r in records):
+        raise ValueError(f"{path} holds no training records")
+
+    def series(pattern: str) -> dict[str, tuple[list[int], list[float]]]:
+        found: dict[str, tuple[list[int], list[float]]] = {}
+        for r in records:
+            for key, value in r.items():
+                if re.fullmatch(pattern, key):
+                    steps, values = found.setdefault(key, ([], []))
+                    steps.append(r["step"])
+                    values.append(value)
+        return dict(sorted(found.items(), key=lambda kv: int(re.search(r"\d+", kv[0]).group())))
+
+    panels = [("training loss per k", series(r"loss/k\d+")), ("validation loss per k", series(r"val/loss_k\d+")),
+              ("update norm per loop", series(r"loop\d+/update_norm"))]
+    panels = [(title, lines) for title, lines in panels if lines]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.2), squeeze=False)
+    for ax, (title, lines) in zip(axes.flat, panels):
+        for key, (steps, values) in lines.items():
+            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key.split("/")[-1] if "loop" not in key
+                    else key.split("/")[0])
+        ax.set(title=title, xlabel="step")
+        ax.legend(fontsize=7)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"{name}_over_steps.png"
+    fig.tight_layout()
+    fig.savefig(target, dpi=80)
+    plt.close(fig)
+    return [target]
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", type=Path, help="JSON written by scripts/evaluate.py --out")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("results", type=Path, help="JSON written by scripts/evaluate.py --out, or a run's metrics.jsonl")
     p.add_argument("--out-dir", type=Path, help="folder for the PNGs (default: beside the JSON)")
     args = p.parse_args(argv)
     try:
@@ -83,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         print('plot_loops: error: needs matplotlib (pip install -e ".[plot]")', file=sys.stderr)
         return 2
     try:
-        written = plot(json.loads(args.results.read_text()), args.out_dir or args.results.parent, args.results.stem)
+        out_dir = args.out_dir or args.results.parent
+        if args.results.suffix == ".jsonl":
+            written = plot_metrics(args.results, out_dir, args.results.stem)
+        else:
+            written = plot(json.loads(args.results.read_text()), out_dir, args.results.stem)
     except (OSError, ValueError, KeyError) as e:
         print(f"plot_loops: error: {e}", file=sys.stderr)
         return 2

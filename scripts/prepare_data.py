@@ -10,7 +10,10 @@ Inputs are .txt files (one document per file) and .jsonl files (one document per
     meta.json            dtype, vocab size, tokenizer file and sha256, split kind, documents /
                          tokens / UTF-8 text bytes / largest token id per split, val fraction, sources
 
---split document (the default, right for large corpora): a document goes to val when a hash of
+--split auto (the default): tail for a single .txt file (one document: a document split would leave
+one of the splits empty), document otherwise.
+
+--split document (right for large corpora): a document goes to val when a hash of
 its text falls below --val-fraction. The split is the same on every run and machine whatever the
 input order, and no document straddles the two splits.
 
@@ -53,11 +56,15 @@ from typing import BinaryIO
 import numpy as np
 
 from elr.chat_data import prepare_chat
+from elr.cli import HelpFormatter
 from elr.errors import DataError
+from elr.progress import duration
 from elr.tokenizer import Tokenizer, build_tokenizer, file_sha256
 
 SPLITS = ("train", "val")
+BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "elr8k.tiktoken"
 SPLIT_KINDS = ("document", "tail")
+SPLIT_CHOICES = ("auto", *SPLIT_KINDS)
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
@@ -164,16 +171,19 @@ def prepare(
     val_fraction: float = 0.05,
     text_field: str = "text",
     chunk_docs: int = 256,
-    split: str = "document",
+    split: str = "auto",
 ) -> dict:
     """Tokenize `inputs` into `out_dir`; returns the meta.json contents."""
     if not 0.0 < val_fraction < 1.0:
         raise InputError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    if split not in SPLIT_KINDS:
-        raise InputError(f"--split must be one of {', '.join(SPLIT_KINDS)}, got {split!r}")
+    if split not in SPLIT_CHOICES:
+        raise InputError(f"--split must be one of {', '.join(SPLIT_CHOICES)}, got {split!r}")
     tokenizer: Tokenizer = build_tokenizer(tokenizer_path)
     dtype = token_dtype(tokenizer.n_vocab)
     groups = list_input_files(inputs)  # fail on a missing input before any work
+    if split == "auto":
+        files = [f for _, group in groups for f in group]
+        split = "tail" if len(files) == 1 and files[0].suffix == ".txt" else "document"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -185,6 +195,7 @@ def prepare(
         # max_token_id: checked against vocab_size whenever the data is opened (elr/train/data.py)
         counts = {s: {"documents": 0, "tokens": 0, "text_bytes": 0, "max_token_id": 0} for s in SPLITS}
         start = last_report = time.monotonic()
+        tty = sys.stderr.isatty()  # on a terminal one line redrawn in place, else a line every 5 s
         token_bytes = tokenizer.encoding.decode_single_token_bytes
         tails: list[tuple[int, np.ndarray]] = []  # --split tail: (document hash, val part)
 
@@ -217,17 +228,17 @@ def prepare(
             pending.append(text)
             if len(pending) >= chunk_docs:
                 flush(pending)
-            if time.monotonic() - last_report > 5.0:
+            if time.monotonic() - last_report > (0.5 if tty else 5.0):  # the progress counter
                 last_report = time.monotonic()
                 mb = sum(c["text_bytes"] for c in counts.values()) / 1e6
-                print(
-                    f"  {sum(c['documents'] for c in counts.values()):,} documents, "
-                    f"{sum(c['tokens'] for c in counts.values()):,} tokens, {mb:,.1f} MB "
-                    f"({mb / (last_report - start):.1f} MB/s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                line = (f"prepare_data: {sum(c['documents'] for c in counts.values()):,} documents, "
+                        f"{sum(c['tokens'] for c in counts.values()):,} tokens, {mb:,.1f} MB "
+                        f"({mb / (last_report - start):.1f} MB/s) | {duration(last_report - start)}")
+                sys.stderr.write("\r" + line + "\033[K" if tty else line + "\n")
+                sys.stderr.flush()
         flush(pending)
+        if tty and last_report > start:
+            sys.stderr.write("\n")
         # Sorted by hash alone, a tie is two identical documents with identical tails.
         for _, tokens in sorted(tails, key=lambda t: t[0]):
             tokens.tofile(tmp["val"])
@@ -238,7 +249,8 @@ def prepare(
                 total = sum(c["documents"] for c in counts.values())
                 raise InputError(
                     f"no document fell into the {part} split ({total} documents, val fraction "
-                    f"{val_fraction}); add documents or change --val-fraction"
+                    f"{val_fraction}); add documents or change --val-fraction, or use --split tail (the end "
+                    "of every document goes to val: right for a few long documents)"
                 )
             raise InputError(  # tail: train always gets a part, val may not
                 f"no document is long enough to give the val split a token with --split tail "
@@ -252,6 +264,7 @@ def prepare(
             "vocab_size": tokenizer.n_vocab,
             "eot_id": tokenizer.eot_id,
             "tokenizer": tok_file.name if tok_file.is_file() else tokenizer_path,
+            "tokenizer_path": str(tok_file.resolve()) if tok_file.is_file() else None,  # the trainer's default
             "tokenizer_sha256": file_sha256(tok_file) if tok_file.is_file() else None,
             "split": split,
             "val_fraction": val_fraction,
@@ -278,18 +291,20 @@ def prepare(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories")
-    parser.add_argument("--tokenizer", required=True, help="ranks file or tiktoken encoding name")
+    parser.add_argument("--tokenizer", default=str(BUNDLED_TOKENIZER),
+                        help="ranks file or tiktoken encoding name (default: the bundled 8k BPE, %(default)s)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
         "--split",
-        choices=SPLIT_KINDS,
-        default="document",
+        choices=SPLIT_CHOICES,
+        default="auto",
         help="document: whole documents go to val by a hash of their text (large corpora); "
-        "tail: the last val fraction of every document's tokens goes to val (small corpora)",
+        "tail: the last val fraction of every document's tokens goes to val (small corpora); "
+        "auto: tail for a single .txt file, document otherwise",
     )
-    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="share of documents (document split) or of each document's tokens (tail split) for val")
     parser.add_argument("--text-field", default="text", help="JSON field of .jsonl documents")
     parser.add_argument("--format", choices=("text", "chat"), default="text",
                         help="text: documents (above); chat: .jsonl conversations, loss on the assistant turns")

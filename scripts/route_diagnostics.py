@@ -11,12 +11,13 @@ import json
 import sys
 from pathlib import Path
 
+from elr.cli import HelpFormatter
 from elr.errors import UserError
 from elr.tools.route_diagnostics import drift_for_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("checkpoint", type=Path, help="a DCP checkpoint folder (step-N) of an MoE ELR run")
     p.add_argument("--data", type=Path, help="prepared data folder (default: the run config's)")
     p.add_argument("--batches", type=int, default=4, help="validation microbatches")

@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from elr.cli import HelpFormatter
 from elr.tools.study import depth_report, text_report
 from elr.tools.study.byte_data import bundled_prose_as_bytes
 from elr.tools.study.runs import ROOT, SUITES, Run, Suite, log, train_all
@@ -29,7 +30,7 @@ COMMITTED = {"text": ROOT / "docs/study/text", "depth": ROOT / "docs/study/depth
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--suite", choices=SUITES, default="text", help="text (the paper's ablations) or depth (tasks)")
     p.add_argument("--quick", action="store_true", help="the suite's [quick] subset, one seed, fewer updates")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 (quick) or 0 1 2")

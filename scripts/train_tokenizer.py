@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from elr.cli import HelpFormatter
 from elr.tokenizer import SPLIT_PATTERN, build_tokenizer
 from prepare_data import InputError, iter_all_documents, list_input_files
 
@@ -88,7 +89,7 @@ def train(inputs: list[str], vocab_size: int, out: Path, text_field: str = "text
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories")
     parser.add_argument("--out", required=True, help="ranks file to write (.tiktoken)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="ranks, specials excluded")

@@ -146,3 +146,50 @@ def test_train_py_lets_an_internal_error_keep_its_traceback(monkeypatch):
     monkeypatch.setattr(elr.train.trainer, "Trainer", broken_setup)
     with pytest.raises(ValueError, match="an internal bug"):
         train_script.main(["--training.steps", "1"])
+
+
+def test_torchtitan_spellings_bare_booleans_dashes_and_lists():
+    cfg = load_config(None, ["--checkpoint.enable", "--checkpoint.keep-latest-k", "5", "--lr-scheduler.warmup_steps=3",
+                             "--compile.enable", "--optimizer.betas", "0.8,0.99", "--float8.enable"])
+    assert cfg.checkpoint.enable and cfg.compile.enable and cfg.float8.enable
+    assert cfg.checkpoint.keep_latest_k == 5 and cfg.lr_scheduler.warmup_steps == 3 and cfg.optimizer.betas == [0.8, 0.99]
+    assert load_config(None, ["--checkpoint.enable", "false"]).checkpoint.enable is False
+    with pytest.raises(ConfigError, match="^training.steps: expected an integer"):
+        load_config(None, ["--training.steps", "--checkpoint.enable"])  # only a boolean may be bare
+
+
+def test_job_config_file_is_an_alias_of_config(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+    import elr.train.trainer
+
+    seen = []
+    monkeypatch.setattr(elr.train.trainer, "Trainer", lambda cfg: seen.append(cfg) or (_ for _ in ()).throw(KeyError))
+    path = write(tmp_path, "[training]\nsteps = 7\n")
+    with pytest.raises(KeyError):
+        train_script.main(["--job.config_file", str(path)])
+    assert seen[0].training.steps == 7
+
+
+def test_bundled_paths_resolve_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(ROOT / "train_configs" / "debug.toml")
+    assert Path(cfg.data.path) == ROOT / "data" / "tinyprose"
+    (tmp_path / "data" / "tinyprose").mkdir(parents=True)  # a folder of that name here wins
+    assert load_config(ROOT / "train_configs" / "debug.toml").data.path == "data/tinyprose"
+
+
+def test_the_tokenizer_defaults_to_the_one_the_data_records(tmp_path, monkeypatch):
+    from elr.train.data import job_tokenizer_path
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(ROOT / "train_configs" / "debug.toml")
+    assert cfg.tokenizer.path == ""
+    assert Path(job_tokenizer_path(cfg)) == ROOT / "data" / "tokenizer" / "elr8k.tiktoken"
+
+
+@pytest.mark.parametrize("key, value", [("profiling.profile_freq", "1"), ("profiling.save_traces_folder", "")])
+def test_profiling_keys_are_validated(key, value):
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        load_config(None, [f"--{key}", value])

@@ -424,3 +424,37 @@ def test_train_py_ends_a_malformed_meta_json_in_one_line(tmp_path, caplog):
         assert train_script.main(["--data.path", str(data), "--job.dump_folder", str(tmp_path / "run")]) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "meta.json is not readable JSON" in errors[0], errors
+
+
+def test_own_data_one_text_file_prepares_and_trains_with_the_defaults(tmp_path, monkeypatch):
+    """One .txt file: --split auto takes the tail split (a document split would leave val empty);
+    the trainer then finds the tokenizer through meta.json, no tokenizer.path needed."""
+    from elr.config import load_config
+    from elr.train.trainer import Trainer
+
+    spec = importlib.util.spec_from_file_location("prepare_data_script", REPO / "scripts" / "prepare_data.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    spec.loader.exec_module(script)
+    text = tmp_path / "book.txt"
+    text.write_text((TINYPROSE.parent.parent / "README.md").read_text() * 3)
+    out = tmp_path / "mydata"
+    monkeypatch.chdir(tmp_path)  # the bundled tokenizer is the default from any directory
+    assert script.main(["--out", str(out), str(text)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["split"] == "tail" and meta["splits"]["val"]["tokens"] > 0
+    assert Path(meta["tokenizer_path"]) == TOKENIZER
+    cfg = load_config(REPO / "train_configs" / "debug.toml", [
+        "--data.path", str(out), "--training.steps", "1", "--training.seq_len", "16", "--training.local_batch_size", "2",
+        "--training.global_batch_size", "2", "--validation.steps", "1", "--metrics.enable_tensorboard", "false",
+        "--job.dump_folder", str(tmp_path / "run")])
+    trainer = Trainer(cfg)
+    trainer.close()
+    assert Path(trainer.cfg.tokenizer.path) == TOKENIZER  # recorded in config.json
+
+
+def test_a_document_split_that_leaves_val_empty_names_split_tail(tmp_path):
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"text": "a single document"}) + "\n")
+    result = prepare("--out", str(tmp_path / "out"), str(one))
+    assert result.returncode == 1 and "--split tail" in result.stderr, result.stderr

@@ -14,15 +14,15 @@ from trainer_utils import ROOT
 
 LAYERS = {
     "kernels": 0,
-    "elr.errors": 1, "elr.config": 1, "elr.config_keys": 1, "elr.tasks": 1, "elr.tokenizer": 1,
-    "elr.chat": 1, "elr.chat_data": 1,
+    "elr.errors": 1, "elr.config": 1, "elr.config_keys": 1, "elr.config_help": 1, "elr.tasks": 1, "elr.tokenizer": 1,
+    "elr.progress": 1, "elr.chat": 1, "elr.chat_data": 1,
     "elr.models": 2,
     # interop (the Hugging Face export format) sits beside checkpoint: training writes and reads it,
     # inference reads it, and it needs only the models below
     "elr.parallel": 3, "elr.checkpoint": 3, "elr.interop": 3,
     "elr.train": 4, "elr.infer": 4,
     # the remote code an export carries wraps inference (its cache and decoder) for transformers: on top
-    "elr.tools": 5, "scripts": 5, "train": 5, "elr.interop.remote": 5,
+    "elr.tools": 5, "elr.cli": 5, "scripts": 5, "train": 5, "elr.interop.remote": 5,
 }
 NEIGHBOURS = [("elr.parallel", "elr.checkpoint"), ("elr.train", "elr.infer")]  # neither imports the other
 NEVER = {"elr.models": ("torch.distributed",)}

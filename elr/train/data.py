@@ -62,6 +62,25 @@ def read_meta(data_dir: str | Path) -> dict:
     return meta
 
 
+def job_tokenizer_path(cfg: JobConfig) -> str:
+    """tokenizer.path, or when empty the tokenizer data.path's meta.json records: its `tokenizer_path`
+    if that file exists, else its file name beside the data, in a `tokenizer/` folder next to the
+    data folder, or in the repository's data/tokenizer/; else the recorded name (a tiktoken encoding)."""
+    if cfg.tokenizer.path:
+        return cfg.tokenizer.path
+    data_dir = Path(cfg.data.path)
+    meta = read_meta(data_dir)
+    name = meta.get("tokenizer")
+    if not name:
+        raise ConfigError(f"tokenizer.path: empty, and {data_dir / 'meta.json'} records no tokenizer; set tokenizer.path")
+    repository = Path(__file__).resolve().parents[2]
+    for candidate in (meta.get("tokenizer_path"), data_dir / name, data_dir.parent / "tokenizer" / name,
+                      repository / "data" / "tokenizer" / name):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    return name
+
+
 def check_tokenizer(data_dir: Path, tokenizer: Tokenizer, cfg: JobConfig) -> None:
     """The data was tokenized by this tokenizer: same vocabulary size and, where recorded, the same
     file (a shuffled ranks file has the size but not the ids). Records the hash in the config."""
@@ -375,7 +394,9 @@ def val_batches(
         raise DataError(
             f"{path}: {num_batches} validation batches of {dp_world} x {local_batch_size} windows "
             f"need {num_batches * global_batch} windows of {seq_len + 1} tokens; the file has "
-            f"{available}. Lower the number of validation batches or add validation data."
+            f"{available}. " + (f"Lower validation.steps to {available // global_batch} or less" if available >= global_batch
+                                else "Not one batch fits: lower training.local_batch_size") +
+            " or add validation data (a larger --val-fraction in scripts/prepare_data.py)"
         )
 
     def batches() -> Iterator[Batch]:

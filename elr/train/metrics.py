@@ -1,17 +1,27 @@
-"""Where numbers go: a console line per log step, TensorBoard scalars, and metrics.jsonl.
+"""Where numbers go: a console line per log step, TensorBoard scalars, metrics.jsonl, optionally W&B.
 
 metrics.jsonl holds one JSON object per optimizer step (and per evaluation), so two runs can be
-compared line by line by any tool; TensorBoard gets the same scalars under the same names.
+compared line by line by any tool; TensorBoard gets the same scalars under the same names. A resumed
+run continues both: records past the resumed step are dropped first (elr/train/resume.py) and
+TensorBoard purges its events from there, so every step appears once.
+
+The console line and the per-loop statistics describe the logging window (every step since the
+previous line, `LogWindow`), not the one step that happens to be logged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import resource
 from pathlib import Path
 
 import torch
+
+from elr.progress import duration
+from elr.train.resume import truncate_metrics
 
 logger = logging.getLogger("elr")
 
@@ -53,20 +63,29 @@ def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak_t
 
 
 class MetricsLogger:
-    """Writes only on rank 0; every rank may call it."""
+    """Writes only on rank 0; every rank may call it. `start_step`: the step this session resumes
+    from (0: a fresh run), whose later records a killed run may have left behind."""
 
-    def __init__(self, dump_folder: Path, enable_tensorboard: bool, rank: int):
+    def __init__(self, dump_folder: Path, enable_tensorboard: bool, rank: int, start_step: int = 0,
+                 enable_wandb: bool = False, config: dict | None = None):
         self.enabled = rank == 0
         self.writer = None
         self.jsonl = None
+        self.wandb = None
         if not self.enabled:
             return
         dump_folder.mkdir(parents=True, exist_ok=True)
+        dropped = truncate_metrics(dump_folder / "metrics.jsonl", start_step)
+        if dropped:
+            logger.info(f"metrics.jsonl: dropped {dropped} record(s) past step {start_step}, which this run redoes")
         self.jsonl = open(dump_folder / "metrics.jsonl", "a", buffering=1)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(dump_folder / "tb"))
+            # one run in TensorBoard: events at or past the next step (a killed run's) are purged
+            self.writer = SummaryWriter(str(dump_folder / "tb"), purge_step=start_step + 1 if start_step else 0)
+        if enable_wandb:
+            self.wandb = _wandb_run(dump_folder, config)
 
     def log(self, step: int, scalars: dict[str, float], record: dict | None = None) -> None:
         """TensorBoard scalars, plus one jsonl line holding the scalars and any extra fields."""
@@ -75,6 +94,8 @@ class MetricsLogger:
         if self.writer is not None:
             for name, value in scalars.items():
                 self.writer.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
         self.jsonl.write(json.dumps({"step": step, **scalars, **(record or {})}) + "\n")
 
     def close(self) -> None:
@@ -82,21 +103,81 @@ class MetricsLogger:
             self.writer.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
-def console_line(step: int, total: int, s: dict[str, float], window: torch.Tensor) -> str:
-    """One readable line; losses are token-weighted means since the previous line.
+def _wandb_run(dump_folder: Path, config: dict | None):
+    """A Weights & Biases run in dump_folder/wandb, resumed under one id per folder; offline unless
+    WANDB_MODE says otherwise (a cluster node rarely reaches the service; `wandb sync` uploads later)."""
+    import wandb  # present: the config check (elr/config.py) looked for it
+    run_id = hashlib.sha1(str(dump_folder.resolve()).encode()).hexdigest()[:12]
+    id_file = dump_folder / "wandb_id"
+    if id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        id_file.write_text(run_id)
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "elr"), dir=str(dump_folder), id=run_id,
+                      resume="allow", config=config, mode=os.environ.get("WANDB_MODE", "offline"))
 
-    window: [2, K] summed loss and token count per loop count k.
-    """
-    seen = window[1] > 0
-    loss = (window[0].sum() / window[1].sum()).item()
-    per_k = " ".join(
-        f"k{k + 1} {(window[0, k] / window[1, k]).item():.4f}" for k in range(window.shape[1]) if seen[k]
-    )
+
+class LogWindow:
+    """Sums since the previous console line: loss and tokens per k, loop counts, gradient norms,
+    time, tokens, FLOPs, and every per-loop statistic of every slot of every step (kept on the
+    device; one host transfer when the line is made)."""
+
+    def __init__(self, max_loops: int):
+        self.max_loops = max_loops
+        self.reset()
+
+    def reset(self) -> None:
+        self.per_k = None  # [2, K]: summed loss, tokens per k
+        self.steps = 0
+        self.seconds = self.tokens = self.flops = self.grad_norm = self.k_sum = 0.0
+        self.k_count = 0
+        self.loops: dict[str, list] = {}  # "loop{i}/{name}" -> [tensor sum, slots in which loop i ran]
+
+    def add(self, per_k: torch.Tensor, ks: torch.Tensor, grad_norm: float, loop_stats: dict[str, list],
+            seconds: float, tokens: int, flops: float) -> None:
+        self.per_k = per_k if self.per_k is None else self.per_k + per_k
+        self.steps += 1
+        self.seconds += seconds
+        self.tokens += tokens
+        self.flops += flops
+        self.grad_norm += grad_norm
+        self.k_sum += float(ks.sum())
+        self.k_count += ks.numel()
+        for name, values in loop_stats.items():
+            total = torch.stack(values).float().sum()
+            if name in self.loops:
+                self.loops[name][0] = self.loops[name][0] + total
+                self.loops[name][1] += len(values)
+            else:
+                self.loops[name] = [total, len(values)]
+
+    def loop_means(self) -> dict[str, float]:
+        """Each per-loop statistic's mean over the slots of the window in which that loop ran."""
+        if not self.loops:
+            return {}
+        sums = torch.stack([v[0] for v in self.loops.values()]).tolist()
+        return {name: total / v[1] for (name, v), total in zip(self.loops.items(), sums)}
+
+
+def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, n_devices: int, peak_tflops: float,
+                 elapsed: float) -> str:
+    """One readable line over the logging window: loss (token-weighted) per k, mean k, gradient norm,
+    tokens/s and MFU are over every step since the previous line; lr is the logged step's, memory
+    the peak so far; eta is the window's time per step x the steps left (validation not counted)."""
+    w = window.per_k
+    seen = w[1] > 0
+    loss = (w[0].sum() / w[1].sum()).item()
+    per_k = " ".join(f"k{k + 1} {(w[0, k] / w[1, k]).item():.4f}" for k in range(w.shape[1]) if seen[k])
+    seconds = max(window.seconds, 1e-9)
+    mfu = 100 * window.flops / n_devices / seconds / (peak_tflops * 1e12)
+    eta = window.seconds / window.steps * (total - step)
     return (
         f"step {step:>{len(str(total))}}/{total} | loss {loss:.4f} ({per_k}) | "
-        f"mean k {s['loops/mean']:.2f} | lr {s['lr']:.2e} | gnorm {s['grad_norm']:.3f} | "
-        f"{s['throughput/tokens_per_s']:,.0f} tok/s | mfu {s['throughput/mfu_pct']:.2f}% | "
-        f"mem {s['memory/max_gib']:.2f} GiB"
+        f"mean k {window.k_sum / window.k_count:.2f} | lr {s['lr']:.2e} | gnorm {window.grad_norm / window.steps:.3f} | "
+        f"{window.tokens / seconds:,.0f} tok/s | mfu {mfu:.2f}% | mem {s['memory/max_gib']:.2f} GiB | "
+        f"elapsed {duration(elapsed)} | eta {duration(eta)}"
     )

@@ -34,12 +34,16 @@ from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
 from elr.tokenizer import build_tokenizer
 from elr.train.checkpoint import CheckpointManager
-from elr.train.data import build_task_loader, build_train_loader, check_tokenizer, job_task, microbatches
+from elr.train.data import build_task_loader, build_train_loader, check_tokenizer, job_task, job_tokenizer_path
+from elr.train.data import microbatches
 from elr.train.loop_sampler import DepthSchedule
 from elr.train.loss import IGNORE_INDEX, model_loss
-from elr.train.metrics import MetricsLogger, console_line, memory_gib, setup_lines, throughput
+from elr.train.metrics import LogWindow, MetricsLogger, console_line, memory_gib, setup_lines, throughput
 from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
 from elr.train.optimizer import update_expert_biases
+from elr.train.profiling import Profiler
+from elr.train.resume import RESUMES, change_line, check_resume, config_changes, run_config, saved_config
+from elr.train.resume import show_value
 from elr.train.run_lock import RunLock
 from elr.train.stop import StopOnSignal
 from elr.train.train_state import ModelState, OptimizerState
@@ -86,6 +90,7 @@ class Trainer:
             )
         else:
             data_dir = Path(cfg.data.path)
+            cfg.tokenizer.path = job_tokenizer_path(cfg)  # config.json records the one used
             self.tokenizer = tokenizer = build_tokenizer(cfg.tokenizer.path)
             self.vocab_size = tokenizer.n_vocab
             check_tokenizer(data_dir, tokenizer, cfg)
@@ -101,6 +106,14 @@ class Trainer:
             checkpoint_folder, interval=cfg.checkpoint.interval, keep_latest_k=cfg.checkpoint.keep_latest_k,
             async_save=cfg.checkpoint.async_save, config=cfg.to_dict(),
         )
+        # The resume's changes, checked before anything is written: a frozen key stops the job here.
+        self.resume_history, self.resume_changes = [], {}
+        self.checkpointer.config = run_config(cfg, self.resume_history)
+        self.planned_step = None
+        if cfg.checkpoint.enable:
+            self.planned_step = self.checkpointer.latest_step() if cfg.checkpoint.load_step == -1 else cfg.checkpoint.load_step
+        if self.planned_step is not None:
+            self._check_resume(self.planned_step)
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_streak = 0
@@ -114,9 +127,12 @@ class Trainer:
         self.lock = RunLock.acquire(folders, self.rank)
         try:
             self._build_and_resume()
-            self.metrics = MetricsLogger(self.dump_folder, cfg.metrics.enable_tensorboard, self.rank)
-            if self.rank == 0:
-                (self.dump_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            self.metrics = MetricsLogger(self.dump_folder, cfg.metrics.enable_tensorboard, self.rank, self.step,
+                                         cfg.metrics.enable_wandb, cfg.to_dict())
+            # A fresh run's config is what runs; a resume's changes are recorded once a step has run them.
+            self.config_pending = self.step > 0
+            if not self.config_pending:
+                self._write_run_config()
             self._log_setup()
         except BaseException:
             if self.lock is not None:
@@ -124,6 +140,22 @@ class Trainer:
             raise
 
     # ---- setup -------------------------------------------------------------------------------
+
+    def _check_resume(self, step: int) -> None:
+        """Compare this job with the config checkpoint `step` was saved with (elr/train/resume.py)."""
+        saved = saved_config(self.checkpointer.folder, step)
+        if saved is None:  # format 2: no config inside, nothing to compare against
+            return
+        self.resume_history = list(saved.get(RESUMES, []))
+        self.resume_changes = check_resume(saved, self.cfg.to_dict(), step)
+        if self.resume_changes:
+            self.resume_history.append({"step": step, "changes": self.resume_changes})
+        self.checkpointer.config = run_config(self.cfg, self.resume_history)
+
+    def _write_run_config(self) -> None:
+        if self.rank == 0:
+            config = run_config(self.cfg, self.resume_history)
+            (self.dump_folder / "config.json").write_text(json.dumps(config, indent=2))
 
     def _build(self, mixed_depth: bool) -> None:
         """Model, optimizer and schedule for one phase: one loop (no conditioning) or mixed depth.
@@ -162,6 +194,10 @@ class Trainer:
             if ckpt.initial_load_path:
                 self._load_initial(ckpt.initial_load_path)
             return
+        if loaded != planned:  # fell back past unusable checkpoints: compare with the one loaded
+            self._check_resume(loaded)
+        if self.resume_changes:
+            logger.info(change_line(self.resume_changes, loaded))
         if self.depths.mixed_depth(self.step) != self.mixed_depth:
             self._build(mixed_depth=not self.mixed_depth)
             if self.step:
@@ -202,9 +238,7 @@ class Trainer:
         if loaded is not None:
             logger.info(f"resumed from {self.checkpointer.folder}/step-{loaded} (step {self.step})")
             self.checkpointer.set_aside_after(loaded)
-            changes = apply_job_settings(self.optimizer, self.lr_scheduler, settings)
-            if changes:
-                logger.info("resume: this job's optimizer settings replace the checkpoint's: " + "; ".join(changes))
+            apply_job_settings(self.optimizer, self.lr_scheduler, settings)  # logged as config changes
         return loaded
 
     def _load_initial(self, path: str) -> None:
@@ -239,6 +273,13 @@ class Trainer:
     def _log_setup(self) -> None:
         for line in setup_lines(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch):
             logger.info(line)
+        differs = config_changes(JobConfig().to_dict(), self.cfg.to_dict())
+        logger.info("config (what differs from the defaults; all of it in config.json): "
+                    + ", ".join(f"{k} {show_value(v)}" for k, (_, v) in differs.items()))
+        s, steps = self.cfg.lr_scheduler, self.cfg.training.steps
+        if s.warmup_steps > steps:
+            logger.warning(f"lr_scheduler.warmup_steps = {s.warmup_steps} exceeds training.steps = {steps}: the "
+                           "learning rate never reaches optimizer.lr")
         if not self.mixed_depth:
             logger.info(f"one loop until step {self.depths.switch_step}, then mixed depth")
 
@@ -247,8 +288,7 @@ class Trainer:
     def train_step(self, step: int) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         cfg, K = self.cfg, self.cfg.elr.max_loops
         ks = self.depths.loop_counts(step)
-        track = step % cfg.metrics.log_freq == 0
-        self.model.record_loop_statistics(track)
+        self.model.record_loop_statistics(True)  # every step: the console window covers every loop that ran
         batches = [self._slice(*next(self.data_iter)) for _ in range(self.n_micro)]
         # The update's loss is its mean over scored tokens (labels not ignored). FSDP averages gradients
         # over the world / tp ranks that hold different tokens, so each rank's summed loss is scaled by
@@ -278,10 +318,9 @@ class Trainer:
                 micro_loss.backward()
             per_k[0, k - 1] += loss_sum.detach().double()
             per_k[1, k - 1] += (labels != IGNORE_INDEX).sum()
-            if track:
-                for i, stats in enumerate(self.model.loop_statistics(), start=1):
-                    for name, value in stats.items():
-                        loop_stats.setdefault(f"loop{i}/{name}", []).append(value)
+            for i, stats in enumerate(self.model.loop_statistics(), start=1):
+                for name, value in stats.items():
+                    loop_stats.setdefault(f"loop{i}/{name}", []).append(value)
         if dist.is_initialized():
             dist.all_reduce(per_k)  # TP ranks count their (shared) sequences alike: the ratios hold
         loss = (per_k[0].sum() / per_k[1].sum()).item()
@@ -314,9 +353,7 @@ class Trainer:
         for k, (loss_sum, tokens) in enumerate(zip(*per_k.tolist()), start=1):
             if tokens > 0:
                 scalars[f"loss/k{k}"] = loss_sum / tokens
-        if loop_stats:  # one host transfer for every loop statistic of every microbatch
-            means = torch.stack([torch.stack(v).float().mean() for v in loop_stats.values()]).tolist()
-            scalars.update(zip(loop_stats, means))
+        self.step_loop_stats = loop_stats  # on the device until the console line (LogWindow)
         scalars.update(moe_stats)
         if self.model.moe_layers():  # logged whatever the coefficient (unscaled; 1 per routing call if balanced)
             if dist.is_initialized():
@@ -385,28 +422,38 @@ class Trainer:
         if cfg.checkpoint.create_seed:
             return self.create_seed_checkpoint()
         tokens_per_update = self.global_batch * t.seq_len
-        window = None  # loss sums and tokens per k since the last console line
+        window = LogWindow(cfg.elr.max_loops)  # every step since the last console line
+        session_start = time.perf_counter()
+        profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
         try:
-            with self.stop:
+            with self.stop, profiler:
                 if self.step == 0 and cfg.validation.freq:
                     self._log_validation(0)
                 while self.step < t.steps:
                     step = self.step + 1
                     start = time.perf_counter()
                     scalars, ks, per_k = self.train_step(step)
-                    window = per_k if window is None else window + per_k
                     elapsed = time.perf_counter() - start
                     self.step = step
                     self.tokens_seen += tokens_per_update
                     every_loop = cfg.elr.loss_every_loop and self.mixed_depth
                     flops = sum(self.model.num_flops_per_token(t.seq_len, k, every_loop) for k in ks.flatten().tolist())
                     flops *= t.local_batch_size * t.seq_len
+                    window.add(per_k, ks, scalars["grad_norm"], self.step_loop_stats, elapsed, tokens_per_update, flops)
                     scalars.update(throughput(tokens_per_update, flops, elapsed, self.world_size, cfg.metrics.peak_tflops))
                     scalars["memory/max_gib"] = memory_gib(self.device)
+                    line = step % cfg.metrics.log_freq == 0 or step == 1 or step == t.steps
+                    if line:  # per-loop statistics: the window's means, for every loop that ran in it
+                        scalars.update(window.loop_means())
                     self.metrics.log(step, scalars, {"loops": ks.tolist(), "tokens": self.tokens_seen})
-                    if step % cfg.metrics.log_freq == 0 or step == 1:
-                        logger.info(console_line(step, t.steps, scalars, window))
-                        window = None
+                    if line:
+                        logger.info(console_line(step, t.steps, scalars, window, self.world_size,
+                                                 cfg.metrics.peak_tflops, time.perf_counter() - session_start))
+                        window.reset()
+                    if self.config_pending:  # the resumed step ran with this config: now config.json says so
+                        self._write_run_config()
+                        self.config_pending = False
+                    profiler.step(step)
                     if cfg.validation.freq and (step % cfg.validation.freq == 0 or step == t.steps):
                         self._log_validation(step)
 

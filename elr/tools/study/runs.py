@@ -20,6 +20,7 @@ from pathlib import Path
 import tomli
 
 from elr.checkpoint import latest_step
+from elr.progress import duration
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "train_configs/study"
@@ -120,6 +121,7 @@ def train_all(runs: list[Run], config: Path, data: Path | None, steps: int, jobs
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     running: list[tuple[Run, subprocess.Popen, float]] = []
     failed, done = [], 0
+    began = time.monotonic()
     while todo or running:
         while todo and len(running) < jobs:
             run = todo.pop(0)
@@ -142,5 +144,7 @@ def train_all(runs: list[Run], config: Path, data: Path | None, steps: int, jobs
                 continue
             summary = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in record.items()
                                if key.startswith(("val/loss_k", "val/acc_k")) and "_d" not in key)
-            log(f"[{done}/{done + len(todo) + len(running)}] {run.name}: {time.monotonic() - start:.0f} s, {summary}")
+            total, elapsed = done + len(todo) + len(running), time.monotonic() - began
+            log(f"[{done}/{total}] {run.name}: {time.monotonic() - start:.0f} s, {summary} | {duration(elapsed)}, "
+                f"eta {duration(elapsed / done * (total - done))}")
     return failed

@@ -1,0 +1,123 @@
+"""What a resume may change: the job's config against the one the checkpoint was saved with.
+
+A resume is explicit. Keys that change the model or what the saved state means (`FROZEN`) are
+refused in one line naming them, before anything is built or written. Every other key may change
+and applies from the resumed step on; the trainer logs the differences once ("changed on resume:
+optimizer.lr 0.006 -> 0.001 (from step 31)") and config.json keeps a list of every resume's
+changes. The schedule after a change: the LR scheduler is rebuilt from the new config
+(`lr_scheduler.*`, `optimizer.lr`, `training.steps`) and evaluated at the resumed step, so raising
+`training.steps` from 20 to 30 at step 20 continues the new 30-step cosine at its step 20.
+
+A run resumed at or past its last step has nothing to do: `finished_step` finds that from the
+checkpoint markers alone, before any file is opened for writing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from elr.checkpoint import latest_step
+from elr.config import JobConfig
+from elr.errors import ConfigError
+
+# Keys whose change would build another model, or make the saved optimizer state, data position or
+# loop draws mean something else. Prefixes end with "." (every key of the section).
+FROZEN = (
+    "model.flavor",
+    "elr.enabled", "elr.max_loops", "elr.partition", "elr.recurrent_input", "elr.update", "elr.step_input",
+    "elr.conditioning", "elr.conditioning_budget", "elr.conditioning_gate", "elr.conditioning_first_loop",
+    "elr.conditioning_later_loops", "elr.conditioning_silu",
+    "optimizer.name",  # AdamW and Muon+AdamW keep different state
+    "training.seq_len", "training.seed", "data.shuffle",  # the data position counts windows of this order
+    "data.task", "data.task_items", "data.task_max_difficulty",  # the task's vocabulary and example length
+)
+# Keys that record where this run lives or how it was started: expected to differ, never logged.
+IGNORED = ("checkpoint.load_step", "checkpoint.initial_load_path", "checkpoint.create_seed")
+RESUMES = "resumes"  # config.json's list of {step, changes}
+
+
+def flat(config: dict) -> dict[str, object]:
+    """{"section.key": value} of a config dict (`JobConfig.to_dict()` or a saved config.json)."""
+    return {f"{s}.{k}": v for s, section in config.items() if isinstance(section, dict) for k, v in section.items()}
+
+
+def config_changes(saved: dict, job: dict) -> dict[str, list]:
+    """{key: [saved value, job value]} for every key that differs (keys new since the save count
+    as their defaults, which the saved config did not have: they are compared to nothing)."""
+    old, new = flat(saved), flat(job)
+    changes = {}
+    for key, value in new.items():
+        if key in IGNORED or key not in old or old[key] == value:
+            continue
+        if key == "tokenizer.sha256" and not value:  # empty: recorded by the trainer, not a change
+            continue
+        changes[key] = [old[key], value]
+    return changes
+
+
+def check_resume(saved: dict, job: dict, step: int) -> dict[str, list]:
+    """The allowed changes of a resume at `step`; a ConfigError naming every frozen key that changed."""
+    changes = config_changes(saved, job)
+    frozen = [k for k in changes if k in FROZEN]
+    if frozen:
+        listed = ", ".join(f"{k} {show_value(changes[k][0])} -> {show_value(changes[k][1])}" for k in frozen)
+        raise ConfigError(f"{', '.join(frozen)}: cannot change on resume (checkpoint step-{step} was saved with "
+                          f"another value: {listed}); use the saved value, or a new job.dump_folder for a new run")
+    return changes
+
+
+def change_line(changes: dict[str, list], step: int) -> str:
+    """The one log line of a resume's changes."""
+    return "changed on resume: " + "; ".join(f"{k} {show_value(a)} -> {show_value(b)}" for k, (a, b) in changes.items()) + \
+        f" (from step {step + 1})"
+
+
+def show_value(value) -> str:
+    """A config value as TOML writes it: 0.006, "text", true, [0.9, 0.95]."""
+    return f"{value:g}" if isinstance(value, float) else json.dumps(value)
+
+
+def saved_config(checkpoint_folder: Path, step: int) -> dict | None:
+    """The config a checkpoint was saved with (its own config.json; None for a format-2 one)."""
+    path = checkpoint_folder / f"step-{step}" / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def finished_step(cfg: JobConfig) -> int | None:
+    """The step a finished run stopped at, when this job would resume it at or past training.steps."""
+    c = cfg.checkpoint
+    if not c.enable or c.create_seed:
+        return None
+    folder = Path(cfg.job.dump_folder) / c.folder
+    step = latest_step(folder) if c.load_step == -1 else c.load_step
+    return step if step is not None and step >= cfg.training.steps else None
+
+
+def run_config(cfg: JobConfig, history: list[dict]) -> dict:
+    """What config.json holds: the config that runs now, and the changes of every resume so far."""
+    return {**cfg.to_dict(), RESUMES: history}
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Drop the records of metrics.jsonl past `step` (a resume continues from there; a fresh start,
+    step 0, keeps none), atomically: a temporary file, then os.replace. Returns the records dropped."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if step > 0 and _step_of(line) is not None and _step_of(line) <= step]
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _step_of(line: str) -> int | None:
+    """A record's step; None for a line a killed writer left torn."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return None
