@@ -20,6 +20,7 @@ COMMANDS = {
     "elr-train": "train.py",
     "elr-generate": "scripts/generate.py",
     "elr-evaluate": "scripts/evaluate.py",
+    "elr-export": "scripts/export_hf.py",
     "elr-prepare-data": "scripts/prepare_data.py",
     "elr-train-tokenizer": "scripts/train_tokenizer.py",
     "elr-plot-loops": "scripts/plot_loops.py",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from elr.cli import HelpFormatter
 from elr.errors import UserError
 from elr.infer.cache import MODES
 from elr.infer.load import load_model, load_tokenizer
@@ -34,12 +35,12 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", required=True, help="step-N (DCP), step-N-model, or an export folder")
     p.add_argument("--out", required=True, type=Path, help="the folder to write (must not exist)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype in the export")
     p.add_argument("--loops", type=int, help="default loop count of forward/generate (default: the model's max_loops)")
-    p.add_argument("--kv", choices=MODES, default="per_loop", help="default KV cache mode of generate")
+    p.add_argument("--kv", choices=MODES, default="per_loop", help="default KV cache mode of generate (last_loop_kv to serve with: README)")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="split weights above this (default 5GB)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizer_config.json "
                    "(default: the template SFT trains with, elr/chat.py)")

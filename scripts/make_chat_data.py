@@ -17,6 +17,8 @@ import random
 import sys
 from pathlib import Path
 
+from elr.cli import HelpFormatter
+
 WORDS = ("king", "crown", "storm", "night", "sword", "honour", "letter", "garden", "nation", "union",
          "river", "winter", "castle", "music", "ghost", "friend", "market", "harvest", "ship", "forest")
 PLAYS = {"Hamlet": "Denmark", "Macbeth": "Scotland", "Othello": "Venice", "Romeo and Juliet": "Verona",
@@ -62,10 +64,10 @@ def conversation(rng: random.Random) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("data/chat/conversations.jsonl"))
-    p.add_argument("--count", type=int, default=400)
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("data/chat/conversations.jsonl"), help="the JSONL file to write")
+    p.add_argument("--count", type=int, default=400, help="conversations")
+    p.add_argument("--seed", type=int, default=0, help="seed of the templated questions and answers")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     lines = [json.dumps(conversation(rng)) for _ in range(args.count)]
