@@ -12,6 +12,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -369,7 +370,7 @@ def test_lm_eval_cli_scores_the_export_at_k_1_and_3(model_and_export, tmp_path):
     from elr.infer.evaluate import continuation_logprobs
 
     model, tokenizer, folder = model_and_export
-    lm_eval = [str(shutil.which("lm_eval") or "lm_eval"), "--model", "hf", "--model_args"]
+    lm_eval = [str(shutil.which("lm_eval") or Path(sys.executable).with_name("lm_eval")), "--model", "hf", "--model_args"]
     for k in (1, 3):
         hf = lm_eval_cli([*lm_eval, f"pretrained={folder},trust_remote_code=True,loops={k},kv=last_loop,"
                           "add_bos_token=True"], tmp_path / f"hf{k}", tmp_path)
