@@ -204,6 +204,23 @@ class WindowPermutation:
         return x
 
 
+class EpochOrder:
+    """Which item global sample g reads: item g mod n of epoch g // n, in a fresh WindowPermutation
+    per epoch when shuffling (the one the token windows and the conversations both use)."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._perm = WindowPermutation(n, seed, epoch=0)  # of the current epoch
+
+    def __call__(self, g: int) -> int:
+        epoch, i = divmod(g, self.n)
+        if not self.shuffle:
+            return i
+        if self._perm.epoch != epoch:
+            self._perm = WindowPermutation(self.n, self.seed, epoch)
+        return self._perm(i)
+
+
 class GlobalStream(IterableDataset):
     """A stream of samples g = 0, 1, 2, ... cut into global microbatches of dp_world x
     local_batch_size; rank r takes the r-th run of local_batch_size samples of each. `position`
@@ -272,18 +289,7 @@ class TokenWindowDataset(GlobalStream):
         self.tokens = load_tokens(path)
         self.seq_len = seq_len
         self.num_windows = num_windows(self.tokens, seq_len, path)
-        self.seed = seed
-        self.shuffle = shuffle
-        self._perm = WindowPermutation(self.num_windows, seed, epoch=0)  # of the current epoch
-
-    def window(self, g: int) -> int:
-        """The window that global sample g reads."""
-        epoch, i = divmod(g, self.num_windows)
-        if not self.shuffle:
-            return i
-        if self._perm.epoch != epoch:
-            self._perm = WindowPermutation(self.num_windows, self.seed, epoch)
-        return self._perm(i)
+        self.window = EpochOrder(self.num_windows, seed, shuffle)  # global sample g -> the window it reads
 
     def samples(self, first: int) -> Batch:
         windows = [self.window(g) for g in range(first, first + self.local_batch_size)]
@@ -327,17 +333,8 @@ class ChatDataset(GlobalStream):
         super().__init__(local_batch_size, dp_rank, dp_world)
         self.split = ChatSplit(data_dir, "train")
         self.split.check_fits(seq_len)
-        self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
-        self.n = self.split.num_conversations
-        self._perm = WindowPermutation(self.n, seed, epoch=0)
-
-    def conversation(self, g: int) -> int:
-        epoch, i = divmod(g, self.n)
-        if not self.shuffle:
-            return i
-        if self._perm.epoch != epoch:
-            self._perm = WindowPermutation(self.n, self.seed, epoch)
-        return self._perm(i)
+        self.seq_len = seq_len
+        self.conversation = EpochOrder(self.split.num_conversations, seed, shuffle)  # global sample g -> its conversation
 
     def samples(self, first: int) -> Batch:
         return self.split.rows([self.conversation(g) for g in range(first, first + self.local_batch_size)],
