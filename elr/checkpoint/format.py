@@ -143,6 +143,18 @@ def check_format(path: Path, marker: dict, saved_keys) -> None:
                                       "this version would read them in the new layout, so it does not load them")
 
 
+def key_problems(requested: dict[str, tuple | None], saved: dict[str, tuple | None], unexpected: list[str],
+                 allow_missing: Callable[[str], bool], words: tuple[str, str, str]) -> list[str]:
+    """What keeps `saved` from filling `requested` ({key: shape, or None where there is none to
+    compare}): missing keys (unless allowed), the `unexpected` ones and differing shapes, each part
+    named by `words` (missing, unexpected, shapes)."""
+    missing = [k for k in requested if k not in saved and not allow_missing(k)]
+    misshapen = [f"{k} {saved[k]} vs {shape}" for k, shape in requested.items()
+                 if shape is not None and saved.get(k) is not None and saved[k] != shape]
+    return [f"{len(keys)} {what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}"
+            for what, keys in zip(words, (missing, unexpected, misshapen)) if keys]
+
+
 def check_keys(state_dict: dict[str, Any], saved: dict[str, Any], allow_missing: Callable[[str], bool],
                *, only_requested_roots: bool = True) -> None:
     """Raise CheckpointError naming the keys unless the request and the checkpoint agree.
@@ -151,24 +163,14 @@ def check_keys(state_dict: dict[str, Any], saved: dict[str, Any], allow_missing:
     `only_requested_roots=False` (a plain module's state dict) every checkpoint key must be.
     """
     requested, _ = flatten_state_dict(state_dict)  # the same keys DCP's planner uses
-    missing = [k for k in requested if k not in saved and not allow_missing(k)]
     roots = tuple(f"{name}." for name in state_dict)
     unexpected = [k for k in saved if k not in requested and (not only_requested_roots or f"{k}.".startswith(roots))]
-    misshapen = [
-        f"{k} {tuple(saved[k].size)} vs {tuple(v.shape)}"
-        for k, v in requested.items()
-        if isinstance(v, torch.Tensor) and isinstance(saved.get(k), TensorStorageMetadata)
-        and tuple(saved[k].size) != tuple(v.shape)
-    ]
-    problems = [
-        f"{len(keys)} {what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}"
-        for what, keys in [
-            ("requested keys missing from the checkpoint", missing),
-            ("checkpoint keys not requested", unexpected),
-            ("shapes differ (checkpoint vs requested)", misshapen),
-        ]
-        if keys
-    ]
+    problems = key_problems(
+        {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in requested.items()},
+        {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None for k, v in saved.items()},
+        unexpected, allow_missing,
+        ("requested keys missing from the checkpoint", "checkpoint keys not requested",
+         "shapes differ (checkpoint vs requested)"))
     if problems:
         raise CheckpointError("; ".join(problems))
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from elr.checkpoint.format import first_nonfinite, key_problems
 from elr.config import config_from_dict
 from elr.errors import CheckpointError
 from elr.interop.hf_config import model_args, read_config
@@ -30,7 +31,7 @@ def read_export(folder: str | Path) -> tuple[ModelArgs, dict, dict[str, torch.Te
     if outside:
         raise CheckpointError(f"{folder} holds weights outside the model: {', '.join(outside[:5])}")
     state = {k[len(PREFIX):]: v for k, v in tensors.items()}
-    bad = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    bad = first_nonfinite(state)
     if bad:
         raise CheckpointError(f"{folder} holds NaN/Inf in {bad}")
     return model_args(raw["elr_model"], folder / "config.json"), raw, state
@@ -40,13 +41,9 @@ def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], where: st
                allow_missing: Callable[[str], bool] = lambda key: False) -> None:
     """CheckpointError naming the keys unless `state` gives every weight of `model` (full shapes)."""
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # a DTensor's shape is its global one
-    missing = [k for k in wanted if k not in state and not allow_missing(k)]
-    unexpected = [k for k in state if k not in wanted]
-    misshapen = [f"{k} {tuple(state[k].shape)} vs {wanted[k]}" for k in wanted if k in state
-                 and tuple(state[k].shape) != wanted[k]]
-    problems = [f"{len(keys)} {what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}" for what, keys in [
-        ("weights missing from the export", missing), ("export weights the model lacks", unexpected),
-        ("shapes differ (export vs model)", misshapen)] if keys]
+    problems = key_problems(wanted, {k: tuple(v.shape) for k, v in state.items()}, [k for k in state if k not in wanted],
+                            allow_missing, ("weights missing from the export", "export weights the model lacks",
+                                            "shapes differ (export vs model)"))
     if problems:
         raise CheckpointError(f"{where} does not fit this model ({'; '.join(problems)})")
 
