@@ -69,6 +69,8 @@ class ELR:
         the later loops down; not both this and `conditioning_first_loop` false
     conditioning_silu: a SiLU on c = E_loop[i] + E_budget[k] before the FiLM heads (as DiT's adaLN), so a head is
         not additive in i and k
+    conditioning_exit: FiLM heads from E_budget[k] on the output block's layers too, so it reads each budget's last
+        state in its own way; with both loop options false it is the only conditioning and no loop can be scaled down
     loss_every_loop: the loss at the exit of every loop 1..k of a slot (their mean), not k's alone; needs
         `conditioning_budget = false` or no conditioning
     sampling: `independent` (each slot draws k) or `synchronized` (one k per update)
@@ -93,6 +95,7 @@ class ELR:
     conditioning_first_loop: bool = True
     conditioning_later_loops: bool = True
     conditioning_silu: bool = False
+    conditioning_exit: bool = False
     loss_every_loop: bool = False
     sampling: str = "independent"
     one_loop_override: float = 0.0
@@ -475,11 +478,14 @@ def validate(cfg: JobConfig) -> None:
     _check(e.step_lr_scale > 0, "elr.step_lr_scale", "must be > 0", e.step_lr_scale)
     _check(e.step_weight_decay >= 0, "elr.step_weight_decay", "must be >= 0", e.step_weight_decay)
     _check(0.0 <= e.switch_at < 1.0, "elr.switch_at", "must lie in [0, 1)", e.switch_at)
-    _check(e.conditioning_first_loop or e.conditioning_later_loops, "elr.conditioning_later_loops",
-           "and elr.conditioning_first_loop are both false: no loop is conditioned (set elr.conditioning = false)",
-           e.conditioning_later_loops)
+    loops_conditioned = e.conditioning_first_loop or e.conditioning_later_loops
+    _check(loops_conditioned or e.conditioning_exit, "elr.conditioning_later_loops",
+           "and elr.conditioning_first_loop are both false and elr.conditioning_exit is off: nothing is conditioned "
+           "(set elr.conditioning = false)", e.conditioning_later_loops)
+    _check(e.conditioning or not e.conditioning_exit, "elr.conditioning_exit", "needs elr.conditioning = true",
+           e.conditioning_exit)
     if e.loss_every_loop:
-        _check(not (e.conditioning and e.conditioning_budget), "elr.loss_every_loop",
+        _check(not (e.conditioning and e.conditioning_budget and loops_conditioned), "elr.loss_every_loop",
                "needs elr.conditioning_budget = false (with the budget embedding loop i of a k-loop run is "
                "not the model at budget i)", e.loss_every_loop)
     if e.switch_at > 0:

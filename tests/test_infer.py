@@ -54,7 +54,7 @@ ROWS_PROMPTS = ([[5, 9, 2, 33, 7, 1, 12, 40, 3], [8, 8, 60, 2, 11, 4], [19, 3, 2
 
 @pytest.mark.parametrize("loops", [1, 2, 3])
 @pytest.mark.parametrize("overrides", [{}, {"recurrent_input": "state_plus_input", "update": "residual",
-                                           "moe_route_replay": True}])
+                                           "moe_route_replay": True}, {"cond_exit": True}])
 def test_per_loop_decoding_equals_full_forward(loops, overrides):
     model = small_model(**overrides)
     rows, prompt_lens = ROWS_PROMPTS

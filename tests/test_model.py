@@ -376,8 +376,52 @@ def test_conditioning_with_no_loop_conditioned_is_refused():
     from elr.config import load_config
     from elr.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="no loop is conditioned"):
+    with pytest.raises(ConfigError, match="nothing is conditioned"):
         load_config(None, ["--elr.conditioning_first_loop", "false", "--elr.conditioning_later_loops", "false"])
+    with pytest.raises(ConfigError, match="conditioning_exit: needs elr.conditioning = true"):
+        load_config(None, ["--elr.conditioning", "false", "--elr.conditioning_exit", "true"])
+
+
+def perturb_exit(model):
+    with torch.no_grad():
+        for head in model.recurrent.conditioning.exit_heads:
+            head.weight.normal_(std=0.5)
+            head.bias.normal_(std=0.1)
+    return model
+
+
+def test_exit_only_conditioning_leaves_every_loop_as_the_shared_block():
+    """FiLM on the output block alone: the loops are the unconditioned block's (its states at every
+    k are the plain model's), and only the output block sees the budget."""
+    x = tokens()
+    plain = make(conditioning=False)
+    exit_only = perturb_exit(make(conditioning=True, cond_first_loop=False, cond_later_loops=False, cond_exit=True))
+    copy_shared_weights(plain, exit_only)
+    c = exit_only.recurrent.conditioning
+    assert not c.heads and c.loop_embed is None and len(c.exit_heads) == DEBUG.partition[2]
+    assert exit_only.recurrent.prefix_consistent
+    with torch.no_grad():
+        for k in (1, 2, 3):
+            assert torch.equal(plain.recurrent(plain.tok_embeddings(x), plain.rope[:, :x.shape[1]], k),
+                               exit_only.recurrent(exit_only.tok_embeddings(x), exit_only.rope[:, :x.shape[1]], k))
+        assert not torch.allclose(plain(x, loops=2), exit_only(x, loops=2))
+        # zero exit heads (the initial model) are invisible
+        for head in c.exit_heads:
+            head.weight.zero_()
+            head.bias.zero_()
+        assert torch.equal(plain(x, loops=2), exit_only(x, loops=2))
+
+
+def test_exit_conditioning_gives_every_exit_its_own_budget():
+    """every_loop stacks the exits of loops 1..k; each exit's rows get the FiLM of its own budget, so
+    they equal separate forwards at k = 1..K."""
+    model = perturb_exit(make(conditioning=True, cond_first_loop=False, cond_later_loops=False, cond_exit=True))
+    x = tokens()
+    with torch.no_grad():
+        exits = model(x, loops=3, every_loop=True)
+        for k in (1, 2, 3):
+            torch.testing.assert_close(exits[k - 1], model(x, loops=k), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(exits[0], exits[2])
 
 
 def test_conditioning_without_gate_has_scale_and_shift_only():

@@ -56,6 +56,7 @@ class ModelArgs:
     cond_first_loop: bool = True  # false: loop 1 unconditioned, so k=1 is exactly the shared block
     cond_later_loops: bool = True  # false: loops 2..k unconditioned, the shared block as it is
     cond_silu: bool = False  # a SiLU on c_{i,k} before the FiLM heads (not additive in i and k)
+    cond_exit: bool = False  # FiLM heads from E_budget[k] on the output block's layers too
 
     def __post_init__(self):
         if sum(self.partition) != len(self.layer_pattern):
@@ -111,6 +112,11 @@ flavors: dict[str, ModelArgs] = {
     "task_gpt": ModelArgs(
         dim=64, layer_pattern="AF" * 2, partition=(1, 2, 1), vocab_size=128, max_seq_len=64,
         n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=256, ffn_activation="swiglu",
+    ),
+    # twice as wide: the depth issue's search over model size (does k = 1 keep its hops at this width?)
+    "task_gpt_wide": ModelArgs(
+        dim=128, layer_pattern="AF" * 2, partition=(1, 2, 1), vocab_size=128, max_seq_len=64,
+        n_heads=8, n_kv_heads=8, head_dim=16, ffn_dim=512, ffn_activation="swiglu",
     ),
     "gpt_0p5b": ModelArgs(
         dim=1024, layer_pattern="AF" * 15, partition=(8, 14, 8), n_heads=16, n_kv_heads=4, head_dim=64,

@@ -77,4 +77,5 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = 
         cond_first_loop=e.conditioning_first_loop,
         cond_later_loops=e.conditioning_later_loops,
         cond_silu=e.conditioning_silu,
+        cond_exit=e.conditioning_exit,
     )

@@ -90,36 +90,54 @@ class LoopConditioning(nn.Module):
     unconditioned, so k=1 is exactly the shared block; `later_loops` false leaves loops 2..k
     unconditioned, so the heads cannot scale them down (what the conditioned runs learn to do); `silu` passes c through a SiLU before the
     heads (as DiT's adaLN does), so a head is no longer additive in i and k and can single out a pair
-    such as "the last loop of k".
+    such as "the last loop of k". `exit_layers` > 0 gives the output block's layers heads of their
+    own, fed E_budget[k] alone: the output block can read the state of each budget in its own way,
+    and with both loop options false that is the only conditioning, so no loop can be scaled down.
     """
 
     def __init__(self, n_layers: int, max_loops: int, dim: int, cond_dim: int, budget: bool = True,
-                 gate: bool = True, first_loop: bool = True, later_loops: bool = True, silu: bool = False):
+                 gate: bool = True, first_loop: bool = True, later_loops: bool = True, silu: bool = False,
+                 exit_layers: int = 0):
         super().__init__()
         self.budget, self.gate, self.silu = budget, gate, silu
-        self.first_loop, self.later_loops = first_loop, later_loops
-        self.loop_embed = nn.Embedding(max_loops, cond_dim)
-        self.budget_embed = nn.Embedding(max_loops, cond_dim) if budget else None
-        self.heads = nn.ModuleList(nn.Linear(cond_dim, (3 if gate else 2) * dim) for _ in range(n_layers))
+        self.first_loop, self.later_loops, self.n_layers = first_loop, later_loops, n_layers
+        loops_conditioned = first_loop or later_loops
+        width = (3 if gate else 2) * dim
+        self.loop_embed = nn.Embedding(max_loops, cond_dim) if loops_conditioned else None
+        self.budget_embed = nn.Embedding(max_loops, cond_dim) if (budget and loops_conditioned) or exit_layers else None
+        self.heads = nn.ModuleList(nn.Linear(cond_dim, width) for _ in range(n_layers if loops_conditioned else 0))
+        self.exit_heads = nn.ModuleList(nn.Linear(cond_dim, width) for _ in range(exit_layers))
 
     def init_weights(self):
-        nn.init.normal_(self.loop_embed.weight, std=0.02)
-        if self.budget_embed is not None:
-            nn.init.normal_(self.budget_embed.weight, std=0.02)
-        for head in self.heads:
+        for embed in (self.loop_embed, self.budget_embed):
+            if embed is not None:
+                nn.init.normal_(embed.weight, std=0.02)
+        for head in [*self.heads, *self.exit_heads]:
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
 
     def forward(self, loop: int, loops: int) -> list[tuple[torch.Tensor, ...] | None]:
         """Per recurrent layer (scale, shift, gate), (scale, shift) without the gate, or None."""
         if not (self.first_loop if loop == 1 else self.later_loops):
-            return [None] * len(self.heads)
+            return [None] * self.n_layers
         c = self.loop_embed.weight[loop - 1]
-        if self.budget_embed is not None:
+        if self.budget:
             c = c + self.budget_embed.weight[loops - 1]
+        return self._films(self.heads, c)
+
+    def exit(self, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...] | None]:
+        """Per output-block layer, FiLM for the state after `loops` loops (None without exit heads).
+        With `rows` (every_loop: the exits of loops 1..k stacked, `rows` sequences each) each exit's
+        rows get the FiLM of their own budget: tensors of shape [loops * rows, 1, dim]."""
+        if not rows:
+            return self._films(self.exit_heads, self.budget_embed.weight[loops - 1])
+        per_exit = self._films(self.exit_heads, self.budget_embed.weight[:loops])  # each [loops, dim]
+        return [tuple(t.repeat_interleave(rows, 0)[:, None] for t in film) for film in per_exit]
+
+    def _films(self, heads: nn.ModuleList, c: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         if self.silu:
             c = F.silu(c)
-        return [tuple(head(c).chunk(3 if self.gate else 2)) for head in self.heads]
+        return [tuple(head(c).chunk(3 if self.gate else 2, dim=-1)) for head in heads]
 
 
 class RecurrentBlock(nn.Module):
@@ -140,7 +158,8 @@ class RecurrentBlock(nn.Module):
         self.step_size = AdaptiveStep(args.dim, args.norm_eps, args.step_input) if args.update == "adaptive_delta" else None
         self.conditioning = (
             LoopConditioning(len(layers), args.max_loops, args.dim, args.cond_dim, args.cond_budget, args.cond_gate,
-                             args.cond_first_loop, args.cond_later_loops, args.cond_silu) if args.conditioning else None
+                             args.cond_first_loop, args.cond_later_loops, args.cond_silu,
+                             exit_layers=args.partition[2] if args.cond_exit else 0) if args.conditioning else None
         )
         self.route_replay = args.moe_route_replay
         # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
@@ -154,7 +173,14 @@ class RecurrentBlock(nn.Module):
     def prefix_consistent(self) -> bool:
         """Whether the first i loops are the same computation at every budget k >= i, so one forward
         at k yields the states of every shorter budget (no budget embedding)."""
-        return self.conditioning is None or not self.conditioning.budget
+        c = self.conditioning
+        return c is None or not c.budget or not (c.first_loop or c.later_loops)
+
+    def exit_films(self, loops: int, rows: int = 0) -> list:
+        """FiLM for each output-block layer at budget `loops` (LoopConditioning.exit), or Nones."""
+        if self.conditioning is None or not self.conditioning.exit_heads:
+            return []
+        return self.conditioning.exit(loops, rows)
 
     def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None,
                 every_loop: bool = False) -> torch.Tensor | list[torch.Tensor]:

@@ -28,7 +28,7 @@ FROZEN = (
     "model.flavor",
     "elr.enabled", "elr.max_loops", "elr.partition", "elr.recurrent_input", "elr.update", "elr.step_input",
     "elr.conditioning", "elr.conditioning_budget", "elr.conditioning_gate", "elr.conditioning_first_loop",
-    "elr.conditioning_later_loops", "elr.conditioning_silu",
+    "elr.conditioning_later_loops", "elr.conditioning_silu", "elr.conditioning_exit",
     "optimizer.name",  # AdamW and Muon+AdamW keep different state
     "training.seq_len", "training.seed", "data.shuffle",  # the data position counts windows of this order
     "data.task", "data.task_items", "data.task_max_difficulty",  # the task's vocabulary and example length
