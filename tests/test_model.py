@@ -318,9 +318,11 @@ def test_flops_grow_linearly_with_loops():
 
 
 def perturb_conditioning(model):
-    """Non-zero FiLM heads, so the conditioning is visible (at init it is exactly zero)."""
+    """Non-zero FiLM heads (the loops' and the output block's), so the conditioning is visible (at
+    init it is exactly zero)."""
+    c = model.recurrent.conditioning
     with torch.no_grad():
-        for head in model.recurrent.conditioning.heads:
+        for head in [*c.heads, *c.exit_heads]:
             head.weight.normal_(std=0.5)
             head.bias.normal_(std=0.1)
     return model
@@ -382,20 +384,12 @@ def test_conditioning_with_no_loop_conditioned_is_refused():
         load_config(None, ["--elr.conditioning", "false", "--elr.conditioning_exit", "true"])
 
 
-def perturb_exit(model):
-    with torch.no_grad():
-        for head in model.recurrent.conditioning.exit_heads:
-            head.weight.normal_(std=0.5)
-            head.bias.normal_(std=0.1)
-    return model
-
-
 def test_exit_only_conditioning_leaves_every_loop_as_the_shared_block():
     """FiLM on the output block alone: the loops are the unconditioned block's (its states at every
     k are the plain model's), and only the output block sees the budget."""
     x = tokens()
     plain = make(conditioning=False)
-    exit_only = perturb_exit(make(conditioning=True, cond_first_loop=False, cond_later_loops=False, cond_exit=True))
+    exit_only = perturb_conditioning(make(conditioning=True, cond_first_loop=False, cond_later_loops=False, cond_exit=True))
     copy_shared_weights(plain, exit_only)
     c = exit_only.recurrent.conditioning
     assert not c.heads and c.loop_embed is None and len(c.exit_heads) == DEBUG.partition[2]
@@ -415,7 +409,7 @@ def test_exit_only_conditioning_leaves_every_loop_as_the_shared_block():
 def test_exit_conditioning_gives_every_exit_its_own_budget():
     """every_loop stacks the exits of loops 1..k; each exit's rows get the FiLM of its own budget, so
     they equal separate forwards at k = 1..K."""
-    model = perturb_exit(make(conditioning=True, cond_first_loop=False, cond_later_loops=False, cond_exit=True))
+    model = perturb_conditioning(make(conditioning=True, cond_first_loop=False, cond_later_loops=False, cond_exit=True))
     x = tokens()
     with torch.no_grad():
         exits = model(x, loops=3, every_loop=True)

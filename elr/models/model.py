@@ -83,7 +83,9 @@ class ELRModel(nn.Module):
         h = self.recurrent(h, rope, loops, cache, every_loop=every_loop)
         if every_loop:
             h = torch.cat(h)
-        films = self.recurrent.exit_films(loops, tokens.shape[0] if every_loop else 0) or [None] * len(self.output_layers)
+        c = self.recurrent.conditioning
+        films = (c.exit(loops, tokens.shape[0] if every_loop else 0) if c is not None and c.exit_heads
+                 else [None] * len(self.output_layers))
         for layer, film in zip(self.output_layers, films):
             h = layer(h, rope, film=film, cache=entry(layer))
         if cache is not None:

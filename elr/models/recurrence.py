@@ -125,9 +125,8 @@ class LoopConditioning(nn.Module):
             c = c + self.budget_embed.weight[loops - 1]
         return self._films(self.heads, c)
 
-    def exit(self, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...] | None]:
-        """Per output-block layer, FiLM for the state after `loops` loops (None without exit heads).
-        With `rows` (every_loop: the exits of loops 1..k stacked, `rows` sequences each) each exit's
+    def exit(self, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...]]:
+        """Per output-block layer, FiLM for the state after `loops` loops (needs exit heads). With `rows` (every_loop: the exits of loops 1..k stacked, `rows` sequences each) each exit's
         rows get the FiLM of their own budget: tensors of shape [loops * rows, 1, dim]."""
         if not rows:
             return self._films(self.exit_heads, self.budget_embed.weight[loops - 1])
@@ -175,12 +174,6 @@ class RecurrentBlock(nn.Module):
         at k yields the states of every shorter budget (no budget embedding)."""
         c = self.conditioning
         return c is None or not c.budget or not (c.first_loop or c.later_loops)
-
-    def exit_films(self, loops: int, rows: int = 0) -> list:
-        """FiLM for each output-block layer at budget `loops` (LoopConditioning.exit), or Nones."""
-        if self.conditioning is None or not self.conditioning.exit_heads:
-            return []
-        return self.conditioning.exit(loops, rows)
 
     def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None,
                 every_loop: bool = False) -> torch.Tensor | list[torch.Tensor]:
