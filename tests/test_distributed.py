@@ -15,15 +15,18 @@ from trainer_utils import ROOT, copy_checkpoint, records, run, run_script
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]
 FP32 = ["--training.mixed_precision_param", "float32"]
+# FiLM on the output block beside the loops' (debug.toml has the loops'): every conditioning head is
+# sharded, and the output block's FiLM is computed while FSDP holds the recurrent block unsharded.
+EXIT = ["--elr.conditioning_exit", "true"]
 
 
 def test_two_ranks_match_one_process_and_reshard_both_ways(tmp_path):
     # Sharded initialisation draws other numbers than one process does: start both from one seed.
-    run(tmp_path / "seed", 4, *CKPT, "--checkpoint.create_seed", "true")
+    run(tmp_path / "seed", 4, *CKPT, *EXIT, "--checkpoint.create_seed", "true")
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "two")
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "one")
-    two = run_script(tmp_path / "two", 4, *CKPT, *FP32, "--training.local_batch_size", "2", nproc=2)
-    one = run(tmp_path / "one", 4, *CKPT)
+    two = run_script(tmp_path / "two", 4, *CKPT, *EXIT, *FP32, "--training.local_batch_size", "2", nproc=2)
+    one = run(tmp_path / "one", 4, *CKPT, *EXIT)
     loops = [r["loops"] for r in records(tmp_path / "two")]
     assert any(len(set(sum(ks, []))) > 1 for ks in loops), "ranks should run different k in some update"
     assert [sum(ks, []) for ks in loops] == [sum(r["loops"], []) for r in records(tmp_path / "one")]
@@ -31,9 +34,9 @@ def test_two_ranks_match_one_process_and_reshard_both_ways(tmp_path):
         assert two[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step
 
     copy_checkpoint(tmp_path / "two", 2, tmp_path / "two_to_one")
-    two_to_one = run(tmp_path / "two_to_one", 4, *CKPT)
+    two_to_one = run(tmp_path / "two_to_one", 4, *CKPT, *EXIT)
     copy_checkpoint(tmp_path / "one", 2, tmp_path / "one_to_two")
-    one_to_two = run_script(tmp_path / "one_to_two", 4, *CKPT, *FP32, nproc=2)
+    one_to_two = run_script(tmp_path / "one_to_two", 4, *CKPT, *EXIT, *FP32, nproc=2)
     for step in (3, 4):
         assert two_to_one[step] == pytest.approx(two[step], rel=2e-5, abs=2e-5), step
         assert one_to_two[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step

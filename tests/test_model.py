@@ -396,8 +396,8 @@ def test_exit_only_conditioning_leaves_every_loop_as_the_shared_block():
     assert exit_only.recurrent.prefix_consistent
     with torch.no_grad():
         for k in (1, 2, 3):
-            assert torch.equal(plain.recurrent(plain.tok_embeddings(x), plain.rope[:, :x.shape[1]], k),
-                               exit_only.recurrent(exit_only.tok_embeddings(x), exit_only.rope[:, :x.shape[1]], k))
+            assert torch.equal(plain.recurrent(plain.tok_embeddings(x), plain.rope[:, :x.shape[1]], k)[0],
+                               exit_only.recurrent(exit_only.tok_embeddings(x), exit_only.rope[:, :x.shape[1]], k)[0])
         assert not torch.allclose(plain(x, loops=2), exit_only(x, loops=2))
         # zero exit heads (the initial model) are invisible
         for head in c.exit_heads:

@@ -80,13 +80,10 @@ class ELRModel(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
             h = layer(h, rope, cache=entry(layer))
-        h = self.recurrent(h, rope, loops, cache, every_loop=every_loop)
+        h, exit_films = self.recurrent(h, rope, loops, cache, every_loop=every_loop)
         if every_loop:
             h = torch.cat(h)
-        c = self.recurrent.conditioning
-        films = (c.exit(loops, tokens.shape[0] if every_loop else 0) if c is not None and c.exit_heads
-                 else [None] * len(self.output_layers))
-        for layer, film in zip(self.output_layers, films):
+        for layer, film in zip(self.output_layers, exit_films or [None] * len(self.output_layers)):
             h = layer(h, rope, film=film, cache=entry(layer))
         if cache is not None:
             cache.advance()

@@ -116,8 +116,11 @@ class LoopConditioning(nn.Module):
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
 
-    def forward(self, loop: int, loops: int) -> list[tuple[torch.Tensor, ...] | None]:
-        """Per recurrent layer (scale, shift, gate), (scale, shift) without the gate, or None."""
+    def forward(self, loop: int | None, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...] | None]:
+        """Per recurrent layer (scale, shift, gate), (scale, shift) without the gate, or None, for
+        loop `loop` of a `loops`-loop forward; loop None: per output-block layer (`exit`)."""
+        if loop is None:
+            return self._exit_films(loops, rows)
         if not (self.first_loop if loop == 1 else self.later_loops):
             return [None] * self.n_layers
         c = self.loop_embed.weight[loop - 1]
@@ -126,8 +129,14 @@ class LoopConditioning(nn.Module):
         return self._films(self.heads, c)
 
     def exit(self, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...]]:
-        """Per output-block layer, FiLM for the state after `loops` loops (needs exit heads). With `rows` (every_loop: the exits of loops 1..k stacked, `rows` sequences each) each exit's
-        rows get the FiLM of their own budget: tensors of shape [loops * rows, 1, dim]."""
+        """Per output-block layer, FiLM for the state after `loops` loops (needs exit heads). With
+        `rows` (every_loop: the exits of loops 1..k stacked, `rows` sequences each) each exit's rows
+        get the FiLM of their own budget: tensors of shape [loops * rows, 1, dim]. It runs as a call
+        of this module, inside the recurrent block's forward, because that is where parallel wrappers
+        make the parameters usable (FSDP unshards the block, TP's LocalCompute hooks forward)."""
+        return self(None, loops, rows)
+
+    def _exit_films(self, loops: int, rows: int) -> list[tuple[torch.Tensor, ...]]:
         if not rows:
             return self._films(self.exit_heads, self.budget_embed.weight[loops - 1])
         per_exit = self._films(self.exit_heads, self.budget_embed.weight[:loops])  # each [loops, dim]
@@ -176,9 +185,10 @@ class RecurrentBlock(nn.Module):
         return c is None or not c.budget or not (c.first_loop or c.later_loops)
 
     def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None,
-                every_loop: bool = False) -> torch.Tensor | list[torch.Tensor]:
-        """s_k; with `every_loop`, [s_1, ..., s_k] (needs a prefix-consistent block). `cache`
-        (inference only) hands each layer its cache entry for loop i (keys and values, or a state)."""
+                every_loop: bool = False) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
+        """(s_k, the output block's FiLM for budget k or None without exit heads); with `every_loop`,
+        ([s_1, ..., s_k], each exit's FiLM) (needs a prefix-consistent block). `cache` (inference
+        only) hands each layer its cache entry for loop i (keys and values, or a state)."""
         if loops < 1 or (loops > self.max_loops and self.conditioning is not None):
             raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model's conditioning "
                              "embeddings cover (an unconditioned model runs any k >= 1; beyond its max_loops it "
@@ -202,7 +212,9 @@ class RecurrentBlock(nn.Module):
                 self._recorded.append(self._record(s, s_next, a, films))
             s = s_next
             states.append(s)
-        return states if every_loop else s
+        c = self.conditioning
+        exit_films = c.exit(loops, h_in.shape[0] if every_loop else 0) if c is not None and c.exit_heads else None
+        return (states if every_loop else s), exit_films
 
     def _update(self, s, r, a):
         if self.update == "adaptive_delta":

@@ -1,7 +1,7 @@
 """Tensor parallelism on 2 gloo ranks, launched by tests/test_tensor_parallel.py: every parameter's
 gradient under TP equals the single-process model's, for the debug model (G, A, F, E layers) at
 loop counts 1 and 3 accumulated, with GQA kv heads split (2 kv heads) and replicated (1 kv head), with
-each activation-checkpointing mode; `--compile`: with compiled layers (dynamo + AOTAutograd, the
+each activation-checkpointing mode, and with the output block's FiLM heads; `--compile`: with compiled layers (dynamo + AOTAutograd, the
 aot_eager backend, static shapes as parallelize() sets them under TP) instead. Also: every non-MoE
 mixer weight is split in memory, and the memory plan's traced activations match a real TP forward.
 """
@@ -104,6 +104,8 @@ def checks(mesh, failures: list) -> None:
         check(ARGS, "none", mesh, failures)
         check(dataclasses.replace(ARGS, n_kv_heads=1), "full", mesh, failures)
         check(ARGS, "selective", mesh, failures)
+        # FiLM on the output block as well (the production recipe's), computed inside the recurrent block
+        check(dataclasses.replace(ARGS, cond_exit=True), "none", mesh, failures)
         check_planned_activations(mesh, failures)
 
 
