@@ -1,8 +1,9 @@
 """Tensor parallelism on 2 gloo ranks, launched by tests/test_tensor_parallel.py: every parameter's
 gradient under TP equals the single-process model's, for the debug model (G, A, F, E layers) at
 loop counts 1 and 3 accumulated, with GQA kv heads split (2 kv heads) and replicated (1 kv head), with
-each activation-checkpointing mode, and with the output block's FiLM heads; `--compile`: with compiled layers (dynamo + AOTAutograd, the
-aot_eager backend, static shapes as parallelize() sets them under TP) instead. Also: every non-MoE
+each activation-checkpointing mode, and with the output block's FiLM heads; `--compile`: with compiled
+layers (dynamo + AOTAutograd, the aot_eager backend, static shapes as parallelize() sets them under TP)
+instead. Also: every non-MoE
 mixer weight is split in memory, and the memory plan's traced activations match a real TP forward.
 """
 
