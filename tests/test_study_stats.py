@@ -55,6 +55,14 @@ def test_report_judges_each_paper_comparison_seed_by_seed():
     assert not any(key.startswith("Table 3") for key in rows)                     # no sync_* runs: no row
 
 
+def test_figure_6_number_belongs_to_the_quarter_switch():
+    """The paper's 1.6147 vs 1.6273 is GPT-0.5B's, mixed depth only in the last quarter (switch at 75%)."""
+    from elr.tools.study.text_report import paper_difference
+
+    assert paper_difference("switch75", "default_uncond") == paper_difference("switch75", "default") == "– / -0.0126"
+    assert paper_difference("switch50", "default_uncond") == "–"
+
+
 def test_tradeoff_points_are_paired_k1_gap_and_best_k_gain():
     from elr.tools.study.text_report import tradeoff_points
 
