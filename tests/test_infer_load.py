@@ -76,9 +76,11 @@ def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys
         "--elr.conditioning", "false", "--elr.one_loop_override", "0")
     task = tmp_path / "tiny.jsonl"
     task.write_text('{"question": "Snow is", "options": "A. cold\\nB. hot", "answer": "A. cold"}\n'
-                    '{"question": "Fire is", "choices": ["cold", "hot"], "answer": 1}\n')
+                    '{"question": "Fire is", "choices": ["cold", "hot"], "answer": 1}\n'
+                    '{"context": "The king said", "choices": [" no", " the sea was"], "answer": 0}\n')
     out = tmp_path / "eval" / "result.json"
     argv = ["--checkpoint", str(trained / "step-2"), "--loops", "1,2", "--tasks", str(task), "--val-batches", "1",
+            "--decoded-tasks",
             "--batch-size", "2", "--latency-prompt-tokens", "8", "--latency-new-tokens", "2",
             "--baseline", str(base / "checkpoint" / "step-1"), "--out", str(out)]
     assert script("evaluate").main(argv) == 0
@@ -88,6 +90,8 @@ def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys
     rows = result["rows"]
     assert set(rows) >= {"val_loss", "tiny/acc", "tiny/acc_norm", "latency/ttft_s", "latency/decode_s_per_token_rel"}
     assert rows["latency/ttft_s_rel"]["1"] == 1.0 and set(rows["val_loss"]) == {"1", "2"}
+    assert rows["tiny/acc_decoded/per_loop"] == rows["tiny/acc"]  # per_loop decoding is exact
+    assert {f"tiny/acc_decoded/{mode}" for mode in ("last_loop_kv", "last_loop")} <= set(rows)
     assert set(result["baseline"]["rows"]["val_loss"]) == {"1"}
     assert out.with_suffix(".md").read_text().strip() == table.strip()
 

