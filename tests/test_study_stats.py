@@ -75,5 +75,7 @@ def test_tradeoff_points_are_paired_k1_gap_and_best_k_gain():
     points = tradeoff_points(results)
     assert set(points) == {"default", "uncond"}
     one, gain = points["default"]
-    assert one == pytest.approx((0.1 / 2.0 + 0.0) / 2) and gain == pytest.approx((-0.2 / 2.1 + 0.0) / 2)
-    assert points["uncond"] == pytest.approx(((-0.1 / 2.0) / 2, 0.0))
+    assert one["mean"] == pytest.approx((0.1 / 2.0 + 0.0) / 2) and gain["mean"] == pytest.approx((-0.2 / 2.1 + 0.0) / 2)
+    assert one["sd"] == pytest.approx(0.05 / 2 ** 0.5) and one["n"] == 2  # the spread the plot draws as bars
+    one, gain = points["uncond"]
+    assert (one["mean"], gain["mean"]) == pytest.approx(((-0.1 / 2.0) / 2, 0.0))

@@ -321,9 +321,10 @@ def remedies_section(results: dict, members: list[str], title: str, claim: str) 
     return lines + [""]
 
 
-def tradeoff_points(results: dict) -> dict[str, tuple[float, float]]:
+def tradeoff_points(results: dict) -> dict[str, tuple[dict, dict]]:
     """Per remedy (and the paper's recipe): the paired relative k = 1 gap to the matched baseline and
-    the paired relative gain of its best k over its own k = 1, the two properties the recipe wants."""
+    the paired relative gain of its best k over its own k = 1 (stats.paired: mean, sd over seeds),
+    the two properties the recipe wants."""
     base = results.get("baseline_matched")
     points = {}
     for v, r in results.items():
@@ -333,7 +334,7 @@ def tradeoff_points(results: dict) -> dict[str, tuple[float, float]]:
         best = 2 + min(range(len(r["loss"]) - 1), key=lambda i: r["loss"][i + 1])
         gain = paired(relative(per_seed(r, best), per_seed(r, 1)), {s: 0.0 for s in r["seeds"]})
         if one is not None:
-            points[v] = (one["mean"], gain["mean"])
+            points[v] = (one, gain)
     return points
 
 
@@ -385,9 +386,10 @@ def plot(results: dict, out: Path) -> list[Path]:
     points = tradeoff_points(results)
     if points:
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        for label, (one, gain) in points.items():
-            ax.scatter(100 * one, 100 * gain)
-            ax.annotate(label, (100 * one, 100 * gain), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        for label, (one, gain) in points.items():  # bars: one paired sd over seeds each way
+            x, y = 100 * one["mean"], 100 * gain["mean"]
+            ax.errorbar(x, y, xerr=100 * one["sd"], yerr=100 * gain["sd"], marker="o", capsize=2, linewidth=0.8)
+            ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.axvline(0, color="black", linestyle="--", linewidth=0.8)
         ax.axhline(-1, color="gray", linestyle=":", linewidth=0.8)
         ax.set(title="One-loop parity against loop gain (wanted: left of the dashed line, below the dotted)",
