@@ -79,3 +79,12 @@ def test_tradeoff_points_are_paired_k1_gap_and_best_k_gain():
     assert one["sd"] == pytest.approx(0.05 / 2 ** 0.5) and one["n"] == 2  # the spread the plot draws as bars
     one, gain = points["uncond"]
     assert (one["mean"], gain["mean"]) == pytest.approx(((-0.1 / 2.0) / 2, 0.0))
+
+
+def test_paper_rows_sit_beside_the_unconditioned_variants_where_run():
+    from elr.tools.study.text_report import PAPER, paper_rows
+
+    table = PAPER["table_3"]
+    assert paper_rows(table, ["default", "default_uncond", "sync_uniform"]) == {
+        "default_uncond": table["default"], "sync_uniform": table["sync_uniform"]}
+    assert paper_rows(table, ["default"]) == {"default": table["default"]}  # the conditioned grid alone

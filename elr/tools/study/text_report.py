@@ -73,6 +73,18 @@ def paper_difference(variant: str, reference: str) -> str:
     return "–" if diff is None else f"– / {diff:+.4f}"
 
 
+def paper_rows(table: dict[str, list[float]], members: list[str]) -> dict[str, list[float]]:
+    """{variant: the paper's losses} for the rows of one of its tables: each sits beside our
+    unconditioned variant where it was run (the paper's rows are unconditioned), else beside the
+    conditioned one."""
+    rows = {}
+    for name, losses in table.items():
+        variant = next((v for v in (f"{name}_uncond", name) if v in members), None)
+        if variant is not None:
+            rows[variant] = losses
+    return rows
+
+
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
     from elr.train.data import val_batches
@@ -188,7 +200,7 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> No
             section = controls_section if group == "controls" else remedies_section
             lines += section(results, extra + members, title, claim)
             continue
-        paper = PAPER.get(group, {})
+        paper = paper_rows(PAPER.get(group, {}), members)
         lines += [f"## {title}", "", f"Paper: {claim}", ""]
         header = ("| variant | seeds | " + " | ".join(f"k={k}" for k in range(1, K + 1))
                   + " | Δ k=1 / best k vs matched baseline |")
