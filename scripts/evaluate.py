@@ -6,11 +6,11 @@
 
 Validation loss uses the run's prepared data folder (or --data; a chat folder scores the assistant
 tokens of its validation conversations, as the trainer's validation does); tasks are JSONL files (see
-elr/infer/evaluate.py, scripts/convert_mc_tasks.py and scripts/make_cloze_task.py). Latency: time to first token of a fixed
-prompt and per-token decode, each also relative to k=1. Prints a Markdown table and writes it, with
-the JSON, next to --out; scripts/plot_loops.py draws figures from the JSON. A run trained on a depth
-task (data.task) is scored instead on its task's validation examples: answer accuracy at each
-difficulty and k (an unconditioned model also beyond its K: --loops 1,2,...,8).
+elr/infer/evaluate.py, scripts/convert_mc_tasks.py and scripts/make_cloze_task.py). Latency: time
+to first token of a fixed prompt and per-token decode, each also relative to k=1. Prints a Markdown
+table and writes it, with the JSON, next to --out; scripts/plot_loops.py draws figures from the JSON.
+A run trained on a depth task (data.task) is scored instead on its task's validation examples: answer
+accuracy at each difficulty and k (an unconditioned model also beyond its K: --loops 1,2,...,8).
 """
 
 from __future__ import annotations

