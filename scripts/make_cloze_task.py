@@ -18,8 +18,11 @@ import sys
 from pathlib import Path
 
 from elr.cli import HelpFormatter
+from elr.config import JobConfig
+from elr.errors import UserError
 from elr.infer.evaluate import read_tokens
 from elr.tokenizer import Tokenizer, build_tokenizer
+from elr.train.data import check_tokenizer, job_tokenizer_path
 
 
 def cloze_items(tokens, tokenizer: Tokenizer, items: int, context_tokens: int, option_tokens: int,
@@ -51,7 +54,7 @@ def cloze_items(tokens, tokenizer: Tokenizer, items: int, context_tokens: int, o
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--data", required=True, help="prepared data folder (val.bin and meta.json)")
-    p.add_argument("--tokenizer", help="tokenizer file (default: data/tokenizer/<meta.json's tokenizer>)")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the one meta.json records, found as train.py finds it)")
     p.add_argument("--items", type=int, default=400, help="items to write (default %(default)s)")
     p.add_argument("--context-tokens", type=int, default=48, help="tokens of text before the options (default %(default)s)")
     p.add_argument("--option-tokens", type=int, default=8, help="tokens per option (default %(default)s)")
@@ -62,17 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.items < 1 or args.choices < 2 or args.context_tokens < 1 or args.option_tokens < 1:
             raise ValueError("--items, --context-tokens and --option-tokens must be positive, --choices at least 2")
-        meta = json.loads((Path(args.data) / "meta.json").read_text())
-        path = args.tokenizer or str(Path(__file__).resolve().parents[1] / "data" / "tokenizer" / meta["tokenizer"])
-        tokenizer = build_tokenizer(path)
-        if meta.get("tokenizer_sha256") and tokenizer.sha256 != meta["tokenizer_sha256"]:
-            raise ValueError(f"{path} is not the tokenizer {args.data} was prepared with (SHA-256 differs)")
+        cfg = JobConfig()  # the trainer's own lookup and check of a data folder's tokenizer
+        cfg.data.path, cfg.tokenizer.path = args.data, args.tokenizer or ""
+        tokenizer = build_tokenizer(job_tokenizer_path(cfg))
+        check_tokenizer(Path(args.data), tokenizer, cfg)
         items = cloze_items(read_tokens(Path(args.data) / "val.bin"), tokenizer, args.items,
                             args.context_tokens, args.option_tokens, args.choices, args.seed)
-    except KeyError as e:
-        print(f"make_cloze_task: error: {args.data}/meta.json names no {e}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as e:
+    except (UserError, OSError, ValueError) as e:
         print(f"make_cloze_task: error: {e}", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -100,10 +100,24 @@ def continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], lo
         logprobs = F.log_softmax(model(tokens.to(device), loops).float(), dim=-1).cpu()
         for b, ((_, cont), row) in enumerate(zip(batch, rows)):
             first = len(row) - 1 - len(cont)  # position whose logits predict the first option token
-            targets, rows_lp = torch.tensor(cont), logprobs[b, first:first + len(cont)]
-            greedy = bool((rows_lp.argmax(-1) == targets).all())
-            scores.append((rows_lp.gather(-1, targets[:, None]).sum().item(), greedy))
+            scores.append(option_score(logprobs[b, first:first + len(cont)], cont))
     return scores
+
+
+def teacher_forced_logits(model, tokens: torch.Tensor, prefill: int, loops: int, kv_mode: str) -> torch.Tensor:
+    """Logits predicting tokens[:, prefill:] and one more: the first `prefill` columns prefilled into an
+    inference cache in `kv_mode`, each later column fed one at a time, as a served model reads them."""
+    cache = InferenceCache(model, tokens.shape[0], tokens.shape[1], loops, kv_mode)
+    logits = [model(tokens[:, :prefill], loops, cache)[:, -1:]]
+    logits += [model(tokens[:, t:t + 1], loops, cache) for t in range(prefill, tokens.shape[1])]
+    return torch.cat(logits, dim=1)
+
+
+def option_score(logprobs: torch.Tensor, option: list[int]) -> tuple[float, bool]:
+    """Summed log-probability of an option from the rows that predict its tokens, and whether greedy
+    decoding would produce it."""
+    targets = torch.tensor(option)
+    return logprobs.gather(-1, targets[:, None]).sum().item(), bool((logprobs.argmax(-1) == targets).all())
 
 
 @torch.no_grad()
@@ -125,15 +139,9 @@ def decoded_continuation_logprobs(model, requests: list[tuple[list[int], list[in
         tokens[:, :len(context)] = torch.tensor(context)
         for b, option in enumerate(options):
             tokens[b, len(context):len(context) + len(option) - 1] = torch.tensor(option[:-1])
-        tokens = tokens.to(device)
-        cache = InferenceCache(model, len(options), tokens.shape[1], loops, kv_mode)
-        logits = [model(tokens[:, :len(context)], loops, cache)[:, -1:]]
-        logits += [model(tokens[:, t:t + 1], loops, cache) for t in range(len(context), tokens.shape[1])]
-        logprobs = F.log_softmax(torch.cat(logits, dim=1).float(), dim=-1).cpu()  # row j predicts option token j
-        for b, option in enumerate(options):
-            targets, option_lp = torch.tensor(option), logprobs[b, :len(option)]
-            greedy = bool((option_lp.argmax(-1) == targets).all())
-            scores.append((option_lp.gather(-1, targets[:, None]).sum().item(), greedy))
+        logits = teacher_forced_logits(model, tokens.to(device), len(context), loops, kv_mode)
+        logprobs = F.log_softmax(logits.float(), dim=-1).cpu()  # row j predicts option token j
+        scores += [option_score(logprobs[b, :len(option)], option) for b, option in enumerate(options)]
     return scores
 
 
@@ -191,19 +199,13 @@ def decoded_loss(model, tokens: np.ndarray, seq_len: int, loops: int, kv_mode: s
     """Next-token cross entropy of each window's second half, decoded one token at a time (teacher
     forced) through the inference cache after its first half is prefilled: what a KV mode costs, which
     the full-sequence loss cannot show (in per_loop mode the two agree)."""
-    from elr.infer.cache import InferenceCache
-
     windows = min(windows, (len(tokens) - 1) // seq_len)
     if windows < 1:
         raise ValueError(f"{len(tokens)} validation tokens are too few for one window of {seq_len + 1}")
     device, prefill = model.output.weight.device, seq_len // 2
     rows = np.stack([tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(windows)])
     rows = torch.from_numpy(rows.astype(np.int64)).to(device)
-    cache = InferenceCache(model, windows, seq_len, loops, kv_mode)
-    logits = [model(rows[:, :prefill], loops, cache)[:, -1:]]
-    for t in range(prefill, seq_len):
-        logits.append(model(rows[:, t:t + 1], loops, cache))
-    logits = torch.cat(logits, dim=1)  # predictions of tokens prefill .. seq_len
+    logits = teacher_forced_logits(model, rows[:, :-1], prefill, loops, kv_mode)  # predicts tokens prefill .. seq_len
     return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, prefill:].flatten()).item()
 
 
