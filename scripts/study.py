@@ -7,6 +7,7 @@ evaluated at every loop count k (README "Does the recipe work?"; the library is 
     python scripts/study.py --quick                     # the text suite's quick subset, one seed
     python scripts/study.py --seeds 0 1 2               # the text grid -> docs/study/text
     python scripts/study.py ... --report-only           # tables and figures from the finished runs
+    python scripts/study.py ... --carry docs/study/text/results.json  # rows of runs not kept here, named as such
 
 A suite is train_configs/study/<suite>.toml plus the variants of <suite>_variants.toml. Runs live in
 outputs/study/<suite>[-quick|-custom]/runs/<variant>/seed<N>: finished ones are skipped, interrupted
@@ -24,7 +25,7 @@ from pathlib import Path
 from elr.cli import HelpFormatter
 from elr.tools.study import depth_report, text_report
 from elr.tools.study.byte_data import bundled_prose_as_bytes
-from elr.tools.study.runs import ROOT, SUITES, Run, Suite, log, train_all
+from elr.tools.study.runs import ROOT, SUITES, Run, Suite, earlier_rows, log, train_all
 
 COMMITTED = {"text": ROOT / "docs/study/text", "depth": ROOT / "docs/study/depth"}
 
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extrapolation-examples", type=int, default=1024,
                    help="depth: examples per k when scoring unconditioned runs past K (0: skip)")
     p.add_argument("--report-only", action="store_true", help="no training: tabulate the finished runs")
+    p.add_argument("--carry", type=Path, metavar="RESULTS_JSON",
+                   help="take the rows of variants with no finished run here from this earlier report "
+                   "(same suite and --steps); the report names them")
     args = p.parse_args(argv)
 
     suite = Suite.load(args.suite)
@@ -61,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     base = ROOT / "outputs/study" / f"{args.suite}{tag}"
     runs_dir = args.runs or base / "runs"
     out = args.out or (COMMITTED[args.suite] if full_grid else base)
+
+    earlier = {}
+    if args.carry:
+        try:
+            earlier = earlier_rows(args.carry, args.suite, steps)
+        except ValueError as e:
+            p.error(str(e))
 
     data = None
     if args.suite == "text":
@@ -80,17 +91,21 @@ def main(argv: list[str] | None = None) -> int:
         with open(suite.config, "rb") as f:
             task = tomli.load(f)["data"]
         results = depth_report.collect(runs, variants, steps, task["task_max_difficulty"], args.extrapolation_examples)
+    carried = [v for v in names if v not in results and v in earlier]
+    results = {v: results[v] if v in results else earlier[v] for v in names if v in results or v in carried}
+    if args.carry:
+        log(f"carried {len(carried)} variant(s) from {args.carry}: {' '.join(carried) or '-'}")
     if not results:
         log("no finished runs to report")
         return 1
     (out / "results.json").write_text(json.dumps({"suite": args.suite, "steps": steps, "seeds": seeds,
-                                                  "results": results}, indent=2))
+                                                  "carried": carried, "results": results}, indent=2))
     try:
         if args.suite == "text":
-            text_report.write_markdown(results, out, steps, seeds)
+            text_report.write_markdown(results, out, steps, seeds, carried)
             figures = text_report.plot(results, out)
         else:
-            depth_report.write_markdown(results, out, steps, seeds, task["task"])
+            depth_report.write_markdown(results, out, steps, seeds, task["task"], carried)
             figures = [depth_report.plot(results, out)]
     except ModuleNotFoundError as e:  # matplotlib is an extra: pip install -e ".[plot]"
         log(f"wrote {out / 'results.json'}; no report: {e} (pip install -e \".[plot]\")")

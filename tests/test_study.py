@@ -70,3 +70,27 @@ def test_depth_suite_reports_accuracy_per_difficulty_and_past_k(tmp_path):
     assert beyond["4"] == results["elr"]["accuracy"][3]
     assert "## Verdict" in (tmp_path / "out/results.md").read_text()
     assert (tmp_path / "out/accuracy_vs_difficulty.png").stat().st_size > 0
+
+
+def test_report_only_carries_earlier_rows_and_names_them(tmp_path):
+    """A grid trained in parts: variants with no run here take the committed report's rows, and say so."""
+    committed = ROOT / "docs/study/text/results.json"
+    earlier = json.loads(committed.read_text())
+
+    def report(steps: int, out: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(ROOT / "scripts/study.py"), "--variants", "baseline_matched", "default",
+               "--steps", str(steps), "--report-only", "--runs", str(tmp_path / "runs"),
+               "--out", str(tmp_path / out), "--carry", str(committed)]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    done = report(earlier["steps"], "out")
+    assert done.returncode == 0, done.stdout + done.stderr
+    written = json.loads((tmp_path / "out/results.json").read_text())
+    assert written["carried"] == ["baseline_matched", "default"]
+    assert written["results"] == {v: earlier["results"][v] for v in ("baseline_matched", "default")}
+    table = (tmp_path / "out/results.md").read_text()
+    assert "carried from an earlier report" in table and f"{earlier['results']['default']['loss'][3]:.4f}" in table
+    # another length is another experiment: refused before anything is written
+    wrong = report(7, "wrong")
+    assert wrong.returncode == 2 and "not text at 7" in wrong.stderr
+    assert not (tmp_path / "wrong").exists()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from elr.tools.study.runs import Run, final_record, latest_checkpoint
+from elr.tools.study.runs import Run, carried_note, final_record, latest_checkpoint
 
 UNTIED_K = "untied_k4"  # the control as deep as k = K (variants.toml names it)
 MATCHED = "baseline_matched"
@@ -98,12 +98,14 @@ def verdicts(results: dict) -> list[str]:
     return lines
 
 
-def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], task: str) -> None:
+def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], task: str,
+                   carried: list[str] = ()) -> None:
     difficulties = len(next(iter(results.values()))["accuracy"][0])
     lines = [f"# Depth suite ({task}; seeds {', '.join(map(str, seeds))}; {steps} updates each)", "",
              "Answer accuracy on held-out examples at each difficulty d (hops or binding depth) and loop count k, "
-             "mean over the finished seeds. Made by `python scripts/study.py --suite depth`.", "",
-             "## Verdict", ""] + [f"- {line}" for line in verdicts(results)] + ["", "## Accuracy", "",
+             "mean over the finished seeds. Made by `python scripts/study.py --suite depth`.", ""]
+    lines += carried_note(list(carried))
+    lines += ["## Verdict", ""] + [f"- {line}" for line in verdicts(results)] + ["", "## Accuracy", "",
              "| variant | seeds | k | " + " | ".join(f"d={d}" for d in range(1, difficulties + 1)) + " | mean |",
              "|" + "---|" * (difficulties + 4)]
     for r in results.values():

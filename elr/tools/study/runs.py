@@ -148,3 +148,24 @@ def train_all(runs: list[Run], config: Path, data: Path | None, steps: int, jobs
             log(f"[{done}/{total}] {run.name}: {time.monotonic() - start:.0f} s, {summary} | {duration(elapsed)}, "
                 f"eta {duration(elapsed / done * (total - done))}")
     return failed
+
+
+def earlier_rows(report: Path, suite: str, steps: int) -> dict[str, dict]:
+    """The rows of an earlier report (its results.json), for `--carry`: a grid trained in parts, or on
+    machines that kept no runs, still reports whole. It must be of the same suite and length."""
+    try:
+        earlier = json.loads(report.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--carry {report}: not a readable results.json ({e})") from e
+    if (earlier.get("suite"), earlier.get("steps")) != (suite, steps):
+        raise ValueError(f"--carry {report}: a {earlier.get('suite')} report at {earlier.get('steps')} updates, "
+                         f"not {suite} at {steps}")
+    return earlier.get("results", {})
+
+
+def carried_note(carried: list[str]) -> list[str]:
+    """The report's lines naming the rows that came from an earlier report rather than runs kept here."""
+    if not carried:
+        return []
+    return [f"Rows carried from an earlier report of the same suite and length (`--carry`; their runs are not "
+            f"kept here): {', '.join(f'`{v}`' for v in carried)}.", ""]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from elr.tools.study.runs import Run, final_validation, latest_checkpoint
+from elr.tools.study.runs import Run, carried_note, final_validation, latest_checkpoint
 from elr.tools.route_diagnostics import route_drift
 from elr.tools.study.stats import paired, relative, summarise, verdict
 
@@ -181,13 +181,14 @@ def rank_of(values: dict[str, float]) -> dict[str, int]:
     return {name: i + 1 for i, name in enumerate(sorted(values, key=values.get))}
 
 
-def write_markdown(results: dict, out: Path, steps: int, seeds: list[int]) -> None:
+def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carried: list[str] = ()) -> None:
     K = max(len(r["loss"]) for r in results.values())
     base = results.get("baseline_matched") or results.get("baseline")
     lines = [f"# ELR study results (seeds {', '.join(map(str, seeds))}; {steps} updates each)", "",
              "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over the finished "
              "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, GPT-0.5B, K = 5 "
              f"(its baseline {PAPER_BASELINE}); its k = 1..{K} are shown. Made by `python scripts/study.py`.", ""]
+    lines += carried_note(list(carried))
     for group, (title, claim) in GROUPS.items():
         members = [v for v, r in results.items() if group in r["groups"]]
         if not members:
