@@ -88,3 +88,22 @@ def test_paper_rows_sit_beside_the_unconditioned_variants_where_run():
     assert paper_rows(table, ["default", "default_uncond", "sync_uniform"]) == {
         "default_uncond": table["default"], "sync_uniform": table["sync_uniform"]}
     assert paper_rows(table, ["default"]) == {"default": table["default"]}  # the conditioned grid alone
+
+
+def test_report_words_each_open_reading_seed_by_seed():
+    from elr.tools.study.text_report import readings_section
+
+    results = {
+        "default": _entry([[1.9, 1.8], [2.0, 1.9], [2.1, 2.0]]),
+        "cond_silu": _entry([[1.8, 1.9], [1.9, 2.0], [2.0, 2.1]]),        # lower at k=1, higher at k=2
+        "replace_uncond": _entry([[2.0, 1.9], [2.1, 2.0], [2.2, 2.1]]),
+        "residual_uncond": _entry([[2.1, 2.0], [2.2, 2.1], [2.3, 2.2]]),  # higher on every seed at every k
+    }
+    rows = [line for line in readings_section(results) if line.startswith("| ") and "`" in line]
+    assert len(rows) == 2  # readings without both runs are left out
+    silu, residual = rows
+    assert "k=1: -0.1000 ± 0.0000 (3/3); k=2: +0.1000 ± 0.0000 (0/3)" in silu and silu.endswith("| mixed |")
+    assert residual.endswith("| higher on every seed |")
+    assert readings_section({"default": results["default"]}) == []
+    one = {"default": _entry([[1.9, 1.8]]), "cond_silu": _entry([[1.8, 1.7]])}
+    assert readings_section(one)[-2].endswith("| one seed: no verdict |")

@@ -58,6 +58,15 @@ CLAIMS = ([(f"{a}_uncond", f"{b}_uncond", sign, at, claim) for a, b, sign, at, c
           + [(a, b, sign, at, f"{claim} (conditioned)") for a, b, sign, at, claim in PAPER_CLAIMS]
           + [(s, "default", -1, "K", f"Figure 6: a late switch at {pct} beats mixed depth from scratch at K (conditioned)")
              for s, pct in (("switch75", "75%"), ("switch50", "50%"))])
+# The readings the paper leaves open (README "The paper's rows as it ran them"): (option, alternative, what is read)
+READINGS = [
+    ("cond_silu", "default", "conditioning head: FiLM through a SiLU (can single out the last loop of k) vs additive in i and k"),
+    ("residual_uncond", "replace_uncond", "parameter-free rule: residual s_{i-1} + r_i vs replacement (unconditioned)"),
+    ("residual", "replace", "parameter-free rule: residual s_{i-1} + r_i vs replacement (conditioned)"),
+    ("reinject_uncond", "default_uncond", "recurrent input: s_{i-1} + h_in (Figure 1's caption) vs s_{i-1} (Table 14; unconditioned)"),
+    ("reinject", "default", "recurrent input: s_{i-1} + h_in vs s_{i-1} (conditioned)"),
+]
+READING_WORDS = {"reproduced": "lower on every seed", "contradicted": "higher on every seed", "inconclusive": "mixed"}
 # Figure 6's number is GPT-0.5B's, whose switch leaves mixed depth to the last quarter (switch75); Table 1
 PAPER_DIFF_AT_K = {("switch75", "default"): 1.6147 - 1.6273, ("moe_replay", "moe_dynamic"): 0.0038}
 
@@ -226,7 +235,7 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
                     row += " – | – | – |"
             lines.append(row)
         lines.append("")
-    lines += claims_section(results)
+    lines += claims_section(results) + readings_section(results)
     elr = {v: r for v, r in results.items() if "loop_stats" in r}
     if elr:
         lines += ["## Later loops at work", "",
@@ -256,6 +265,21 @@ def claim_verdict(words: list[str]) -> str:
     return words[0] if len(set(words)) == 1 else "inconclusive"
 
 
+def paired_by_k(a: dict, b: dict, at: str, sign: int) -> tuple[list[str], list[str]]:
+    """a - b seed by seed at every k (or at K only): one cell per k (mean ± sd, seeds with `sign`) and
+    the rule's word for each."""
+    K = min(len(a["loss"]), len(b["loss"]))
+    cells, words = [], []
+    for k in range(1, K + 1) if at == "every" else [K]:
+        p = paired(per_seed(a, k), per_seed(b, k))
+        if p is None:
+            break
+        words.append(verdict(p["diffs"], sign))
+        agree = sum((d > 0) - (d < 0) == sign for d in p["diffs"])
+        cells.append(f"k={k}: {p['mean']:+.4f} ± {p['sd']:.4f} ({agree}/{p['n']})")
+    return cells, words
+
+
 def claims_section(results: dict) -> list[str]:
     """Each comparison the paper makes, seed by seed: the paired difference (variant - reference, nats
     per byte) at each k it is claimed at, how many seeds have the paper's sign, and the rule's word."""
@@ -264,16 +288,7 @@ def claims_section(results: dict) -> list[str]:
         a, b = results.get(variant), results.get(reference)
         if a is None or b is None:
             continue
-        K = min(len(a["loss"]), len(b["loss"]))
-        ks = range(1, K + 1) if at == "every" else [K]
-        cells, words = [], []
-        for k in ks:
-            p = paired(per_seed(a, k), per_seed(b, k))
-            if p is None:
-                break
-            words.append(verdict(p["diffs"], sign))
-            agree = sum((d > 0) - (d < 0) == sign for d in p["diffs"])
-            cells.append(f"k={k}: {p['mean']:+.4f} ± {p['sd']:.4f} ({agree}/{p['n']})")
+        cells, words = paired_by_k(a, b, at, sign)
         if words:
             rows.append(f"| {claim} | {'lower' if sign < 0 else 'higher'} | {paper_difference(variant, reference)} | "
                         f"{'; '.join(cells)} | {claim_verdict(words)} |")
@@ -287,6 +302,26 @@ def claims_section(results: dict) -> list[str]:
             "opposite sign, otherwise *inconclusive*; a claim made at every k needs the same word at each k.", "",
             "| claim | paper: variant is | paper's difference k=1 / k=K | ours, paired per k (seeds with the paper's sign) | verdict |",
             "|---|---|---|---|---|", *rows, ""]
+
+
+def readings_section(results: dict) -> list[str]:
+    """The readings the paper leaves open, each option against the default seed by seed at every k."""
+    rows = []
+    for variant, reference, reading in READINGS:
+        a, b = results.get(variant), results.get(reference)
+        if a is None or b is None:
+            continue
+        cells, words = paired_by_k(a, b, "every", -1)
+        if words:
+            shared = len(set(a["seeds"]) & set(b["seeds"]))
+            result = READING_WORDS[claim_verdict(words)] if shared > 1 else "one seed: no verdict"
+            rows.append(f"| {reading} | `{variant}` − `{reference}` | {'; '.join(cells)} | {result} |")
+    if not rows:
+        return []
+    return ["## Readings the paper leaves open, seed by seed", "",
+            "Each option against its alternative on shared seeds (nats per byte; in brackets the seeds where the "
+            "option is lower), worded by the same rule with 'lower' as the claim.", "",
+            "| reading | option − alternative | paired per k (seeds lower) | result |", "|---|---|---|---|", *rows, ""]
 
 
 def controls_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
