@@ -104,7 +104,7 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], task:
     lines = [f"# Depth suite ({task}; seeds {', '.join(map(str, seeds))}; {steps} updates each)", "",
              "Answer accuracy on held-out examples at each difficulty d (hops or binding depth) and loop count k, "
              "mean over the finished seeds. Made by `python scripts/study.py --suite depth`.", ""]
-    lines += carried_note(list(carried))
+    lines += carried_note(carried)
     lines += ["## Verdict", ""] + [f"- {line}" for line in verdicts(results)] + ["", "## Accuracy", "",
              "| variant | seeds | k | " + " | ".join(f"d={d}" for d in range(1, difficulties + 1)) + " | mean |",
              "|" + "---|" * (difficulties + 4)]

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,7 +164,7 @@ def earlier_rows(report: Path, suite: str, steps: int) -> dict[str, dict]:
     return earlier.get("results", {})
 
 
-def carried_note(carried: list[str]) -> list[str]:
+def carried_note(carried: Sequence[str]) -> list[str]:
     """The report's lines naming the rows that came from an earlier report rather than runs kept here."""
     if not carried:
         return []

@@ -197,7 +197,7 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
              "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over the finished "
              "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, GPT-0.5B, K = 5 "
              f"(its baseline {PAPER_BASELINE}); its k = 1..{K} are shown. Made by `python scripts/study.py`.", ""]
-    lines += carried_note(list(carried))
+    lines += carried_note(carried)
     for group, (title, claim) in GROUPS.items():
         members = [v for v, r in results.items() if group in r["groups"]]
         if not members:
@@ -305,7 +305,7 @@ def claims_section(results: dict) -> list[str]:
 
 
 def readings_section(results: dict) -> list[str]:
-    """The readings the paper leaves open, each option against the default seed by seed at every k."""
+    """The readings the paper leaves open, each option against its alternative seed by seed at every k."""
     rows = []
     for variant, reference, reading in READINGS:
         a, b = results.get(variant), results.get(reference)
