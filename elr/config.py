@@ -73,7 +73,11 @@ class ELR:
         state in its own way; with both loop options false it is the only conditioning and no loop can be scaled down
     loss_every_loop: the loss at the exit of every loop 1..k of a slot (their mean), not k's alone; needs
         `conditioning_budget = false` or no conditioning
-    sampling: `independent` (each slot draws k) or `synchronized` (one k per update)
+    sampling: `independent` (each slot draws k), `synchronized` (one k per update) or `stratified` (one k per
+        microbatch shared by every data-parallel rank, the microbatches of an update spread over the distribution;
+        no rank waits for another's loops)
+    emulated_ranks: one process only: draw loop counts as this many data-parallel ranks would, its microbatches laid
+        out ranks x microbatches (studies that stand in for a cluster); 1: the process is one rank
     one_loop_override: fraction f in [0, 1] of data-parallel ranks that run k=1 on every microbatch (rotating over
         ranks; over whole expert groups under expert parallelism; over microbatch slots when one group spans every
         rank, or in one process)
@@ -98,6 +102,7 @@ class ELR:
     conditioning_exit: bool = False
     loss_every_loop: bool = False
     sampling: str = "independent"
+    emulated_ranks: int = 1
     one_loop_override: float = 0.0
     loop_weights: list[float] = field(default_factory=list)
     switch_at: float = 0.0
@@ -385,7 +390,7 @@ class JobConfig:
 
 
 CHOICES = {
-    "elr.sampling": ("independent", "synchronized"),
+    "elr.sampling": ("independent", "synchronized", "stratified"),
     "data.task": ("", *TASKS),
     "training.mixed_precision_param": ("float32", "bfloat16"),
     "optimizer.name": ("adamw", "muon"),
@@ -469,6 +474,7 @@ def validate(cfg: JobConfig) -> None:
         _check(len(e.partition) == 3 and all(n >= 0 for n in e.partition), "elr.partition",
                "must be three non-negative layer counts [L_in, L_rec, L_out]", e.partition)
         _check(e.partition[1] >= 1, "elr.partition", "the recurrent block needs at least one layer", e.partition)
+    _check(e.emulated_ranks >= 1, "elr.emulated_ranks", "must be >= 1", e.emulated_ranks)
     _check(0.0 <= e.one_loop_override <= 1.0, "elr.one_loop_override", "must lie in [0, 1]", e.one_loop_override)
     if e.loop_weights:
         _check(len(e.loop_weights) == e.max_loops, "elr.loop_weights",
