@@ -197,7 +197,7 @@ def bench_model(args):
     tokens = torch.randint(0, base.vocab_size, (args.batch, args.seq_len))
 
     def make(**kw):
-        model = build_model(dataclasses.replace(base, **kw))
+        model = build_model(base.with_recurrence(**kw))
         model.init_weights()
         return model
 
@@ -244,8 +244,8 @@ def bench_replay(args):
     from elr.models import build_model, flavors
     from elr.train.loop_sampler import LoopSampler
 
-    args_ = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len, max_loops=args.max_loops,
-                                update="adaptive_delta", conditioning=True)
+    args_ = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len).with_recurrence(
+        max_loops=args.max_loops, update="adaptive_delta", conditioning=True)
     if not args_.moe_experts or "E" not in args_.layer_pattern[args_.partition[0]:sum(args_.partition[:2])]:
         raise SystemExit(f"bench replay: flavor {args.flavor} has no MoE layer in its recurrent block")
     torch.manual_seed(0)

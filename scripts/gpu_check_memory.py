@@ -56,7 +56,8 @@ def reduced_koi(seq_len: int, dry_run: bool):
     """koi_4b's widths with 8 layers (2 in, 4 recurrent, 2 out); in a dry run, the debug widths."""
     base = flavors["debug"] if dry_run else flavors["koi_4b"]
     return dataclasses.replace(base, layer_pattern="GF" + "GFAF" + "GF", partition=(2, 4, 2), max_seq_len=seq_len,
-                               max_loops=4, update="adaptive_delta", conditioning=True, vocab_size=8192 if dry_run else 200019)
+                               vocab_size=8192 if dry_run else 200019).with_recurrence(
+        max_loops=4, update="adaptive_delta", conditioning=True)
 
 
 def memory_rows(dry_run: bool, device: torch.device, peak_tflops: float) -> list[list[str]]:

@@ -299,7 +299,7 @@ def test_a_config_json_rewritten_by_another_run_does_not_change_the_model(dump):
     config["elr"]["update"] = "replace"  # a later run in the same dump folder
     (dump / "config.json").write_text(json.dumps(config))
     model, cfg = load_model(dump / "checkpoint" / "step-2")
-    assert model.args.update == "adaptive_delta" and cfg["elr"]["update"] == "adaptive_delta"
+    assert model.args.recurrence.update == "adaptive_delta" and cfg["elr"]["update"] == "adaptive_delta"
     with torch.no_grad():
         assert torch.equal(model(tokens, 2), saved(tokens, 2))
 

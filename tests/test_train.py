@@ -101,13 +101,13 @@ def test_switch_keeps_the_one_loop_model_exactly(tmp_path):
     dump = tmp_path / "run"
     run(dump, 2, *SWITCH)  # switch_at 0.5 of 2 steps: the switch checkpoint is step 1
     trainer = Trainer(load_config(DEBUG_TOML, overrides(dump, 2, *SWITCH, "--checkpoint.load_step", "1")))
-    assert trainer.model_args.conditioning and trainer.step == 1
+    assert trainer.model_args.recurrence.conditioning and trainer.step == 1
     inputs, _ = next(iter(trainer.train_loader))
     with torch.no_grad():
         after = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
         trainer._build(mixed_depth=False)
         trainer._load(1)
-        assert not trainer.model_args.conditioning
+        assert not trainer.model_args.recurrence.conditioning
         before = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
     for a, b in zip(after, before):
         assert torch.equal(a, b)

@@ -34,7 +34,7 @@ def setup_lines(cfg, model, dims, device: torch.device, n_micro: int, global_bat
     return [
         f"model {cfg.model.flavor}: {n_params:,} parameters | layers {a.layer_pattern} "
         f"(input {n_in}, recurrent {n_rec}, output {n_out}) | ELR {'on' if cfg.elr.enabled else 'off (baseline)'}, "
-        f"update {a.update}, conditioning {'on' if a.conditioning else 'off'}, K={a.max_loops}",
+        f"update {a.recurrence.update}, conditioning {'on' if a.recurrence.conditioning else 'off'}, K={a.recurrence.max_loops}",
         f"{dims.world_size} rank(s) on {device.type} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} "
         f"x cp {dims.cp} x tp {dims.tp}) | {n_micro} microbatch(es) x {t.local_batch_size} x {t.seq_len} tokens "
         f"per data-parallel rank per update | global batch {global_batch} | "

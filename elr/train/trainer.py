@@ -228,7 +228,7 @@ class Trainer:
     def _missing_before_switch(self):
         """The keys a checkpoint from before the late switch lacks and this phase's model has: the
         conditioning parameters (and their optimizer state), which keep their fresh values."""
-        return is_conditioning_key if self.model_args.conditioning else (lambda key: False)
+        return is_conditioning_key if self.model_args.recurrence.conditioning else (lambda key: False)
 
     def _load(self, step: int | None) -> int | None:
         """Resume from `step` (None: the newest usable), with this job's optimizer settings; newer
@@ -395,7 +395,7 @@ class Trainer:
         self._build(mixed_depth=True)
         self._load(step)
         logger.info(f"step {step}: switched to mixed depth (K={self.cfg.elr.max_loops}), loop conditioning "
-                    f"{'added at zero' if self.model_args.conditioning else 'off'}")
+                    f"{'added at zero' if self.model_args.recurrence.conditioning else 'off'}")
 
     def _save(self, step: int) -> None:
         """Save a checkpoint, never one whose weights hold NaN/Inf (every rank checks its shards)."""

@@ -109,7 +109,7 @@ def loop_statistics(model, batches) -> dict[str, list[float]]:
     import torch
 
     batches = list(batches)
-    loops = model.args.max_loops
+    loops = model.args.recurrence.max_loops
     model.record_loop_statistics(True)
     sums: dict[str, list[float | None]] = {}  # None: the loop has no such statistic (an unconditioned loop's gate)
     with torch.no_grad():
@@ -134,7 +134,7 @@ def replay_at_inference_loss(model, batches) -> float:
     total = count = 0.0
     with torch.no_grad():
         for inputs, labels in batches:
-            total += summed_loss(model(inputs, loops=model.args.max_loops), labels).item()
+            total += summed_loss(model(inputs, loops=model.args.recurrence.max_loops), labels).item()
             count += labels.numel()
     model.route_replay = False
     return total / count
