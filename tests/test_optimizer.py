@@ -40,7 +40,7 @@ def test_schedule_warms_up_peaks_and_ends_at_the_minimum(decay_type):
 
 
 def test_scheduler_drives_the_optimizer_lr():
-    model = torch.nn.Linear(4, 4)
+    model = build_model(flavors["task_gpt"])  # the optimizer asks the model for its parameters' roles
     opt = build_optimizer(model, Optimizer(lr=1e-2))
     sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=4), total_steps=20)
     seen = []

@@ -56,11 +56,6 @@ class NonFiniteLossError(RuntimeError):
     """Too many consecutive updates with a NaN/Inf loss or gradient norm."""
 
 
-def is_conditioning_key(key: str) -> bool:
-    """Checkpoint keys of the loop-conditioning parameters, which a pre-switch checkpoint lacks."""
-    return ".conditioning." in key
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig):
         check_model_config(cfg)  # the config checks that need the model code, before any work
@@ -226,9 +221,10 @@ class Trainer:
         torch.set_rng_state(state["rng"])
 
     def _missing_before_switch(self):
-        """The keys a checkpoint from before the late switch lacks and this phase's model has: the
-        conditioning parameters (and their optimizer state), which keep their fresh values."""
-        return is_conditioning_key if self.model_args.recurrence.conditioning else (lambda key: False)
+        """The keys a checkpoint from before the late switch lacks and this phase's model has: those of
+        the conditioning parameters (weights and optimizer state), which keep their fresh values."""
+        names = [name for name, role in self.model.parameter_roles().items() if role == "conditioning"]
+        return lambda key: any(f".{name}." in f".{key}." for name in names)
 
     def _load(self, step: int | None) -> int | None:
         """Resume from `step` (None: the newest usable), with this job's optimizer settings; newer
