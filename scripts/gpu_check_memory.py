@@ -46,7 +46,7 @@ def train_losses(steps: int, extra: list[str], dump: Path) -> list[float]:
         "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump), *extra]))
     losses = []
     for step in range(1, steps + 1):
-        scalars, _, _ = trainer.train_step(step)
+        scalars = trainer.train_step(step).scalars
         losses.append(scalars["loss/train"])
     trainer.close()
     return losses

@@ -28,7 +28,8 @@ from elr.infer.load import load_model, load_tokenizer
 from elr.checkpoint import MARKER
 from elr.train.checkpoint import CheckpointManager
 from elr.train.train_state import ModelState
-from elr.train.trainer import NonFiniteLossError, Trainer
+from elr.train.nonfinite import NonFiniteLossError
+from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from elr.config import load_config
 from elr.train.optimizer import lr_lambda
-from elr.train.trainer import NonFiniteLossError, Trainer
+from elr.train.nonfinite import NonFiniteLossError
+from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, losses, overrides, records, run
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0"]
@@ -215,7 +216,7 @@ def test_aux_loss_adds_coeff_times_its_microbatch_mean_to_the_gradient(tmp_path,
 
     grads = {}
     trainer.optimizer.register_step_pre_hook(lambda *_: grads.update({id(p): p.grad.clone() for p in params}))
-    scalars, _, _ = trainer.train_step(1)
+    scalars = trainer.train_step(1).scalars
     trainer.close()
     for p, want in zip(params, expected):
         torch.testing.assert_close(grads[id(p)], want, rtol=1e-5, atol=1e-8)
