@@ -31,7 +31,7 @@ from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.tokenizer import vocab_size as tokenizer_vocab
-from elr.train.data import job_tokenizer_path
+from elr.train.token_files import job_tokenizer_path
 from elr.train.loop_sampler import LoopSampler
 
 FORMULA = (

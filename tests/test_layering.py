@@ -1,4 +1,4 @@
-"""DESIGN.md section 6: the layers and what each may import, read from the source of every module.
+"""docs/DESIGN.md §6: the layers and what each may import, read from the source of every module.
 
 From the bottom: kernels; the plain data (errors, config, tasks, tokenizer); the single-device models;
 parallelism and the checkpoint format side by side; training and inference side by side; tools,

@@ -114,7 +114,7 @@ def test_one_loop_elr_equals_non_recurrent_baseline_at_init(update, recurrent_in
 
 
 def reference_logits(model, x, loops):
-    """The loop of DESIGN.md §3.3 written out from the model's own layers (no conditioning)."""
+    """The loop of docs/DESIGN.md §3.3 written out from the model's own layers (no conditioning)."""
     a = model.args
     rope = model.rope[:, : x.shape[1]]
     h = model.tok_embeddings(x)

@@ -17,6 +17,7 @@ from trainer_utils import ROOT, model_args
 # Pieces of parameter names that code guessing a role would match on.
 NAME_PIECES = ("conditioning", "step_size", "router", "output", "embed", "norm", "proj", "gate", "bias", "conv",
                "w1", "w2", "w3")
+COMPARISONS = (ast.In, ast.NotIn, ast.Eq, ast.NotEq)
 NAME_VARIABLES = {"name", "fqn", "key", "n", "k", "module_name", "param_name"}
 
 
@@ -36,7 +37,8 @@ def name_matches(source: str) -> list[int]:
     `fqn != "output"`, `name.endswith("router")`, or reading a layer kind's `gates` names."""
     lines = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq)) for op in node.ops):
+        compares = isinstance(node, ast.Compare) and any(isinstance(op, COMPARISONS) for op in node.ops)
+        if compares:
             operands = [node.left, *node.comparators]
             pieces = [p for o in operands for p in _pieces(o)]
             if pieces and (any("." in p for p in pieces) or any(_name_like(o) for o in operands)):
@@ -90,7 +92,8 @@ def test_every_parameter_has_a_known_role():
         "input_layers.0.sublayer.q_conv.weight": "conv", "input_layers.0.sublayer.A_log": "vector",
         "recurrent.layers.1.sublayer.router.weight": "router", "recurrent.layers.1.sublayer.w1": "matrix",
         "recurrent.step_size.norm.weight": "step_size", "recurrent.step_size.proj.weight": "step_size",
-        "recurrent.conditioning.heads.0.weight": "conditioning", "recurrent.conditioning.exit_heads.1.bias": "conditioning",
+        "recurrent.conditioning.heads.0.weight": "conditioning",
+        "recurrent.conditioning.exit_heads.1.bias": "conditioning",
     }
     assert {name: roles[name] for name in expected} == expected
 

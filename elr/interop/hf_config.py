@@ -2,7 +2,8 @@
 field (the one source our loaders build from), the default loop count and KV mode, and the job config.
 
     {"model_type": "elr", "architectures": ["ELRForCausalLM"], "auto_map": {...},
-     "elr_model": {every ModelArgs field, "recurrence": {every RecurrenceOptions field}}, "loops": default k, "kv": a KV mode (elr.infer.cache.MODES),
+     "elr_model": {every ModelArgs field, "recurrence": {every RecurrenceOptions field}},
+     "loops": default k, "kv": a KV mode (elr.infer.cache.MODES),
      "max_loops", "vocab_size", "hidden_size", ...: read-only mirrors of elr_model for tools that look for them,
      "elr_job": the training job's config, "elr_tokenizer": the ranks file in the folder (or an encoding name),
      "elr_export_format": 2}

@@ -1,4 +1,4 @@
-"""Elastic Latent Recurrence: the recurrent block and its k-loop (DESIGN.md §3.3).
+"""Elastic Latent Recurrence: the recurrent block and its k-loop (docs/DESIGN.md §3.3).
 
     s_0 = h_in
     for i in 1..k:
@@ -96,7 +96,8 @@ class LoopConditioning(nn.Module):
         super().__init__()
         o = options
         self.budget, self.gate, self.silu = o.conditioning_budget, o.conditioning_gate, o.conditioning_silu
-        self.first_loop, self.later_loops, self.n_layers = o.conditioning_first_loop, o.conditioning_later_loops, n_layers
+        self.first_loop, self.later_loops = o.conditioning_first_loop, o.conditioning_later_loops
+        self.n_layers = n_layers
         loops_conditioned = self.first_loop or self.later_loops
         exit_layers = exit_layers if o.conditioning_exit else 0
         width = (3 if self.gate else 2) * dim

@@ -1,4 +1,4 @@
-"""Loop counts for mixed-depth training (DESIGN.md §3.4).
+"""Loop counts for mixed-depth training (docs/DESIGN.md §3.5).
 
 The unit is a slot = (data-parallel rank, microbatch); every slot of an optimizer update gets a
 loop count k in 1..K. Draws depend only on (seed, step), so a resumed or resharded run draws the

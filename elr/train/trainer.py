@@ -33,12 +33,11 @@ from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
 from elr.tokenizer import build_tokenizer
 from elr.train.checkpoint import CheckpointManager
-from elr.train.data import build_task_loader, build_train_loader, check_tokenizer, job_task, job_tokenizer_path
-from elr.train.data import microbatches
+from elr.train.data import build_task_loader, build_train_loader, job_task, microbatches
 from elr.train.loop_sampler import DepthSchedule
 from elr.train.loss import IGNORE_INDEX, model_loss
-from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
 from elr.train.metrics import MetricsLogger, log_setup
+from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
 from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
 from elr.train.optimizer import update_expert_biases
 from elr.train.profiling import Profiler
@@ -46,6 +45,7 @@ from elr.train.resume import RESUMES, change_line, check_resume, run_config, sav
 from elr.train.run_lock import RunLock
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.stop import StopOnSignal
+from elr.train.token_files import check_tokenizer, job_tokenizer_path
 from elr.train.train_state import ModelState, OptimizerState
 from elr.train.validate import Validator
 
@@ -95,9 +95,9 @@ class Trainer:
         checkpoint_folder = self.dump_folder / cfg.checkpoint.folder
         # The step to resume from, and its changes, checked before anything is written: a frozen key
         # stops the job here.
-        self.planned_step = None
-        if cfg.checkpoint.enable:
-            self.planned_step = latest_step(checkpoint_folder) if cfg.checkpoint.load_step == -1 else cfg.checkpoint.load_step
+        ckpt, self.planned_step = cfg.checkpoint, None
+        if ckpt.enable:
+            self.planned_step = latest_step(checkpoint_folder) if ckpt.load_step == -1 else ckpt.load_step
         self.resume_history, self.resume_changes = [], {}
         if self.planned_step is not None:
             self._check_resume(checkpoint_folder, self.planned_step)
@@ -364,8 +364,9 @@ class Trainer:
         self.checkpointer.wait()
         self._build(mixed_depth=True)
         self._load(step)
-        logger.info(f"step {step}: switched to mixed depth (K={self.model_args.recurrence.max_loops}), loop conditioning "
-                    f"{'added at zero' if self.model_args.recurrence.conditioning else 'off'}")
+        r = self.model_args.recurrence
+        logger.info(f"step {step}: switched to mixed depth (K={r.max_loops}), loop conditioning "
+                    f"{'added at zero' if r.conditioning else 'off'}")
 
     def _states_to_save(self) -> dict:
         """The states a checkpoint holds, never weights holding NaN/Inf (every rank checks its shards)."""
@@ -413,7 +414,7 @@ class Trainer:
                     if step == self.depths.switch_step and step < t.steps:
                         self._switch_to_mixed_depth(step)
                     elif cfg.checkpoint.enable:
-                        self.checkpointer.maybe_save(step, last=step == t.steps, states=self._states_to_save, force=stop)
+                        self.checkpointer.maybe_save(step, step == t.steps, self._states_to_save, force=stop)
                     if stop:
                         logger.info(f"stopped at step {step}; resume with the same command" if cfg.checkpoint.enable
                                     else f"stopped at step {step} without saving (checkpoint.enable is false)")
