@@ -199,7 +199,7 @@ def bench_model(args):
     tokens = torch.randint(0, base.vocab_size, (args.batch, args.seq_len))
 
     def make(**kw):
-        model = build_model(dataclasses.replace(base, **kw))
+        model = build_model(base.with_recurrence(**kw))
         model.init_weights()
         return model
 
@@ -246,8 +246,8 @@ def bench_replay(args):
     from elr.models import build_model, flavors
     from elr.train.loop_sampler import LoopSampler
 
-    args_ = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len, max_loops=args.max_loops,
-                                update="adaptive_delta", conditioning=True)
+    args_ = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len).with_recurrence(
+        max_loops=args.max_loops, update="adaptive_delta", conditioning=True)
     if not args_.moe_experts or "E" not in args_.layer_pattern[args_.partition[0]:sum(args_.partition[:2])]:
         raise SystemExit(f"bench replay: flavor {args.flavor} has no MoE layer in its recurrent block")
     torch.manual_seed(0)
@@ -340,7 +340,7 @@ def _sampling_rank(rank, world, port, args, results):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model_args = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len, max_loops=args.max_loops)
+    model_args = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len).with_recurrence(max_loops=args.max_loops)
     torch.manual_seed(0)
     model = build_model(model_args)
     model.init_weights()

@@ -60,7 +60,7 @@ def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict
         raise CheckpointError(f"{out} already exists: remove it or export to another folder")
     if max_shard_bytes < 1:
         raise CheckpointError(f"the shard size limit must be positive, got {max_shard_bytes}")
-    loops = args.max_loops if loops is None else loops
+    loops = args.recurrence.max_loops if loops is None else loops
     if tokenizer.n_vocab > args.vocab_size:
         raise CheckpointError(f"tokenizer {tokenizer.source} has {tokenizer.n_vocab} ids, but the model embeds "
                               f"{args.vocab_size}: not the tokenizer it was trained with")
@@ -82,7 +82,7 @@ def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict
             shutil.copyfile(ranks, tmp / RANKS)
         for name in REMOTE_FILES:
             shutil.copyfile(REMOTE / name, tmp / name)
-        (tmp / "README.md").write_text(MODEL_CARD.format(loops=loops, max_loops=args.max_loops))
+        (tmp / "README.md").write_text(MODEL_CARD.format(loops=loops, max_loops=args.recurrence.max_loops))
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)

@@ -1,4 +1,4 @@
-"""Loop counts for mixed-depth training (DESIGN.md §3.4).
+"""Loop counts for mixed-depth training (docs/DESIGN.md §3.5).
 
 The unit is a slot = (data-parallel rank, microbatch); every slot of an optimizer update gets a
 loop count k in 1..K. Draws depend only on (seed, step), so a resumed or resharded run draws the
@@ -38,7 +38,8 @@ import math
 
 import torch
 
-from elr.config import CHOICES, JobConfig, switch_step
+from elr.config import JobConfig, switch_step
+from elr.config_checks import CHOICES
 from elr.errors import ConfigError
 
 
