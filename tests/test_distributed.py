@@ -32,6 +32,14 @@ def test_two_ranks_match_one_process_and_reshard_both_ways(tmp_path):
     assert [sum(ks, []) for ks in loops] == [sum(r["loops"], []) for r in records(tmp_path / "one")]
     for step in range(1, 5):
         assert two[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step
+    # Who waits for whom: the draws' wait factor every step (above 1 exactly when the ranks' k differ on
+    # some microbatch), the ranks' measured loop times gathered at each console line.
+    for r in records(tmp_path / "two"):
+        differ = any(len(set(column)) > 1 for column in zip(*r["loops"]))
+        assert (r["loops/wait_expected"] > 1.0) == differ, r
+        if "loops/wait_measured" in r:
+            assert r["loops/wait_measured"] >= 1.0 and r["loops/idle_ms_max"] >= r["loops/idle_ms_mean"] >= 0.0
+    assert any("loops/wait_measured" in r for r in records(tmp_path / "two"))
 
     copy_checkpoint(tmp_path / "two", 2, tmp_path / "two_to_one")
     two_to_one = run(tmp_path / "two_to_one", 4, *CKPT, *EXIT)

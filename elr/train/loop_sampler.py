@@ -155,6 +155,11 @@ class DepthSchedule:
         """The phase of the model after `updates` optimizer steps."""
         return updates >= self.switch_step
 
+    def by_rank(self, ks: torch.Tensor) -> torch.Tensor:
+        """An update's loop counts laid out as the ranks that run them: [ranks, microbatches], the
+        emulated ranks' layout in a process standing in for a cluster."""
+        return ks.reshape(self.emulated, -1) if self.emulated > 1 else ks
+
     def loop_counts(self, step: int) -> torch.Tensor:
         """k for every slot [dp_world, n_micro] of update `step`. The ranks of an expert-parallel group
         (group_size) share their k: their all-to-alls run inside the layers."""

@@ -14,10 +14,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from elr.config import JobConfig
 from elr.progress import duration
 from elr.train.metrics import MetricsLogger
+from elr.train.stragglers import measured_wait
 
 logger = logging.getLogger("elr")
 
@@ -39,8 +41,11 @@ class StepReporter:
     and one console line."""
 
     def __init__(self, cfg: JobConfig, metrics: MetricsLogger, world_size: int, device: torch.device,
-                 tokens_per_update: int):
+                 tokens_per_update: int, loop_timer=None):
+        """loop_timer: returns the model's LoopTimer (elr/train/stragglers.py; a new one after the late
+        switch rebuilds the model), whose times are gathered over the ranks at each console line."""
         self.cfg, self.metrics, self.world_size, self.device = cfg, metrics, world_size, device
+        self.loop_timer = loop_timer
         self.tokens_per_update = tokens_per_update
         self.window = LogWindow()
         self.session_start = time.perf_counter()
@@ -57,6 +62,12 @@ class StepReporter:
         line = step % m.log_freq == 0 or step == 1 or step == t.steps
         if line:  # per-loop statistics: the window's means, for every loop that ran in it
             scalars.update(self.window.loop_means())
+            scalars["loops/wait_expected_window"] = self.window.wait_expected / self.window.steps
+            if self.loop_timer is not None:
+                times = self.loop_timer().take()
+                if dist.is_initialized() and self.world_size > 1:  # a collective on every rank at the same steps
+                    waits = measured_wait(times, dist.group.WORLD, self.device)
+                    scalars.update({f"loops/{name}": value for name, value in waits.items()})
         self.metrics.log(step, scalars, {"loops": stats.ks.tolist(), "tokens": tokens_seen})
         if line:
             logger.info(console_line(step, t.steps, scalars, self.window, self.world_size, m.peak_tflops,
@@ -94,7 +105,7 @@ class LogWindow:
     def reset(self) -> None:
         self.per_k = None  # [2, K]: summed loss, tokens per k
         self.steps = 0
-        self.seconds = self.tokens = self.flops = self.grad_norm = self.k_sum = 0.0
+        self.seconds = self.tokens = self.flops = self.grad_norm = self.k_sum = self.wait_expected = 0.0
         self.k_count = 0
         self.loops: dict[str, list] = {}  # "loop{i}/{name}" -> [tensor sum, slots in which loop i ran]
 
@@ -105,6 +116,7 @@ class LogWindow:
         self.tokens += tokens
         self.flops += flops
         self.grad_norm += stats.scalars["grad_norm"]
+        self.wait_expected += stats.scalars.get("loops/wait_expected", 1.0)
         self.k_sum += float(stats.ks.sum())
         self.k_count += stats.ks.numel()
         for name, values in stats.loop_stats.items():
@@ -123,6 +135,15 @@ class LogWindow:
         return {name: total / v[1] for (name, v), total in zip(self.loops.items(), sums)}
 
 
+def wait_text(s: dict[str, float]) -> str:
+    """The window's waiting, where there is any to see: measured over the ranks (several processes)
+    beside what the draws predict, or the prediction alone (a process emulating ranks)."""
+    expected = s.get("loops/wait_expected_window", 1.0)
+    if "loops/wait_measured" in s and s.get("loops/idle_ms_max", 0.0) > 0:
+        return f"wait {s['loops/wait_measured']:.2f}x (draws {expected:.2f}x) | "
+    return f"wait {expected:.2f}x (draws) | " if expected > 1.0 + 1e-9 else ""
+
+
 def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, n_devices: int, peak_tflops: float,
                  elapsed: float) -> str:
     """One readable line over the logging window: loss (token-weighted) per k, mean k, gradient norm,
@@ -138,6 +159,6 @@ def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, 
     return (
         f"step {step:>{len(str(total))}}/{total} | loss {loss:.4f} ({per_k}) | "
         f"mean k {window.k_sum / window.k_count:.2f} | lr {s['lr']:.2e} | gnorm {window.grad_norm / window.steps:.3f} | "
-        f"{window.tokens / seconds:,.0f} tok/s | mfu {mfu:.2f}% | mem {s['memory/max_gib']:.2f} GiB | "
+        f"{wait_text(s)}{window.tokens / seconds:,.0f} tok/s | mfu {mfu:.2f}% | mem {s['memory/max_gib']:.2f} GiB | "
         f"elapsed {duration(elapsed)} | eta {duration(eta)}"
     )

@@ -34,7 +34,8 @@ from elr.parallel.parallelize import parallelize
 from elr.tokenizer import build_tokenizer
 from elr.train.checkpoint import CheckpointManager
 from elr.train.data import build_task_loader, build_train_loader, job_task, microbatches
-from elr.train.loop_sampler import DepthSchedule
+from elr.train.loop_sampler import DepthSchedule, wait_factor
+from elr.train.stragglers import LoopTimer
 from elr.train.loss import IGNORE_INDEX, model_loss
 from elr.train.metrics import MetricsLogger, log_setup
 from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
@@ -165,6 +166,9 @@ class Trainer:
         model.init_weights()
         model.train()
         self.model = model
+        self.loop_timer = LoopTimer(model.recurrent, self.device)  # per-rank loop time: who waits for whom
+        f1 = model.num_flops_per_token(cfg.training.seq_len, 1)
+        self.fixed_cost = f1 / max(model.num_flops_per_token(cfg.training.seq_len, 2) - f1, 1) - 1
         self.optimizer = build_optimizer(model, cfg.optimizer, cfg.elr)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
 
@@ -288,6 +292,7 @@ class Trainer:
         aux_sum = torch.zeros((), device=self.device)  # balance loss summed over microbatches
         # Every TP rank of a data-parallel rank reads the same batches and runs the same k: ks is drawn
         # per data-parallel rank, the same on every process.
+        self.loop_timer.active = True
         for (inputs, labels), k in zip(batches, ks[self.dp_rank].tolist()):
             with self._loss_context():
                 loss_sum = self.model_loss(inputs, labels, k, every_loop=every_loop)
@@ -305,6 +310,7 @@ class Trainer:
             for i, stats in enumerate(self.model.loop_statistics(), start=1):
                 for name, value in stats.items():
                     loop_stats.setdefault(f"loop{i}/{name}", []).append(value)
+        self.loop_timer.active = False
         if dist.is_initialized():
             dist.all_reduce(per_k)  # TP ranks count their (shared) sequences alike: the ratios hold
         loss = (per_k[0].sum() / per_k[1].sum()).item()
@@ -320,7 +326,8 @@ class Trainer:
         lr = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
 
-        scalars = {"loss/train": loss, "grad_norm": grad_norm, "lr": lr, "loops/mean": ks.float().mean().item()}
+        scalars = {"loss/train": loss, "grad_norm": grad_norm, "lr": lr, "loops/mean": ks.float().mean().item(),
+                   "loops/wait_expected": wait_factor(self.depths.by_rank(ks), self.fixed_cost)}
         for k, (loss_sum, tokens) in enumerate(zip(*per_k.tolist()), start=1):
             if tokens > 0:
                 scalars[f"loss/k{k}"] = loss_sum / tokens
@@ -390,7 +397,8 @@ class Trainer:
         if cfg.checkpoint.create_seed:
             return self.create_seed_checkpoint()
         tokens_per_update = self.global_batch * t.seq_len
-        reporter = StepReporter(cfg, self.metrics, self.world_size, self.device, tokens_per_update)
+        reporter = StepReporter(cfg, self.metrics, self.world_size, self.device, tokens_per_update,
+                                lambda: self.loop_timer)
         profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
         try:
             with self.stop, profiler:
