@@ -42,8 +42,9 @@ from elr.train.metrics import LogWindow, MetricsLogger, console_line, memory_gib
 from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
 from elr.train.optimizer import update_expert_biases
 from elr.train.profiling import Profiler
-from elr.train.resume import RESUMES, change_line, check_resume, config_changes, run_config, saved_config
+from elr.train.resume import RESUMES, change_line, check_resume, config_changes, run_config
 from elr.train.resume import show_value
+from elr.train.run_folder import claim_line, set_aside_run_files
 from elr.train.run_lock import RunLock
 from elr.train.stop import StopOnSignal
 from elr.train.train_state import ModelState, OptimizerState
@@ -110,22 +111,29 @@ class Trainer:
         self.resume_history, self.resume_changes = [], {}
         self.checkpointer.config = run_config(cfg, self.resume_history)
         self.planned_step = None
-        if cfg.checkpoint.enable:
-            self.planned_step = self.checkpointer.latest_step() if cfg.checkpoint.load_step == -1 else cfg.checkpoint.load_step
+        if cfg.checkpoint.enable and not cfg.job.start_over:
+            self.planned_step = self.checkpointer.usable_step() if cfg.checkpoint.load_step == -1 else cfg.checkpoint.load_step
         if self.planned_step is not None:
             self._check_resume(self.planned_step)
+        folder_line = claim_line(cfg, checkpoint_folder, self.planned_step)  # refuses a run it would restart
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_streak = 0
         self.stop = StopOnSignal(self.device, saves=cfg.checkpoint.enable)
 
-        # One run per folder, taken before anything is written; a checkpoint folder outside the dump
-        # folder (an absolute checkpoint.folder) is locked as well.
+        # One run per folder, taken before anything is written: the dump folder, and the checkpoint
+        # folder (which another run's checkpoint.folder may name) with checkpoints on.
         folders = {"job.dump_folder": self.dump_folder}
-        if cfg.checkpoint.enable and not checkpoint_folder.resolve().is_relative_to(self.dump_folder.resolve()):
+        if cfg.checkpoint.enable or cfg.job.start_over:
             folders["checkpoint.folder"] = checkpoint_folder
         self.lock = RunLock.acquire(folders, self.rank)
         try:
+            if cfg.job.start_over:
+                self.checkpointer.set_aside_after(-1)
+                if self.rank == 0:
+                    set_aside_run_files(self.dump_folder)
+            if folder_line:
+                logger.info(folder_line)
             self._build_and_resume()
             self.metrics = MetricsLogger(self.dump_folder, cfg.metrics.enable_tensorboard, self.rank, self.step,
                                          cfg.metrics.enable_wandb, cfg.to_dict())
@@ -143,8 +151,8 @@ class Trainer:
 
     def _check_resume(self, step: int) -> None:
         """Compare this job with the config checkpoint `step` was saved with (elr/train/resume.py)."""
-        saved = saved_config(self.checkpointer.folder, step)
-        if saved is None:  # format 2: no config inside, nothing to compare against
+        saved = self.checkpointer.saved_config(step)  # read once every file of the step passed its hash check
+        if saved is None:  # saved without a config (a conversion of one that had none): nothing to compare
             return
         self.resume_history = list(saved.get(RESUMES, []))
         self.resume_changes = check_resume(saved, self.cfg.to_dict(), step)
@@ -186,7 +194,7 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         planned = None
         if ckpt.enable:
-            planned = self.checkpointer.latest_step() if ckpt.load_step == -1 else ckpt.load_step
+            planned = self.checkpointer.usable_step() if ckpt.load_step == -1 else ckpt.load_step
         self._build(mixed_depth=self.depths.mixed_depth(planned or 0))
         # None only when the folder holds no checkpoint at all; one that none can be loaded from stops here
         loaded = self._load(None if ckpt.load_step == -1 else ckpt.load_step) if ckpt.enable else None
