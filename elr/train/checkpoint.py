@@ -114,9 +114,7 @@ class CheckpointManager:
         problem = self._on_rank0(lambda: _space_problem(self.folder, step, needed, shutil.disk_usage(self.folder).free))
         if problem:
             raise CheckpointError(problem)
-        error = self._on_rank0(lambda: _owned_tmp_problem(tmp) or write_values(tmp, values))
-        if error:
-            raise CheckpointError(error)
+        self._rank0_or_raise(lambda: _claim_tmp(tmp) or write_values(tmp, values))
         kwargs = dict(storage_writer=tensor_writer(tmp), process_group=self._pg, no_dist=self._pg is None)
         if self.async_save:
             self._pending = (step, dcp.async_save(tensors, **kwargs), needed)
@@ -147,13 +145,15 @@ class CheckpointManager:
         tmp = self.folder / f"step-{step}.tmp"
         self._checked.pop(step, None)  # a step saved again is checked again
         self._seal(tmp, step)
-        if self._rank == 0:
-            _replace_dir(tmp, self.folder / f"step-{step}")
-            if self.keep_latest_k > 0:  # never a checkpoint newer than this one (set_aside_after moved those)
-                for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k:]:
-                    if _made_here(self.folder / f"step-{old}"):
-                        shutil.rmtree(self.folder / f"step-{old}")
-        self._barrier()  # no rank goes on before the checkpoint is visible
+        self._rank0_or_raise(lambda: self._publish(tmp, step))  # every rank returns once it is visible
+
+    def _publish(self, tmp: Path, step: int) -> None:
+        """Rename the sealed folder to `step-N`, then prune (rank 0)."""
+        _replace_dir(tmp, self.folder / f"step-{step}")
+        if self.keep_latest_k > 0:  # never a checkpoint newer than this one (set_aside_after moved those)
+            for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k:]:
+                if _made_here(self.folder / f"step-{old}"):
+                    shutil.rmtree(self.folder / f"step-{old}")
 
     def _seal(self, tmp: Path, step: int) -> None:
         """config.json, then the hashes of every file (split over the ranks), then the marker."""
@@ -174,16 +174,16 @@ class CheckpointManager:
         final = self.folder / f"step-{step}-model"
         tmp = final.with_name(final.name + ".tmp")
         full = self._full_tensors(model, dtype)
-        if self._rank == 0:
-            problem = _owned_tmp_problem(tmp)
-            if problem:
-                raise CheckpointError(problem)
+
+        def write() -> None:  # rank 0
+            _claim_tmp(tmp)
             save_plain(full, tmp)
             if self.config is not None:
                 (tmp / CONFIG).write_text(json.dumps(self.config, indent=2))
             write_marker(tmp, step, hash_files(tmp, committed_files(tmp)))
             _replace_dir(tmp, final)
-        self._barrier()
+
+        self._rank0_or_raise(write)
         return final
 
     def export_hf(self, step: int, model: nn.Module, args, tokenizer, dtype: torch.dtype) -> Path:
@@ -292,7 +292,7 @@ class CheckpointManager:
         path = Path(path)
         named = STEP_DIR.fullmatch(path.name)
         source = copy.copy(self)  # the same process group, reading the other folder
-        source.folder, source._pending = (path.parent if named else path), None
+        source.folder, source._pending, source._checked = (path.parent if named else path), None, {}
         return source.load(states, step=int(named[1]) if named else None, allow_missing=allow_missing)
 
     def set_aside_after(self, step: int) -> list[str]:
@@ -392,6 +392,20 @@ class CheckpointManager:
         if self._pg is not None:
             dist.barrier(group=self._pg)
 
+    def _rank0_or_raise(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on rank 0; a CheckpointError or OSError it raises is raised on every rank (no rank
+        is left waiting in a collective for one that failed)."""
+        def attempt() -> str | None:
+            try:
+                fn()
+            except (CheckpointError, OSError) as e:
+                return str(e)
+            return None
+
+        error = self._on_rank0(attempt)
+        if error:
+            raise CheckpointError(error)
+
     def _on_rank0(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on rank 0 and hand its result to every rank: all ranks decide alike."""
         if self._pg is None:
@@ -432,12 +446,14 @@ def _made_here(path: Path) -> bool:
             and all(e.is_file() and not e.is_symlink() and _SAVED_FILE.fullmatch(e.name) for e in path.iterdir()))
 
 
-def _owned_tmp_problem(tmp: Path) -> str | None:
-    """Why a save cannot use `tmp` (a name this project did not write is in the way), or None."""
+def _claim_tmp(tmp: Path) -> None:
+    """Make `tmp` free for a save: remove it when this project wrote it (a killed save), else a
+    CheckpointError: a name someone else holds is left as it is."""
+    if _made_here(tmp):
+        shutil.rmtree(tmp)
     if tmp.exists() or tmp.is_symlink():
-        return (f"checkpoint: {tmp} exists and was not written by this project (it holds other files, or is a link); "
-                "it is left as it is: move it away so the save can use the name")
-    return None
+        raise CheckpointError(f"checkpoint: {tmp} exists and was not written by this project (it holds other files, "
+                              "or is a link); it is left as it is: move it away so the save can use the name")
 
 
 def _reason_or(fn: Callable[[], Any]) -> Any:
