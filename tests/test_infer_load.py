@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from elr.checkpoint import Stored, verify
 from elr.infer.generate import generate
 from elr.infer.load import load_model, load_tokenizer
 from trainer_utils import ROOT, run, run_script
@@ -18,9 +18,12 @@ SWITCH = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkp
 
 
 def saved_model_tensors(path, prefix: str, keys) -> dict[str, torch.Tensor]:
-    """The model tensors as stored, read straight from the checkpoint's safetensors file."""
-    tensors = load_file(str(path / "shard-00001-model-00001-of-00001.safetensors"))
-    return {k: tensors[prefix + k] for k in keys}
+    """The model tensors as stored, assembled from the checkpoint's shards (one file per rank that saved)."""
+    stored = Stored(path, verify(path))
+    state = {k: torch.empty(stored.tensors[prefix + k].size, dtype=stored.tensors[prefix + k].properties.dtype)
+             for k in keys}
+    stored.load({"model": state} if prefix else state)
+    return state
 
 
 @pytest.fixture(scope="module")

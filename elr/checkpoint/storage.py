@@ -125,8 +125,9 @@ def _read_headers(folder: Path, shards: list[str]) -> Metadata:
             raise UnusableCheckpoint(folder, f"has an unreadable {name} ({_first_line(e)})") from None
     entries = {}
     for key, pieces in chunks.items():
-        size = [max(o[d] + s[d] for o, s, _ in pieces) for d in range(len(pieces[0][0]))]
-        problem = _tiling_problem(size, pieces)
+        ndim = {len(shape) for _, shape, _ in pieces}
+        size = [max(o[d] + s[d] for o, s, _ in pieces) for d in range(min(ndim))]
+        problem = "differ in rank" if len(ndim) > 1 else _tiling_problem(size, pieces)
         if problem:
             raise UnusableCheckpoint(folder, f"holds {key} in shards that {problem}")
         entries[key] = TensorStorageMetadata(

@@ -51,19 +51,16 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from elr.checkpoint import CONFIG, MARKER, SHARD, STEP_DIR, VALUES, Stored, check_hashes, check_keys, committed_files
-from elr.checkpoint import committed_steps, first_nonfinite, hash_files, latest_step, marker_or_reason, read_config
-from elr.checkpoint import save_plain, split_state, step_folders, tensor_writer, write_marker, write_values
+from elr.checkpoint import CONFIG, STEP_DIR, Stored, check_hashes, check_keys, committed_files, committed_steps
+from elr.checkpoint import first_nonfinite, hash_files, latest_step, marker_or_reason, read_config, save_plain
+from elr.checkpoint import split_state, step_folders, tensor_writer, write_marker, write_values
+from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir
 from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.interop import write_export
 
 logger = logging.getLogger(__name__)
 
-_OWN_TMP = re.compile(r"step-\d+(-model)?\.tmp")  # what a killed save or model export of ours leaves
 _STEP_OR_EXPORT = re.compile(r"step-(\d+)(-model|-hf)?")
-# Every name this project writes in a checkpoint folder (exports, set-aside and converted steps included)
-_KNOWN = re.compile(r"train\.lock|step-\d+(-model|-hf)?(\.tmp|\.abandoned-[\w-]+|\.format-\d+)?")
-_SAVED_FILE = re.compile(rf"{SHARD.pattern}|{re.escape(VALUES)}|{re.escape(CONFIG)}|{re.escape(MARKER)}")
 # DCP warns at every save/load without a process group that it assumes one process: we mean that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
@@ -108,13 +105,17 @@ class CheckpointManager:
         tmp = self.folder / f"step-{step}.tmp"
         if self._rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._clear_own_tmp()
+            foreign = clear_own_tmp(self.folder)
+            if foreign and not self._reported:
+                self._reported = True
+                logger.warning(f"checkpoint folder {self.folder} holds {len(foreign)} name(s) this project did not "
+                               f"write, left as they are: {', '.join(foreign)}")
         tensors, values = split_state(_state_dicts(states))
         needed = self._bytes_needed(tensors)
         problem = self._on_rank0(lambda: _space_problem(self.folder, step, needed, shutil.disk_usage(self.folder).free))
         if problem:
             raise CheckpointError(problem)
-        self._rank0_or_raise(lambda: _claim_tmp(tmp) or write_values(tmp, values))
+        self._rank0_or_raise(lambda: claim_tmp(tmp) or write_values(tmp, values))
         kwargs = dict(storage_writer=tensor_writer(tmp), process_group=self._pg, no_dist=self._pg is None)
         if self.async_save:
             self._pending = (step, dcp.async_save(tensors, **kwargs), needed)
@@ -149,10 +150,10 @@ class CheckpointManager:
 
     def _publish(self, tmp: Path, step: int) -> None:
         """Rename the sealed folder to `step-N`, then prune (rank 0)."""
-        _replace_dir(tmp, self.folder / f"step-{step}")
+        replace_dir(tmp, self.folder / f"step-{step}")
         if self.keep_latest_k > 0:  # never a checkpoint newer than this one (set_aside_after moved those)
             for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k:]:
-                if _made_here(self.folder / f"step-{old}"):
+                if made_here(self.folder / f"step-{old}"):
                     shutil.rmtree(self.folder / f"step-{old}")
 
     def _seal(self, tmp: Path, step: int) -> None:
@@ -176,12 +177,12 @@ class CheckpointManager:
         full = self._full_tensors(model, dtype)
 
         def write() -> None:  # rank 0
-            _claim_tmp(tmp)
+            claim_tmp(tmp)
             save_plain(full, tmp)
             if self.config is not None:
                 (tmp / CONFIG).write_text(json.dumps(self.config, indent=2))
             write_marker(tmp, step, hash_files(tmp, committed_files(tmp)))
-            _replace_dir(tmp, final)
+            replace_dir(tmp, final)
 
         self._rank0_or_raise(write)
         return final
@@ -208,19 +209,6 @@ class CheckpointManager:
                 full[name] = value.cpu()
         return full
 
-    def _clear_own_tmp(self) -> None:
-        """Delete what killed saves of ours left (rank 0); report, once, every name we did not write."""
-        foreign = []
-        for entry in sorted(self.folder.iterdir()):
-            if _OWN_TMP.fullmatch(entry.name) and _made_here(entry):
-                shutil.rmtree(entry)
-            elif not _KNOWN.fullmatch(entry.name) or entry.is_symlink() or _OWN_TMP.fullmatch(entry.name):
-                foreign.append(entry.name + (" (a symbolic link)" if entry.is_symlink() else ""))
-        if foreign and not self._reported:
-            self._reported = True
-            logger.warning(f"checkpoint folder {self.folder} holds {len(foreign)} name(s) this project did not write, "
-                           f"left as they are: {', '.join(foreign)}")
-
     def _bytes_needed(self, tensors: dict[str, torch.Tensor]) -> int:
         """Bytes this save writes on all ranks together: every tensor shard, plus 1 MiB per rank."""
         local = sum((v.to_local() if isinstance(v, DTensor) else v).nbytes for v in tensors.values()) + 2**20
@@ -236,7 +224,7 @@ class CheckpointManager:
         tmp = self.folder / f"step-{step}.tmp"
         problem = _space_problem(self.folder, step, needed, shutil.disk_usage(self.folder).free)
         if problem:
-            if self._rank == 0 and _made_here(tmp):
+            if self._rank == 0 and made_here(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{problem} (the save failed: {_one_line(error)})") from None
 
@@ -326,9 +314,9 @@ class CheckpointManager:
         marker = self._check(step)
         folder = self.folder / f"step-{step}"
         config = self._on_rank0(lambda: _reason_or(lambda: read_config(folder, marker)))
-        if isinstance(config, UnusableCheckpoint):
-            self._checked[step] = config.reason
-            raise config
+        if isinstance(config, str):
+            self._checked[step] = config
+            raise UnusableCheckpoint(folder, config)
         return config
 
     def usable_step(self) -> int | None:
@@ -439,45 +427,15 @@ def _space_problem(folder: Path, step: int, needed: int, free: int) -> str | Non
             "free space there or point checkpoint.folder at another disk")
 
 
-def _made_here(path: Path) -> bool:
-    """A folder this project wrote: a real folder (not a link) holding only plain files of the names a
-    save or model export writes. Nothing else is ever deleted."""
-    return (path.is_dir() and not path.is_symlink()
-            and all(e.is_file() and not e.is_symlink() and _SAVED_FILE.fullmatch(e.name) for e in path.iterdir()))
-
-
-def _claim_tmp(tmp: Path) -> None:
-    """Make `tmp` free for a save: remove it when this project wrote it (a killed save), else a
-    CheckpointError: a name someone else holds is left as it is."""
-    if _made_here(tmp):
-        shutil.rmtree(tmp)
-    if tmp.exists() or tmp.is_symlink():
-        raise CheckpointError(f"checkpoint: {tmp} exists and was not written by this project (it holds other files, "
-                              "or is a link); it is left as it is: move it away so the save can use the name")
-
-
 def _reason_or(fn: Callable[[], Any]) -> Any:
-    """`fn()`, or the UnusableCheckpoint / OldCheckpointFormat it raised (handed to every rank)."""
+    """`fn()`, or what it raised, in a form rank 0 can hand to every rank: an UnusableCheckpoint's
+    reason (a str), an OldCheckpointFormat itself."""
     try:
         return fn()
-    except (UnusableCheckpoint, OldCheckpointFormat) as e:
+    except UnusableCheckpoint as e:
+        return e.reason
+    except OldCheckpointFormat as e:
         return e
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename `src` to `dst` (atomic); an existing `dst` (the same step saved again) goes first, when
-    this project wrote it; a name of someone else's stops the commit with one line."""
-    if dst.exists() or dst.is_symlink():
-        if not _made_here(dst):
-            raise CheckpointError(f"checkpoint: cannot commit {dst.name}: {dst} exists and was not written by "
-                                  "this project; it is left as it is: move it away")
-        shutil.rmtree(dst)
-    os.rename(src, dst)
-    fd = os.open(dst.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _state_dicts(states: dict[str, Any]) -> dict[str, Any]:
