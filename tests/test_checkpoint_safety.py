@@ -444,7 +444,7 @@ def test_a_trainer_pointed_at_a_running_runs_checkpoints_is_refused(dump, tmp_pa
 # ---- every file is hash-checked before any of it is parsed ----
 
 @pytest.mark.parametrize("edit", ["valid_json", "invalid_json"])
-def test_an_edited_config_json_is_found_by_its_hash_before_it_is_read(dump, caplog, edit):
+def test_an_edited_config_json_is_found_by_its_hash_before_it_is_read(dump, caplog, capsys, edit):
     config = dump / "checkpoint" / "step-2" / "config.json"
     text = config.read_text()
     if edit == "valid_json":  # the same size; read first, it would say "cannot change on resume"
@@ -456,6 +456,11 @@ def test_an_edited_config_json_is_found_by_its_hash_before_it_is_read(dump, capl
         load_model(dump / "checkpoint" / "step-2")
     with pytest.raises(CheckpointError, match="config.json whose SHA-256 differs"):
         trainer(dump.parent / "next", 2, "--checkpoint.initial_load_path", str(dump / "checkpoint" / "step-2"))
+    capsys.readouterr()
+    argv = ["--checkpoint", str(dump / "checkpoint" / "step-2"), "--out", str(dump.parent / "hf")]
+    assert script("export_hf").main(argv) == 2
+    assert "config.json whose SHA-256 differs" in one_error_line(capsys.readouterr().err)
+    assert not (dump.parent / "hf").exists()
     with caplog.at_level(logging.WARNING):
         _resume(dump, None)  # fell back to step-1
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped checkpoint")]
