@@ -230,6 +230,17 @@ def test_a_value_of_another_kind_is_refused_and_the_older_step_loads(dump, tmp_p
                for r in caplog.records)
 
 
+@pytest.mark.parametrize("name", ["values.json", "config.json", MARKER])
+def test_json_nested_past_the_parsers_depth_is_one_line(dump, name):
+    step = dump / "checkpoint" / "step-2"
+    (step / name).write_text("[" * 200_000 + "]" * 200_000)
+    if name != MARKER:
+        reseal(step)
+    with pytest.raises(CheckpointError, match=f"unreadable {name}") as error:
+        load_model(step)
+    assert "\n" not in str(error.value)
+
+
 def test_a_model_tensor_recast_as_a_value_is_one_clear_error(dump):
     step = dump / "checkpoint" / "step-2"
     key = "model.tok_embeddings.weight"

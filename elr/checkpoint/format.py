@@ -74,7 +74,7 @@ def read_marker(folder: str | Path, step: int | None = None) -> dict:
         marker = json.loads((folder / MARKER).read_text())
     except FileNotFoundError:
         raise UnusableCheckpoint(folder, f"has no {MARKER} (an unfinished save, or not a checkpoint)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
         raise UnusableCheckpoint(folder, f"has an unreadable {MARKER} ({e})") from None
     problem = _marker_problem(marker)
     if problem:
@@ -206,7 +206,7 @@ def read_config(folder: Path, marker: dict) -> dict | None:
         return None
     try:
         config = json.loads((folder / CONFIG).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
         raise UnusableCheckpoint(folder, f"has an unreadable {CONFIG} ({e})") from None
     if not isinstance(config, dict):
         raise UnusableCheckpoint(folder, f"has a {CONFIG} that is not a config")

@@ -190,7 +190,7 @@ class Stored:
 def _read_values(folder: Path) -> dict[str, Any]:
     try:
         values = json.loads((folder / VALUES).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
         raise UnusableCheckpoint(folder, f"has an unreadable {VALUES} ({_first_line(e)})") from None
     if not isinstance(values, dict):
         raise UnusableCheckpoint(folder, f"has a {VALUES} that is not an object of values")
