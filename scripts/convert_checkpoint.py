@@ -19,6 +19,7 @@ import io
 import json
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elr.checkpoint import CONFIG, FORMAT, MARKER, STEP_DIR, check_format, check_hashes, check_sizes  # noqa: E402
 from elr.checkpoint import hash_files, save_plain, write_marker  # noqa: E402
 from elr.errors import UserError  # noqa: E402
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is what we mean
 
 
 class _WeightsOnlyPlanner(DefaultLoadPlanner):
