@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -187,10 +188,13 @@ def test_a_planted_pickle_never_runs(dump, tmp_path, loader, where):
     ran = tmp_path / "ran"
     for name in ("step-2", "step-2-model"):
         plant_pickle(dump / "checkpoint" / name, ran, where)
+    classes = (pathlib.PurePath, pathlib.Path, pathlib.PosixPath, Path)  # what the old exploit reached
+    before = [dict(vars(cls)) for cls in classes]
     try:
         loader(dump, tmp_path)
     finally:  # checked first, whatever the loader then did
         assert not ran.exists(), "a pickle stored in the checkpoint was executed"
+        assert [dict(vars(cls)) for cls in classes] == before, "a class of this process was changed"
 
 
 def test_a_checkpoint_folder_holds_no_pickle(trained):
