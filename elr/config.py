@@ -23,11 +23,15 @@ class Job:
     """[job]: what each key means (the README table and --help are made from these lines).
 
     description: free text, saved with the run
-    dump_folder: metrics.jsonl, TensorBoard (`tb/`), checkpoints and config.json go here
+    dump_folder: metrics.jsonl, TensorBoard (`tb/`), checkpoints and config.json go here; a folder holding a run is
+        continued from its checkpoint (same model, tokenizer and data) or refused, never silently restarted
+    start_over: start a new run in a dump folder that holds one: its checkpoints, metrics.jsonl, config.json and `tb/`
+        are set aside as `<name>.abandoned-<time>` (never deleted)
     """
 
     description: str = ""
     dump_folder: str = "outputs/debug"
+    start_over: bool = False
 
 
 @dataclass

@@ -7,7 +7,9 @@ are in elr/models/from_config.py; the recurrence's own options check themselves
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 from typing import TYPE_CHECKING
 
 from elr.errors import ConfigError
@@ -48,6 +50,12 @@ def validate(cfg: JobConfig) -> None:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         _check(value in allowed, key, f"must be one of {', '.join(allowed)}", value)
+
+    for section in dataclasses.fields(cfg):  # inf or nan passes comparisons like lr > 0
+        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
+            numbers = value if isinstance(value, list) else [value]
+            _check(all(math.isfinite(x) for x in numbers if isinstance(x, float)), f"{section.name}.{key}",
+                   "must be a finite number", value)
 
     e = cfg.elr
     e.check()  # the recurrence's options (elr/recurrence_options.py)
@@ -114,6 +122,8 @@ def validate(cfg: JobConfig) -> None:
     _check(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)
     _check(c.load_step >= -1, "checkpoint.load_step", "must be -1 (latest) or a step", c.load_step)
     _check(c.enable or not c.create_seed, "checkpoint.create_seed", "needs checkpoint.enable = true", c.create_seed)
+    _check(not cfg.job.start_over or c.load_step == -1, "job.start_over",
+           "starts a new run, which has no checkpoint.load_step to resume from", cfg.job.start_over)
     _check(c.export_format == "dcp" or c.export_dtype != "none", "checkpoint.export_format",
            "writes an export only with checkpoint.export_dtype set (float32 or bfloat16)", c.export_format)
     _check(c.export_format != "hf" or not cfg.data.task, "checkpoint.export_format",

@@ -40,5 +40,10 @@ class UnusableCheckpoint(CheckpointError):
         self.reason = reason
 
 
+class OldCheckpointFormat(CheckpointError):
+    """A checkpoint in a format this version never reads (pickle-based DCP files): not skipped for an
+    older one, since the older ones are as old; the message names the conversion command."""
+
+
 class FolderInUse(UserError):
     """Another run holds the lock of a folder this run would write."""

@@ -1,6 +1,8 @@
 """Checkpointing: bit-identical round trips, atomic commits (including a real kill -9), fallback
 past a corrupt newest checkpoint, the late switch's narrow allow_missing, async save, export, and
-resharding 2 -> 1 and 1 -> 2 with torchrun (tests/distributed/ckpt_reshard.py)."""
+resharding 2 -> 1 and 1 -> 2 with torchrun (tests/distributed/ckpt_reshard.py). The files of a
+step folder: safetensors shards (one per rank) and values.json (tests/test_checkpoint_safety.py
+proves they hold no pickle)."""
 
 import hashlib
 import json
@@ -15,18 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # also imported by tests/distributed/ckpt_reshard.py
-from elr.checkpoint import load_model_export  # noqa: E402
-from elr.checkpoint import MARKER  # noqa: E402
+from elr.checkpoint import MARKER, Stored, load_model_export, verify  # noqa: E402
 from elr.errors import CheckpointError  # noqa: E402
 from elr.train.checkpoint import CheckpointManager  # noqa: E402
 from elr.train.train_state import ModelState, OptimizerState  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+SHARD0 = "shard-00001-model-00001-of-00001.safetensors"  # the tensors of a one-process save
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -110,21 +111,21 @@ def test_round_trip_is_bit_identical_and_resumes(tmp_path):
     opt = make_opt(model)
     train(model, opt, steps=3, seed=1)
     opt.param_groups[0]["lr"] = 3e-3  # as an LR scheduler would
-    train_state = {"step": 3, "rng": torch.get_rng_state(), "note": "x", "blob": b"\x00\x01",
+    train_state = {"step": 3, "rng": torch.get_rng_state(), "note": "x", "ratio": float("inf"),
                    "counters": {"tokens": 12345, "per_k": [1, 2, 0]}}
     ckpt.save(3, states(model, opt, train_state=train_state))
-    assert sorted(p.name for p in (tmp_path / "step-3").iterdir()) == [
-        ".metadata", "__0_0.distcp", MARKER]
+    assert sorted(p.name for p in (tmp_path / "step-3").iterdir()) == [MARKER, SHARD0, "values.json"]
 
     model2 = make_model(1)
     opt2 = make_opt(model2)
     opt2.param_groups[0]["lr"] = 1.0
-    restored = {"step": 0, "rng": torch.zeros_like(train_state["rng"]), "note": "", "blob": b"",
+    restored = {"step": 0, "rng": torch.zeros_like(train_state["rng"]), "note": "", "ratio": 0.0,
                 "counters": {"tokens": 0, "per_k": []}}
     assert ckpt.load(states(model2, opt2, train_state=restored)) == 3
     assert_same(snapshot(model2, opt2), snapshot(model, opt))
     assert torch.equal(restored.pop("rng"), train_state.pop("rng")) and restored == train_state
     assert opt2.param_groups[0]["lr"] == 3e-3
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.999)  # a tuple again, as the optimizer made it
 
     train(model, opt, steps=2, seed=7)
     train(model2, opt2, steps=2, seed=7)
@@ -166,7 +167,7 @@ def test_folders_without_marker_are_ignored_and_stale_tmp_removed(tmp_path):
 
 KILLED_SAVER = r"""
 import sys, time, torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from pathlib import Path
 from elr.train.checkpoint import CheckpointManager
 from elr.train.train_state import ModelState
@@ -177,13 +178,13 @@ model = torch.nn.Linear(64, 64)
 ckpt = CheckpointManager(folder, interval=1)
 ckpt.save(1, {"model": ModelState(model)})
 
-write_data = dcp.FileSystemWriter.write_data
-def slow_write_data(self, plan, planner):  # shard files written; .metadata and commit to come
+write_data = HuggingFaceStorageWriter.write_data
+def slow_write_data(self, plan, planner):  # shard files written; config, hashes and commit to come
     result = write_data(self, plan, planner)
     sentinel.touch()
     time.sleep(600)
     return result
-dcp.FileSystemWriter.write_data = slow_write_data
+HuggingFaceStorageWriter.write_data = slow_write_data
 
 with torch.no_grad():
     model.weight.add_(1.0)
@@ -207,7 +208,7 @@ def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path):
         child.wait()
     assert child.returncode == -signal.SIGKILL
     assert sorted(os.listdir(folder)) == ["step-1", "step-2.tmp"]
-    assert any(p.suffix == ".distcp" for p in (folder / "step-2.tmp").iterdir())
+    assert sorted(p.name for p in (folder / "step-2.tmp").iterdir()) == [SHARD0, "values.json"]
 
     ckpt = CheckpointManager(folder, interval=1)
     layer = nn.Linear(64, 64)
@@ -223,28 +224,28 @@ def _truncate(path: Path) -> None:
 
 
 def _truncate_and_fix_marker(folder: Path) -> None:
-    """Damage that neither sizes nor hashes can see (the marker rewritten to match), so that DCP
-    itself fails (CheckpointException)."""
-    _truncate(folder / "__0_0.distcp")
+    """Damage that neither sizes nor hashes can see (the marker rewritten to match), so that reading
+    the safetensors file itself fails."""
+    _truncate(folder / SHARD0)
     marker = json.loads((folder / MARKER).read_text())
-    marker["files"]["__0_0.distcp"] = (folder / "__0_0.distcp").stat().st_size
-    marker["sha256"]["__0_0.distcp"] = hashlib.sha256((folder / "__0_0.distcp").read_bytes()).hexdigest()
+    marker["files"][SHARD0] = (folder / SHARD0).stat().st_size
+    marker["sha256"][SHARD0] = hashlib.sha256((folder / SHARD0).read_bytes()).hexdigest()
     (folder / MARKER).write_text(json.dumps(marker))
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate", "garbage_metadata", "dcp_read_fails"])
+@pytest.mark.parametrize("damage", ["delete", "truncate", "garbage_header", "resealed_truncation"])
 def test_corrupt_latest_falls_back_with_one_line(tmp_path, caplog, damage):
     ckpt = CheckpointManager(tmp_path, interval=1)
     for step in (1, 2, 3):
         ckpt.save(step, states(filled(step), train_state={"step": step}))
     newest = tmp_path / "step-3"
     if damage == "delete":
-        (newest / "__0_0.distcp").unlink()
+        (newest / SHARD0).unlink()
     elif damage == "truncate":
-        _truncate(newest / "__0_0.distcp")
-    elif damage == "garbage_metadata":  # same size, so only reading it can tell
-        meta = newest / ".metadata"
-        meta.write_bytes(b"\x00" * meta.stat().st_size)
+        _truncate(newest / SHARD0)
+    elif damage == "garbage_header":  # same size: the hash tells
+        shard = newest / SHARD0
+        shard.write_bytes(b"\x00" * 64 + shard.read_bytes()[64:])
     else:
         _truncate_and_fix_marker(newest)
 
@@ -347,7 +348,7 @@ def test_export_model_full_tensors_in_dtype(tmp_path):
     for dtype in (torch.float32, torch.bfloat16):
         path = ckpt.export_model(1, model, dtype)
         assert path == tmp_path / "step-1-model" and (path / MARKER).is_file()
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        saved = Stored(path, verify(path)).tensors
         assert sorted(saved) == sorted(model.state_dict())  # weights only, plain names
         assert all(m.properties.dtype == dtype for m in saved.values())
         loaded = make_model(1)
@@ -384,7 +385,7 @@ def test_reshard_with_torchrun(tmp_path):
     assert train_state == {"step": 3, "world": 2}
     # the export written from shards holds full bf16 tensors
     path = tmp_path / "from2" / "step-3-model"
-    for name, meta in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items():
+    for name, meta in Stored(path, verify(path)).tensors.items():
         assert [tuple(c.sizes) for c in meta.chunks] == [tuple(want["model"][name].shape)]
     exported = make_model(11)
     load_model_export(path, exported)
@@ -392,26 +393,64 @@ def test_reshard_with_torchrun(tmp_path):
         assert torch.equal(exported.state_dict()[k], v.to(torch.bfloat16).float()), k
 
 
-def test_checkpoints_with_gdp_weights_in_the_old_row_order_are_refused(tmp_path):
-    """A marker without "format" (saved before GDP's head-major k/v/beta rows) holding GDP weights
-    would load them permuted: training loads and model exports refuse it; without GDP weights it loads."""
-    gdp = nn.ModuleDict({"k_proj": nn.Linear(8, 8)})
-    ckpt = CheckpointManager(tmp_path, interval=1)
-    ckpt.save(1, {"model": ModelState(gdp)})
-    export = ckpt.export_model(1, gdp, torch.float32)
-    assert ckpt.load({"model": ModelState(gdp)}, step=1) == 1  # this version's format loads
-    for folder in (tmp_path / "step-1", export):
-        marker = json.loads((folder / MARKER).read_text())
+def old_format(folder: Path, step: int, state: dict, fmt: int = 3) -> Path:
+    """A step folder as versions before format 4 wrote it: DCP's own files (a pickled `.metadata`)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=folder, no_dist=True)
+    files = {p.name: p.stat().st_size for p in folder.iterdir()}
+    marker = {"format": fmt, "step": step, "files": files}
+    if fmt >= 3:
+        marker["sha256"] = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in files}
+    if fmt == 1:
         del marker["format"]
-        (folder / MARKER).write_text(json.dumps(marker))
-    with pytest.raises(CheckpointError, match="order used before 2026-12-01"):
-        ckpt.load({"model": ModelState(gdp)}, step=1)
-    with pytest.raises(CheckpointError, match="order used before 2026-12-01"):
-        load_model_export(export, gdp)
-    plain = filled(1)
-    CheckpointManager(tmp_path / "plain", interval=1).save(1, {"model": ModelState(plain)})
-    marker_path = tmp_path / "plain" / "step-1" / MARKER
-    marker = json.loads(marker_path.read_text())
-    del marker["format"]
-    marker_path.write_text(json.dumps(marker))
-    assert CheckpointManager(tmp_path / "plain", interval=1).load({"model": ModelState(plain)}, step=1) == 1
+    (folder / MARKER).write_text(json.dumps(marker))
+    return folder
+
+
+def convert(*paths) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"), *map(str, paths)],
+                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_an_old_format_is_refused_naming_the_conversion_which_round_trips(tmp_path):
+    model = make_model(0)
+    opt = make_opt(model)
+    train(model, opt, steps=2, seed=1)
+    want = snapshot(model, opt)
+    folder = tmp_path / "ckpt"
+    old_format(folder / "step-2", 2, {**states(model, opt), "train_state": {"step": 2, "note": "x"}})
+    ckpt = CheckpointManager(folder, interval=1)
+    fresh = make_model(1)
+    fresh_opt = make_opt(fresh)
+    line = rf"format 3, whose DCP \.metadata is a pickle .*python scripts/convert_checkpoint\.py {folder / 'step-2'}$"
+    with pytest.raises(CheckpointError, match=line):
+        ckpt.load(states(fresh, fresh_opt))
+    with pytest.raises(CheckpointError, match=line):
+        ckpt.latest_step()
+    with pytest.raises(CheckpointError, match=line):
+        load_model_export(folder / "step-2", fresh)
+
+    result = convert(folder)
+    assert result.returncode == 0, result.stderr
+    assert f"converted {folder / 'step-2'} (format 3 -> 4)" in result.stdout
+    assert sorted(os.listdir(folder)) == ["step-2", "step-2.format-3"]  # the original kept
+    train_state = {"step": 0, "note": ""}
+    assert ckpt.load(states(fresh, fresh_opt, train_state=train_state)) == 2
+    assert_same(snapshot(fresh, fresh_opt), want) and train_state == {"step": 2, "note": "x"}
+    again = convert(folder / "step-2")
+    assert again.returncode == 0 and "already in format 4" in again.stdout
+
+
+def test_the_conversion_refuses_gdp_weights_in_the_old_row_order(tmp_path):
+    """A format-1 marker (before GDP's head-major k/v/beta rows) holding GDP weights would load them
+    permuted: not converted; without GDP weights it converts."""
+    gdp = old_format(tmp_path / "gdp" / "step-1", 1, {"model": nn.ModuleDict({"k_proj": nn.Linear(8, 8)}).state_dict()}, 1)
+    result = convert(gdp)
+    assert result.returncode == 2 and "order used before 2026-12-01" in result.stderr
+    assert sorted(os.listdir(gdp.parent)) == ["step-1"] and (gdp / ".metadata").is_file()  # untouched
+    plain = old_format(tmp_path / "plain" / "step-1", 1, {"model": filled(1).state_dict()}, 1)
+    assert convert(plain).returncode == 0
+    layer = filled(0)
+    assert CheckpointManager(plain.parent, interval=1).load(states(layer)) == 1
+    assert torch.equal(layer.weight, filled(1).weight)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
+from elr.checkpoint import Stored, verify
 from elr.infer.generate import generate
 from elr.infer.load import load_model, load_tokenizer
 from trainer_utils import ROOT, run, run_script
@@ -18,10 +18,11 @@ SWITCH = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkp
 
 
 def saved_model_tensors(path, prefix: str, keys) -> dict[str, torch.Tensor]:
-    """The model tensors as stored, read straight from the checkpoint."""
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = {k: torch.empty(meta[prefix + k].size, dtype=meta[prefix + k].properties.dtype) for k in keys}
-    dcp.load({"model": state} if prefix else state, checkpoint_id=path, no_dist=True)
+    """The model tensors as stored, assembled from the checkpoint's shards (one file per rank that saved)."""
+    stored = Stored(path, verify(path))
+    state = {k: torch.empty(stored.tensors[prefix + k].size, dtype=stored.tensors[prefix + k].properties.dtype)
+             for k in keys}
+    stored.load({"model": state} if prefix else state)
     return state
 
 

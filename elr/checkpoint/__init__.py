@@ -1,12 +1,14 @@
 """Checkpoint folders, below both training and inference (both load models; neither imports the other).
 
 `format` says what a committed folder holds (commit.json with sizes and SHA-256 of every file, the job's
-config.json) and checks it; `safe` reads DCP files without running anything stored in them. The
-trainer's CheckpointManager (elr/train/checkpoint.py) writes folders; elr/infer/load.py reads them.
+config.json) and checks it before anything in it is parsed; `storage` writes and reads the tensors
+(safetensors) and the other items (JSON): no pickle anywhere. The trainer's CheckpointManager
+(elr/train/checkpoint.py) writes folders; elr/infer/load.py reads them.
 """
 
 from elr.checkpoint.format import (
     CONFIG,
+    CONVERT,
     FORMAT,
     MARKER,
     STEP_DIR,
@@ -26,11 +28,12 @@ from elr.checkpoint.format import (
     verify,
     write_marker,
 )
-from elr.checkpoint.safe import dcp_note, load_model_export, load_module, load_state_dict, read_metadata
+from elr.checkpoint.storage import SHARD, VALUES, Stored, dcp_note, load_model_export, load_module, save_plain
+from elr.checkpoint.storage import split_state, tensor_writer, write_values
 
 __all__ = [
-    "CONFIG", "FORMAT", "MARKER", "STEP_DIR", "check_format", "check_hashes", "check_keys", "check_sizes",
-    "committed_files", "committed_steps", "dcp_note", "first_nonfinite", "hash_files", "latest_step", "load_model_export",
-    "load_module", "load_state_dict", "marker_or_reason", "read_config", "read_marker", "read_metadata",
-    "step_folders", "verify", "write_marker",
+    "CONFIG", "CONVERT", "FORMAT", "MARKER", "SHARD", "STEP_DIR", "Stored", "VALUES", "check_format", "check_hashes",
+    "check_keys", "check_sizes", "committed_files", "committed_steps", "dcp_note", "first_nonfinite", "hash_files",
+    "latest_step", "load_model_export", "load_module", "marker_or_reason", "read_config", "read_marker",
+    "save_plain", "split_state", "step_folders", "tensor_writer", "verify", "write_marker", "write_values",
 ]

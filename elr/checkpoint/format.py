@@ -1,16 +1,16 @@
-"""What a committed checkpoint folder holds, and the checks made before anything in it is loaded.
+"""What a committed checkpoint folder holds, and the checks made before anything in it is parsed.
 
-    step-N/   DCP files (`__{rank}_{i}.distcp`, `.metadata`), `config.json` (the job's config, so
-              inference builds the network that was trained, whatever later runs write elsewhere),
-              and `commit.json`, written last: {"format", "step", "time", "files": {name: bytes},
-              "sha256": {name: hex digest}}
+    step-N/   `shard-*.safetensors` (tensors, one file per rank) and `values.json` (every other item;
+              elr/checkpoint/storage.py), `config.json` (the job's config, so inference builds the
+              network that was trained, whatever later runs write elsewhere), and `commit.json`,
+              written last: {"format", "step", "time", "files": {name: bytes}, "sha256": {name: hex}}
 
-A folder without commit.json is an unfinished save and never loads. Before a load every file's
-size and SHA-256 must match the marker, so a flipped bit, a cut copy or a replaced shard is found
-before it is trained on or evaluated. Formats: 1 (no "format" key); 2 changed a weight layout (the
-layer kinds register such changes, `LayerKind.layouts`: GDP's head-major k/v/beta rows); 3 adds the
-checksums and config.json. A format-2 checkpoint still loads, its sizes checked, with one line
-saying it has no checksums.
+A folder without commit.json is an unfinished save and never loads. Before any file of it is parsed,
+the folder must hold exactly the files the marker lists (plain files, no links, nothing else) and
+each must match its size and SHA-256, so a flipped bit, a cut copy, a replaced or added file is found
+before it is trained on or evaluated. Formats: 1-3 kept tensors and items in DCP's pickle-based
+files (`.metadata`, `__{rank}_0.distcp`); this version never reads them and says how to convert
+them (scripts/convert_checkpoint.py, run once in a process that trusts the folder). 4 holds no pickle.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from elr.errors import CheckpointError, UnusableCheckpoint
+from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.models.layers import LAYER_KINDS
 from elr.tokenizer import file_sha256
 
 MARKER = "commit.json"
 STEP_DIR = re.compile(r"step-(\d+)")  # a checkpoint folder's name (`step-N.tmp` is an unfinished save)
 CONFIG = "config.json"  # the job config inside a step folder (format >= 3)
-FORMAT = 3
-WITH_CHECKSUMS = 3  # from this format on: sha256 of every file, and config.json
+FORMAT = 4
+PICKLE_FREE = 4  # formats before this one stored DCP's pickled `.metadata`: never read, converted instead
+CONVERT = "scripts/convert_checkpoint.py"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -74,7 +74,7 @@ def read_marker(folder: str | Path, step: int | None = None) -> dict:
         marker = json.loads((folder / MARKER).read_text())
     except FileNotFoundError:
         raise UnusableCheckpoint(folder, f"has no {MARKER} (an unfinished save, or not a checkpoint)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
         raise UnusableCheckpoint(folder, f"has an unreadable {MARKER} ({e})") from None
     problem = _marker_problem(marker)
     if problem:
@@ -84,6 +84,10 @@ def read_marker(folder: str | Path, step: int | None = None) -> dict:
     if marker.get("format", 1) > FORMAT:
         raise UnusableCheckpoint(folder, f"was saved in checkpoint format {marker['format']}, newer than this "
                                          f"code's {FORMAT}: load it with the version that wrote it")
+    if marker.get("format", 1) < PICKLE_FREE:
+        raise OldCheckpointFormat(
+            f"checkpoint {folder} is in format {marker.get('format', 1)}, whose DCP .metadata is a pickle that this "
+            f"version never reads; if you trust the folder, convert it once with: python {CONVERT} {folder}")
     return marker
 
 
@@ -98,7 +102,7 @@ def _marker_problem(marker: Any) -> str | None:
             isinstance(n, str) and Path(n).name == n and n not in (".", "..") and is_int(s) and s >= 0
             for n, s in files.items()):
         return "files must map plain file names to sizes"
-    if marker.get("format", 1) >= WITH_CHECKSUMS or "sha256" in marker:
+    if marker.get("format", 1) >= PICKLE_FREE or "sha256" in marker:
         sha = marker.get("sha256")
         if not isinstance(sha, dict) or set(sha) != set(files) or not all(
                 isinstance(h, str) and _HEX64.fullmatch(h) for h in sha.values()):
@@ -107,6 +111,12 @@ def _marker_problem(marker: Any) -> str | None:
 
 
 def check_sizes(folder: Path, marker: dict) -> None:
+    """The folder holds exactly the marker's files, plain files (no links), of the marker's sizes."""
+    for entry in sorted(folder.iterdir()):
+        if entry.is_symlink():
+            raise UnusableCheckpoint(folder, f"has {entry.name}, a symbolic link (a checkpoint holds plain files)")
+        if entry.name != MARKER and entry.name not in marker["files"]:
+            raise UnusableCheckpoint(folder, f"has {entry.name}, which {MARKER} does not list (added after the save)")
     for name, size in marker["files"].items():
         file = folder / name
         if not file.is_file():
@@ -124,17 +134,17 @@ def check_hashes(folder: Path, marker: dict, hashes: dict[str, str]) -> None:
 
 
 def verify(folder: str | Path, step: int | None = None) -> dict:
-    """Every check, in this process: marker, sizes, the SHA-256 of every file. Returns the marker."""
+    """Every check, in this process: marker, file list and sizes, the SHA-256 of every file. Returns the marker."""
     folder = Path(folder)
     marker = read_marker(folder, step)
     check_sizes(folder, marker)
-    if "sha256" in marker:
-        check_hashes(folder, marker, hash_files(folder, sorted(marker["sha256"])))
+    check_hashes(folder, marker, hash_files(folder, sorted(marker["sha256"])))
     return marker
 
 
 def check_format(path: Path, marker: dict, saved_keys) -> None:
-    """Refuse a checkpoint holding weights of a layer kind in a layout the kind has since changed."""
+    """Refuse a checkpoint holding weights of a layer kind in a layout the kind has since changed
+    (the conversion of an old checkpoint asks this; a format-4 folder is past every such change)."""
     saved = marker.get("format", 1)
     for kind in LAYER_KINDS.values():
         for layout in kind.layouts:
@@ -155,9 +165,10 @@ def key_problems(requested: dict[str, tuple | None], saved: dict[str, tuple | No
             for what, keys in zip(words, (missing, unexpected, misshapen)) if keys]
 
 
-def check_keys(state_dict: dict[str, Any], saved: dict[str, Any], allow_missing: Callable[[str], bool],
+def check_keys(state_dict: dict[str, Any], saved: dict[str, tuple | None], allow_missing: Callable[[str], bool],
                *, only_requested_roots: bool = True) -> None:
-    """Raise CheckpointError naming the keys unless the request and the checkpoint agree.
+    """Raise CheckpointError naming the keys unless the request and the checkpoint ({flat key: tensor
+    shape, or None for a plain value}) agree: the same keys, shapes, and tensors where tensors are asked.
 
     Checkpoint keys under a requested top-level name must be requested; with
     `only_requested_roots=False` (a plain module's state dict) every checkpoint key must be.
@@ -165,12 +176,14 @@ def check_keys(state_dict: dict[str, Any], saved: dict[str, Any], allow_missing:
     requested, _ = flatten_state_dict(state_dict)  # the same keys DCP's planner uses
     roots = tuple(f"{name}." for name in state_dict)
     unexpected = [k for k in saved if k not in requested and (not only_requested_roots or f"{k}.".startswith(roots))]
-    problems = key_problems(
-        {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in requested.items()},
-        {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None for k, v in saved.items()},
-        unexpected, allow_missing,
-        ("requested keys missing from the checkpoint", "checkpoint keys not requested",
-         "shapes differ (checkpoint vs requested)"))
+    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in requested.items()}
+    problems = key_problems(shapes, saved, unexpected, allow_missing,
+                            ("requested keys missing from the checkpoint", "checkpoint keys not requested",
+                             "shapes differ (checkpoint vs requested)"))
+    recast = [k for k in requested if k in saved and (shapes[k] is None) != (saved[k] is None)]
+    if recast:
+        problems.append(f"{len(recast)} stored as a tensor where a value is requested or the other way round: "
+                        + ", ".join(recast[:5]) + (", ..." if len(recast) > 5 else ""))
     if problems:
         raise CheckpointError("; ".join(problems))
 
@@ -187,14 +200,13 @@ def first_nonfinite(state_dict: dict[str, Any]) -> str | None:
 
 
 def read_config(folder: Path, marker: dict) -> dict | None:
-    """The job config saved inside the folder (format >= 3), or None for an older checkpoint."""
-    if marker.get("format", 1) < WITH_CHECKSUMS:
-        return None
+    """The job config saved inside a verified folder, or None where the saver gave none (a bare
+    CheckpointManager, a conversion of a checkpoint that had none)."""
     if CONFIG not in marker["files"]:
-        raise UnusableCheckpoint(folder, f"has no {CONFIG} although its format ({marker['format']}) has one")
+        return None
     try:
         config = json.loads((folder / CONFIG).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
         raise UnusableCheckpoint(folder, f"has an unreadable {CONFIG} ({e})") from None
     if not isinstance(config, dict):
         raise UnusableCheckpoint(folder, f"has a {CONFIG} that is not a config")
@@ -202,9 +214,11 @@ def read_config(folder: Path, marker: dict) -> dict | None:
 
 
 def step_folders(folder: Path) -> list[int]:
-    """Steps of every `step-N` folder in a checkpoint folder, committed or not, newest first."""
+    """Steps of every `step-N` folder in a checkpoint folder, committed or not, newest first (a link
+    named so is not one: a checkpoint's files are read in place, never through a link)."""
     folders = folder.iterdir() if folder.is_dir() else []
-    return sorted((int(m[1]) for p in folders if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()), reverse=True)
+    return sorted((int(m[1]) for p in folders if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()),
+                  reverse=True)
 
 
 def committed_steps(folder: Path) -> list[int]:

@@ -1,31 +1,31 @@
 """Load a trained model from any checkpoint the trainer writes, on any device, without a process group.
 
 Accepted: a Hugging Face export (elr/interop: config.json and safetensors, nothing unpickled; the form
-to share), a DCP training checkpoint folder `.../checkpoint/step-N` (saved by any number of ranks,
+to share), a training checkpoint folder `.../checkpoint/step-N` (safetensors and JSON through DCP,
+nothing unpickled either; saved by any number of ranks,
 before or after the late switch: a pre-switch checkpoint has no loop-conditioning parameters, so
 the model is built without them), or a model-only export `.../checkpoint/step-N-model`. DCP
 reshards on load, so the world size the checkpoint was saved from does not matter.
 
-What is loaded is what was saved: the folder must be committed (commit.json) and every file must
-match its size and SHA-256; the model is built from the config.json inside the step folder, never
-from the run's config.json above it, which a later run in the same dump folder may have rewritten;
-every checkpoint weight must be used (no key dropped) and be finite; the tokenizer must have the hash
-the run recorded. A checkpoint saved before 2026-12-01 (format 2: no checksums, no config inside)
-still loads, with the run's config.json and one warning line saying so.
+What is loaded is what was saved: the folder must be committed (commit.json), hold only the files
+it lists, and every file must match its size and SHA-256 before any of them is parsed; the model is
+built from the config.json inside the step folder, never from the run's config.json above it, which
+a later run in the same dump folder may have rewritten; every checkpoint weight must be used (no key
+dropped) and be finite; the tokenizer must have the hash the run recorded. A checkpoint in a format
+before 4 (pickle-based DCP files) is refused in one line naming the conversion command.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 from pathlib import Path
 
 import torch
 
-from elr.checkpoint import check_format, dcp_note, load_module, read_config, read_marker, read_metadata, verify
+from elr.checkpoint import CONFIG, Stored, dcp_note, load_module, read_config, verify
 from elr.config import config_from_dict
-from elr.errors import CheckpointError, ConfigError, TokenizerError
+from elr.errors import CheckpointError, TokenizerError
 from elr.interop import is_export, load_export, load_export_config
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
@@ -39,31 +39,17 @@ logger = logging.getLogger("elr")
 TRAINING_PREFIX = "model."  # a training checkpoint stores the model under this top-level name
 
 
-def find_run_config(checkpoint: Path) -> Path:
-    for folder in checkpoint.resolve().parents:
-        if (folder / "config.json").is_file():
-            return folder / "config.json"
-    raise FileNotFoundError(f"no config.json in any folder above {checkpoint}: is it a training checkpoint?")
-
-
-def run_config(checkpoint: str | Path) -> dict:
-    """The config the checkpoint was trained with: its own config.json (format >= 3), or for an older
-    checkpoint the run's config.json above it, with a warning that it may have been rewritten."""
+def run_config(checkpoint: str | Path, marker: dict | None = None) -> dict:
+    """The config the checkpoint was trained with: its own config.json, read once every file of the
+    folder passed its hash check (`marker`: the verified marker, else the folder is verified here)."""
     checkpoint = Path(checkpoint)
     if is_export(checkpoint):
         return load_export_config(checkpoint)
-    marker = read_marker(checkpoint)
+    marker = marker if marker is not None else verify(checkpoint)
     raw = read_config(checkpoint, marker)
     if raw is None:
-        path = find_run_config(checkpoint)
-        logger.warning(f"warning: {checkpoint} predates checkpoint format 3 (no checksums, no config inside): "
-                       f"building the model from {path}, which later runs in that folder may have rewritten")
-        try:
-            raw = json.loads(path.read_text())
-        except ValueError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: not a config")
+        raise CheckpointError(f"{checkpoint} holds no {CONFIG} (saved without the job's config): inference "
+                              "cannot tell which network to build")
     return config_from_dict(raw).to_dict()  # validated, and keys added since it was written at their defaults
 
 
@@ -75,27 +61,27 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     checkpoint = Path(checkpoint)
     if is_export(checkpoint):
         return load_export(checkpoint, device, dtype, max_seq_len)
-    marker = verify(checkpoint)  # committed, sizes and SHA-256 of every file, a format this code reads
-    cfg = run_config(checkpoint)
-    saved = read_metadata(checkpoint).state_dict_metadata
-    check_format(checkpoint, marker, saved)
+    marker = verify(checkpoint)  # committed, its files only, sizes and SHA-256 of each, a format this code reads
+    cfg = run_config(checkpoint, marker)
+    stored = Stored(checkpoint, marker)
+    saved = stored.entries()
     prefix = TRAINING_PREFIX if any(key.startswith(TRAINING_PREFIX) for key in saved) else ""
     embedding = saved.get(f"{prefix}tok_embeddings.weight")
     if embedding is None:
-        raise CheckpointError(f"{checkpoint} holds no model weights (no {prefix}tok_embeddings.weight)")
+        raise CheckpointError(f"{checkpoint} holds no model weights (no {prefix}tok_embeddings.weight as a tensor)")
     # the trainer's own config -> ModelArgs step; a checkpoint without conditioning weights predates the switch
     job = config_from_dict(cfg)
-    args = model_args_from_config(job, embedding.size[0])
+    args = model_args_from_config(job, embedding[0])
     with torch.device("meta"):
         roles = build_model(args).parameter_roles()
     conditioning = [name for name, role in roles.items() if role == "conditioning"]
     if conditioning and not any(prefix + name in saved for name in conditioning):
-        args = model_args_from_config(job, embedding.size[0], mixed_depth=False)
+        args = model_args_from_config(job, embedding[0], mixed_depth=False)
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device=device)
     model.init_weights()  # fills the RoPE table; every parameter is then overwritten
-    load_module(checkpoint, model, saved, root=prefix.rstrip("."), what="the model its config describes")
+    load_module(checkpoint, model, stored, root=prefix.rstrip("."), what="the model its config describes")
     if max_seq_len is not None:
         model.extend_positions(max_seq_len)
     logger.warning(dcp_note(checkpoint))  # once it loaded: a checkpoint that fails says only why

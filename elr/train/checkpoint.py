@@ -1,22 +1,26 @@
 """The trainer's checkpoints: DCP with an atomic commit, checksums, keep-last-k, fallback, rollback.
 
-Everything goes through DCP, so a checkpoint saved by N ranks (FSDP2/TP shards as DTensors) loads
-into M ranks or into a plain module with no process group. Layout under `folder` (elr/checkpoint/
-says what a committed folder holds and reads it without running anything stored in it):
+Tensors go through DCP's safetensors storage, so a checkpoint saved by N ranks (FSDP2/TP shards as
+DTensors) loads into M ranks or into a plain module with no process group; every other item goes
+to JSON (elr/checkpoint/ says what a committed folder holds and reads it: no pickle). Layout under
+`folder`:
 
-    step-{N}.tmp/      a save in progress: DCP files (`__{rank}_0.distcp`, `.metadata`)
+    step-{N}.tmp/      a save in progress: values.json, then `shard-{rank}-...safetensors`
     step-{N}/          a committed save: the same files, config.json, and `commit.json`, written last
     step-{N}-model/    model weights only (`export_model`), committed the same way
     step-{N}-hf/       a Hugging Face folder (`export_hf`: safetensors, elr/interop), written atomically
     step-{N}.abandoned-{time}/   a checkpoint newer than the one a run resumed from, kept aside
 
-Commit: all ranks wrote their files -> rank 0 writes config.json -> the ranks hash the files (SHA-256,
-split between them) -> rank 0 writes `commit.json` (step, sizes, hashes) and renames `step-N.tmp` to
-`step-N` (atomic). A killed save leaves its `.tmp` folder, never loaded, deleted at the next save (only
-`step-N.tmp` folders: nothing else in the folder is touched).
+Commit: rank 0 writes values.json -> all ranks write their shards -> rank 0 writes config.json -> the
+ranks hash the files (SHA-256, split between them) -> rank 0 writes `commit.json` (step, sizes,
+hashes) and renames `step-N.tmp` to `step-N` (atomic). A killed save leaves its `.tmp` folder, never
+loaded, deleted at the next save. Only folders this project wrote are ever deleted (a real folder
+holding nothing but the files a save writes); any other name in the checkpoint folder (a user's
+notes, a `step-7.tmp` link, a `step-9.tmp` holding other files) is reported once in one line and left.
 
-Loading checks the marker, sizes and hashes first; a folder that fails, or that DCP cannot read, or
-whose tensors hold NaN/Inf, is skipped with one warning line and the next older one is tried. If the
+Loading checks the marker, the file list, sizes and hashes before any file is parsed; a folder that
+fails, or that DCP cannot read, or whose tensors hold NaN/Inf, is skipped with one warning line and
+the next older one is tried. If the
 folder holds checkpoints and none loads, the load is an error listing why each failed: a run never
 restarts from step 0 over checkpoints it could not read. After a resume, checkpoints newer than the
 one loaded are moved aside (`set_aside_after`), so pruning, which keeps the newest k up to the step
@@ -43,20 +47,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from elr.checkpoint import CONFIG, STEP_DIR, check_format, check_hashes, check_keys, committed_files, committed_steps
-from elr.checkpoint import first_nonfinite, hash_files, latest_step, load_state_dict, marker_or_reason, read_metadata
-from elr.checkpoint import step_folders, write_marker
-from elr.errors import CheckpointError, UnusableCheckpoint
+from elr.checkpoint import CONFIG, STEP_DIR, Stored, check_hashes, check_keys, committed_files, committed_steps
+from elr.checkpoint import first_nonfinite, hash_files, latest_step, marker_or_reason, read_config, save_plain
+from elr.checkpoint import split_state, step_folders, tensor_writer, write_marker, write_values
+from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir
+from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.interop import write_export
 
 logger = logging.getLogger(__name__)
 
-_OWN_TMP = re.compile(r"step-\d+(-model|-hf)?\.tmp")  # what a killed save or export of ours leaves
 _STEP_OR_EXPORT = re.compile(r"step-(\d+)(-model|-hf)?")
 # DCP warns at every save/load without a process group that it assumes one process: we mean that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
@@ -86,6 +89,8 @@ class CheckpointManager:
         self._rank = dist.get_rank() if self._pg is not None else 0
         self._world = dist.get_world_size() if self._pg is not None else 1
         self._pending: tuple[int, Future, int] | None = None  # async save: (step, upload future, bytes)
+        self._checked: dict[int, dict | str] = {}  # step -> its verified marker, or why it failed
+        self._reported = False  # foreign names in the folder: one line per manager
 
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0
@@ -108,20 +113,23 @@ class CheckpointManager:
         tmp = self.folder / f"step-{step}.tmp"
         if self._rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
-            for stale in self.folder.iterdir():  # left behind by a killed save of ours
-                if _OWN_TMP.fullmatch(stale.name) and stale.is_dir():
-                    shutil.rmtree(stale)
-        state_dict = _state_dicts(states)
-        needed = self._bytes_needed(state_dict)
+            foreign = clear_own_tmp(self.folder)
+            if foreign and not self._reported:
+                self._reported = True
+                logger.warning(f"checkpoint folder {self.folder} holds {len(foreign)} name(s) this project did not "
+                               f"write, left as they are: {', '.join(foreign)}")
+        tensors, values = split_state(_state_dicts(states))
+        needed = self._bytes_needed(tensors)
         problem = self._on_rank0(lambda: _space_problem(self.folder, step, needed, shutil.disk_usage(self.folder).free))
         if problem:
             raise CheckpointError(problem)
-        kwargs = dict(checkpoint_id=tmp, process_group=self._pg, no_dist=self._pg is None)
+        self._rank0_or_raise(lambda: claim_tmp(tmp) or write_values(tmp, values))
+        kwargs = dict(storage_writer=tensor_writer(tmp), process_group=self._pg, no_dist=self._pg is None)
         if self.async_save:
-            self._pending = (step, dcp.async_save(state_dict, **kwargs), needed)
+            self._pending = (step, dcp.async_save(tensors, **kwargs), needed)
             return
         try:
-            dcp.save(state_dict, **kwargs)
+            dcp.save(tensors, **kwargs)
         except (Exception, CheckpointException) as e:
             self._raise_if_disk_full(step, needed, e)
             raise
@@ -144,13 +152,17 @@ class CheckpointManager:
         # barrier states that rule here instead of relying on it.
         self._barrier()
         tmp = self.folder / f"step-{step}.tmp"
+        self._checked.pop(step, None)  # a step saved again is checked again
         self._seal(tmp, step)
-        if self._rank == 0:
-            _replace_dir(tmp, self.folder / f"step-{step}")
-            if self.keep_latest_k > 0:  # never a checkpoint newer than this one (set_aside_after moved those)
-                for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k:]:
+        self._rank0_or_raise(lambda: self._publish(tmp, step))  # every rank returns once it is visible
+
+    def _publish(self, tmp: Path, step: int) -> None:
+        """Rename the sealed folder to `step-N`, then prune (rank 0)."""
+        replace_dir(tmp, self.folder / f"step-{step}")
+        if self.keep_latest_k > 0:  # never a checkpoint newer than this one (set_aside_after moved those)
+            for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k:]:
+                if made_here(self.folder / f"step-{old}"):
                     shutil.rmtree(self.folder / f"step-{old}")
-        self._barrier()  # no rank goes on before the checkpoint is visible
 
     def _seal(self, tmp: Path, step: int) -> None:
         """config.json, then the hashes of every file (split over the ranks), then the marker."""
@@ -171,14 +183,16 @@ class CheckpointManager:
         final = self.folder / f"step-{step}-model"
         tmp = final.with_name(final.name + ".tmp")
         full = self._full_tensors(model, dtype)
-        if self._rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            dcp.save(full, checkpoint_id=tmp, no_dist=True)
+
+        def write() -> None:  # rank 0
+            claim_tmp(tmp)
+            save_plain(full, tmp)
             if self.config is not None:
                 (tmp / CONFIG).write_text(json.dumps(self.config, indent=2))
             write_marker(tmp, step, hash_files(tmp, committed_files(tmp)))
-            _replace_dir(tmp, final)
-        self._barrier()
+            replace_dir(tmp, final)
+
+        self._rank0_or_raise(write)
         return final
 
     def export_hf(self, step: int, model: nn.Module, args, tokenizer, dtype: torch.dtype) -> Path:
@@ -203,11 +217,9 @@ class CheckpointManager:
                 full[name] = value.cpu()
         return full
 
-    def _bytes_needed(self, state_dict: dict[str, Any]) -> int:
+    def _bytes_needed(self, tensors: dict[str, torch.Tensor]) -> int:
         """Bytes this save writes on all ranks together: every tensor shard, plus 1 MiB per rank."""
-        flat, _ = flatten_state_dict(state_dict)
-        local = sum((v.to_local() if isinstance(v, DTensor) else v).nbytes
-                    for v in flat.values() if isinstance(v, torch.Tensor)) + 2**20
+        local = sum((v.to_local() if isinstance(v, DTensor) else v).nbytes for v in tensors.values()) + 2**20
         if self._pg is None:
             return local
         total = torch.tensor([local], dtype=torch.float64)
@@ -220,7 +232,7 @@ class CheckpointManager:
         tmp = self.folder / f"step-{step}.tmp"
         problem = _space_problem(self.folder, step, needed, shutil.disk_usage(self.folder).free)
         if problem:
-            if self._rank == 0:
+            if self._rank == 0 and made_here(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{problem} (the save failed: {_one_line(error)})") from None
 
@@ -276,14 +288,15 @@ class CheckpointManager:
         path = Path(path)
         named = STEP_DIR.fullmatch(path.name)
         source = copy.copy(self)  # the same process group, reading the other folder
-        source.folder, source._pending = (path.parent if named else path), None
+        source.folder, source._pending, source._checked = (path.parent if named else path), None, {}
         return source.load(states, step=int(named[1]) if named else None, allow_missing=allow_missing)
 
     def set_aside_after(self, step: int) -> list[str]:
-        """Rename every checkpoint and export newer than `step` (a rollback with `load_step`, or a
-        fallback past unusable ones) to `<name>.abandoned-<time>`: kept, but never resumed,
+        """Rename every checkpoint and export newer than `step` (a rollback with `load_step`, a
+        fallback past unusable ones, or -1: a start over) to `<name>.abandoned-<time>`: kept, but never resumed,
         pruned or overwritten. Returns the new names (logged in one line)."""
         moved = []
+        self._checked.clear()  # the names now hold other folders
         if self._rank == 0 and self.folder.is_dir():
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for p in sorted(self.folder.iterdir()):
@@ -296,37 +309,64 @@ class CheckpointManager:
                     os.rename(p, target)
                     moved.append(target.name)
             if moved:
-                logger.warning(f"resuming from step-{step} in {self.folder}: moved the {len(moved)} newer "
+                what = f"resuming from step-{step}" if step >= 0 else "starting over"
+                logger.warning(f"{what} in {self.folder}: moved the {len(moved)} {'newer ' if step >= 0 else ''}"
                                f"checkpoint(s) aside as {', '.join(moved)} (kept, never resumed or pruned; "
                                "delete them when no longer needed)")
         self._barrier()
         return moved
 
-    def _check(self, step: int) -> dict:
-        """The marker of `step-{step}` once its sizes and hashes hold; UnusableCheckpoint, alike on
-        every rank, if not. Rank 0 reads the marker; the ranks share the hashing."""
+    def saved_config(self, step: int) -> dict | None:
+        """The config `step-{step}` was saved with (None where the saver gave none), read only once
+        every file of the folder passed its hash check; UnusableCheckpoint, alike on every rank, if not."""
+        marker = self._check(step)
         folder = self.folder / f"step-{step}"
-        marker = self._on_rank0(lambda: marker_or_reason(self.folder, step))
-        if isinstance(marker, str):
-            raise UnusableCheckpoint(folder, marker)
-        if "sha256" in marker:
-            check_hashes(folder, marker, self._hash_share(folder, sorted(marker["sha256"])))
-        elif self._rank == 0:
-            logger.warning(f"checkpoint {folder} predates checksums (format {marker.get('format', 1)}): "
-                           "its sizes are checked, corruption inside a file would not be found")
-        return marker
+        config = self._on_rank0(lambda: _reason_or(lambda: read_config(folder, marker)))
+        if isinstance(config, str):
+            self._checked[step] = config
+            raise UnusableCheckpoint(folder, config)
+        return config
+
+    def usable_step(self) -> int | None:
+        """The newest committed step whose every file passes its hash check (a collective): where a
+        resume starts. The steps skipped are named once `load` has loaded an older one."""
+        for step in self._on_rank0(self._step_folders):
+            try:
+                self._check(step)
+                return step
+            except UnusableCheckpoint:
+                continue
+        return None
+
+    def _check(self, step: int) -> dict:
+        """The marker of `step-{step}` once its file list, sizes and hashes hold; UnusableCheckpoint,
+        alike on every rank, if not. Rank 0 reads the marker; the ranks share the hashing. Each step
+        is checked once per manager (a resume asks for its config, then loads it)."""
+        folder = self.folder / f"step-{step}"
+        if step not in self._checked:
+            marker = self._on_rank0(lambda: _reason_or(lambda: marker_or_reason(self.folder, step)))
+            if isinstance(marker, OldCheckpointFormat):
+                raise marker
+            if isinstance(marker, dict):
+                try:
+                    check_hashes(folder, marker, self._hash_share(folder, sorted(marker["sha256"])))
+                except UnusableCheckpoint as e:
+                    marker = e.reason
+            self._checked[step] = marker
+        if isinstance(self._checked[step], str):
+            raise UnusableCheckpoint(folder, self._checked[step])
+        return self._checked[step]
 
     def _load_from(self, path: Path, marker: dict, states: dict[str, Any], allow_missing) -> None:
         state_dict = _state_dicts(states)
-        saved = read_metadata(path).state_dict_metadata
-        check_format(path, marker, saved)
+        stored = Stored(path, marker)  # every rank reads the (verified, identical) headers alike
         try:
-            check_keys(state_dict, saved, allow_missing)
+            check_keys(state_dict, stored.entries(), allow_missing)
         except CheckpointError as e:
             raise CheckpointError(f"{path} does not fit this job ({e}); was it saved with another "
                                   "model config? Use a new job.dump_folder or the matching config") from None
         # missing keys were vetted above
-        load_state_dict(state_dict, path, process_group=self._pg, allow_partial_load=True)
+        stored.load(state_dict, process_group=self._pg, allow_partial_load=True)
         bad = self._gather(first_nonfinite(state_dict))
         if bad:
             raise UnusableCheckpoint(path, f"holds NaN/Inf in {bad[0]}")
@@ -347,6 +387,20 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if self._pg is not None:
             dist.barrier(group=self._pg)
+
+    def _rank0_or_raise(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on rank 0; a CheckpointError or OSError it raises is raised on every rank (no rank
+        is left waiting in a collective for one that failed)."""
+        def attempt() -> str | None:
+            try:
+                fn()
+            except (CheckpointError, OSError) as e:
+                return str(e)
+            return None
+
+        error = self._on_rank0(attempt)
+        if error:
+            raise CheckpointError(error)
 
     def _on_rank0(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on rank 0 and hand its result to every rank: all ranks decide alike."""
@@ -381,16 +435,15 @@ def _space_problem(folder: Path, step: int, needed: int, free: int) -> str | Non
             "free space there or point checkpoint.folder at another disk")
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename `src` to `dst` (atomic); an existing `dst` (the same step saved again) goes first."""
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.rename(src, dst)
-    fd = os.open(dst.parent, os.O_RDONLY)  # make the rename itself durable
+def _reason_or(fn: Callable[[], Any]) -> Any:
+    """`fn()`, or what it raised, in a form rank 0 can hand to every rank: an UnusableCheckpoint's
+    reason (a str), an OldCheckpointFormat itself."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return fn()
+    except UnusableCheckpoint as e:
+        return e.reason
+    except OldCheckpointFormat as e:
+        return e
 
 
 def _state_dicts(states: dict[str, Any]) -> dict[str, Any]:

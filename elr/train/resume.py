@@ -8,8 +8,9 @@ changes. The schedule after a change: the LR scheduler is rebuilt from the new c
 (`lr_scheduler.*`, `optimizer.lr`, `training.steps`) and evaluated at the resumed step, so raising
 `training.steps` from 20 to 30 at step 20 continues the new 30-step cosine at its step 20.
 
-A run resumed at or past its last step has nothing to do: `finished_step` finds that from the
-checkpoint markers alone, before any file is opened for writing.
+A run resumed at or past its last step has nothing to do: `finished_step` finds that before any
+file is opened for writing, once that checkpoint's files pass their hash check and its config
+describes this job's run (another model, tokenizer or data is refused, not called finished).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import os
 from pathlib import Path
 
 from elr import recurrence_options
-from elr.checkpoint import latest_step
+from elr.checkpoint import latest_step, read_config, verify
 from elr.config import JobConfig
-from elr.errors import ConfigError
+from elr.errors import ConfigError, UnusableCheckpoint
+from elr.tokenizer import build_tokenizer
+from elr.train.token_files import job_tokenizer_path
 
 # Keys whose change would build another model, or make the saved optimizer state, data position or
 # loop draws mean something else: every recurrence option (each changes the network), and these.
@@ -32,9 +35,10 @@ FROZEN = (
     "optimizer.name",  # AdamW and Muon+AdamW keep different state
     "training.seq_len", "training.seed", "data.shuffle",  # the data position counts windows of this order
     "data.task", "data.task_items", "data.task_max_difficulty",  # the task's vocabulary and example length
+    "data.path", "tokenizer.sha256",  # another corpus or vocabulary is another run (run_folder.py)
 )
 # Keys that record where this run lives or how it was started: expected to differ, never logged.
-IGNORED = ("checkpoint.load_step", "checkpoint.initial_load_path", "checkpoint.create_seed")
+IGNORED = ("checkpoint.load_step", "checkpoint.initial_load_path", "checkpoint.create_seed", "job.start_over")
 RESUMES = "resumes"  # config.json's list of {step, changes}
 
 
@@ -49,7 +53,7 @@ def config_changes(saved: dict, job: dict) -> dict[str, list]:
     old, new = flat(saved), flat(job)
     changes = {}
     for key, value in new.items():
-        if key in IGNORED or key not in old or old[key] == value:
+        if key in IGNORED or key not in old or old[key] == value or (key == "data.path" and _same_folder(old[key], value)):
             continue
         if key == "tokenizer.sha256" and not value:  # empty: recorded by the trainer, not a change
             continue
@@ -64,8 +68,17 @@ def check_resume(saved: dict, job: dict, step: int) -> dict[str, list]:
     if frozen:
         listed = ", ".join(f"{k} {show_value(changes[k][0])} -> {show_value(changes[k][1])}" for k in frozen)
         raise ConfigError(f"{', '.join(frozen)}: cannot change on resume (checkpoint step-{step} was saved with "
-                          f"another value: {listed}); use the saved value, or a new job.dump_folder for a new run")
+                          f"another value: {listed}); use the saved value, or a new job.dump_folder for a new run "
+                          "(or --job.start_over true to set this folder's run aside and start over in it)")
     return changes
+
+
+def _same_folder(a, b) -> bool:
+    """Two spellings of one data folder (relative and absolute, say)."""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, TypeError):
+        return False
 
 
 def change_line(changes: dict[str, list], step: int) -> str:
@@ -79,20 +92,27 @@ def show_value(value) -> str:
     return f"{value:g}" if isinstance(value, float) else json.dumps(value)
 
 
-def saved_config(checkpoint_folder: Path, step: int) -> dict | None:
-    """The config a checkpoint was saved with (its own config.json; None for a format-2 one)."""
-    path = checkpoint_folder / f"step-{step}" / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def finished_step(cfg: JobConfig) -> int | None:
-    """The step a finished run stopped at, when this job would resume it at or past training.steps."""
+    """The step a finished run stopped at, when this job would resume it at or past training.steps.
+    A ConfigError when that checkpoint holds another run (a frozen key differs)."""
     c = cfg.checkpoint
-    if not c.enable or c.create_seed:
+    if not c.enable or c.create_seed or cfg.job.start_over:
         return None
     folder = Path(cfg.job.dump_folder) / c.folder
     step = latest_step(folder) if c.load_step == -1 else c.load_step
-    return step if step is not None and step >= cfg.training.steps else None
+    if step is None or step < cfg.training.steps:
+        return None
+    try:
+        marker = verify(folder / f"step-{step}", step)
+    except UnusableCheckpoint:
+        return None  # the trainer falls back to an older step and says why
+    saved = read_config(folder / f"step-{step}", marker)
+    if saved is not None:
+        job = cfg.to_dict()
+        if not cfg.data.task and not job["tokenizer"]["sha256"]:  # the trainer records it once it runs
+            job["tokenizer"]["sha256"] = build_tokenizer(job_tokenizer_path(cfg)).sha256
+        check_resume(saved, job, step)
+    return step
 
 
 def run_config(cfg: JobConfig, history: list[dict]) -> dict:

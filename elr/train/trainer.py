@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 
-from elr.checkpoint import dcp_note, latest_step
+from elr.checkpoint import dcp_note
 from elr.config import JobConfig
 from elr.errors import CheckpointError, ConfigError
 from elr.interop import check_fits, differences, is_export, read_export
@@ -42,7 +42,8 @@ from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
 from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
 from elr.train.optimizer import update_expert_biases
 from elr.train.profiling import Profiler
-from elr.train.resume import RESUMES, change_line, check_resume, run_config, saved_config
+from elr.train.resume import RESUMES, change_line, check_resume, run_config
+from elr.train.run_folder import claim_line, set_aside_run_files
 from elr.train.run_lock import RunLock
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.stop import StopOnSignal
@@ -94,30 +95,39 @@ class Trainer:
         self.validator = Validator(cfg, self.task, self.dp_rank, self.dp_world, self.device)
         self.depths = DepthSchedule(cfg, self.dp_world, self.n_micro, group_size=self.dims.ep)
         checkpoint_folder = self.dump_folder / cfg.checkpoint.folder
+        # The manager checks each step's hashes once (a collective); its config is the run's, set once the
+        # resume's changes are known.
+        self.checkpointer = CheckpointManager(checkpoint_folder, interval=cfg.checkpoint.interval,
+                                              keep_latest_k=cfg.checkpoint.keep_latest_k,
+                                              async_save=cfg.checkpoint.async_save)
         # The step to resume from, and its changes, checked before anything is written: a frozen key
         # stops the job here.
         ckpt, self.planned_step = cfg.checkpoint, None
-        if ckpt.enable:
-            self.planned_step = latest_step(checkpoint_folder) if ckpt.load_step == -1 else ckpt.load_step
+        if ckpt.enable and not cfg.job.start_over:
+            self.planned_step = self.checkpointer.usable_step() if ckpt.load_step == -1 else ckpt.load_step
         self.resume_history, self.resume_changes = [], {}
         if self.planned_step is not None:
-            self._check_resume(checkpoint_folder, self.planned_step)
-        self.checkpointer = CheckpointManager(
-            checkpoint_folder, interval=cfg.checkpoint.interval, keep_latest_k=cfg.checkpoint.keep_latest_k,
-            async_save=cfg.checkpoint.async_save, config=run_config(cfg, self.resume_history),
-        )
+            self._check_resume(self.planned_step)
+        self.checkpointer.config = run_config(cfg, self.resume_history)
+        folder_line = claim_line(cfg, checkpoint_folder, self.planned_step)  # refuses a run it would restart
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps)
         self.stop = StopOnSignal(self.device, saves=cfg.checkpoint.enable)
 
-        # One run per folder, taken before anything is written; a checkpoint folder outside the dump
-        # folder (an absolute checkpoint.folder) is locked as well.
+        # One run per folder, taken before anything is written: the dump folder, and the checkpoint
+        # folder (which another run's checkpoint.folder may name) with checkpoints on.
         folders = {"job.dump_folder": self.dump_folder}
-        if cfg.checkpoint.enable and not checkpoint_folder.resolve().is_relative_to(self.dump_folder.resolve()):
+        if cfg.checkpoint.enable or cfg.job.start_over:
             folders["checkpoint.folder"] = checkpoint_folder
         self.lock = RunLock.acquire(folders, self.rank)
         try:
+            if cfg.job.start_over:
+                self.checkpointer.set_aside_after(-1)
+                if self.rank == 0:
+                    set_aside_run_files(self.dump_folder)
+            if folder_line:
+                logger.info(folder_line)
             self._build_and_resume()
             self.metrics = MetricsLogger(self.dump_folder, cfg.metrics.enable_tensorboard, self.rank, self.step,
                                          cfg.metrics.enable_wandb, cfg.to_dict())
@@ -133,11 +143,11 @@ class Trainer:
 
     # ---- setup -------------------------------------------------------------------------------
 
-    def _check_resume(self, folder: Path, step: int) -> None:
-        """Compare this job with the config checkpoint `step` in `folder` was saved with
-        (elr/train/resume.py): the run's resume history and this resume's changes."""
-        saved = saved_config(folder, step)
-        if saved is None:  # format 2: no config inside, nothing to compare against
+    def _check_resume(self, step: int) -> None:
+        """Compare this job with the config checkpoint `step` was saved with (elr/train/resume.py): the
+        run's resume history and this resume's changes."""
+        saved = self.checkpointer.saved_config(step)  # read once every file of the step passed its hash check
+        if saved is None:  # saved without a config (a conversion of one that had none): nothing to compare
             return
         self.resume_history = list(saved.get(RESUMES, []))
         self.resume_changes = check_resume(saved, self.cfg.to_dict(), step)
@@ -187,7 +197,7 @@ class Trainer:
                 self._load_initial(ckpt.initial_load_path)
             return
         if loaded != planned:  # fell back past unusable checkpoints: compare with the one loaded
-            self._check_resume(self.checkpointer.folder, loaded)
+            self._check_resume(loaded)
             self.checkpointer.config = run_config(self.cfg, self.resume_history)
         if self.resume_changes:
             logger.info(change_line(self.resume_changes, loaded))

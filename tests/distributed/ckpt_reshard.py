@@ -73,7 +73,7 @@ def main():
     train(model, opt, steps=1, seed=20 + rank)
     ckpt.save(4, {"model": ModelState(model), "optimizer": OptimizerState(model, opt)})
     if rank == 0:
-        (work / "from2" / "step-4" / "__1_0.distcp").unlink()
+        (work / "from2" / "step-4" / "shard-00002-model-00001-of-00001.safetensors").unlink()  # rank 1's shards
     dist.barrier()
     fresh, fresh_opt = sharded(seed=1)
     train_state = {"step": 0, "world": 0}
