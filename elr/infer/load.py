@@ -1,7 +1,8 @@
 """Load a trained model from any checkpoint the trainer writes, on any device, without a process group.
 
-Accepted: a Hugging Face export (elr/interop: config.json and safetensors, nothing unpickled; the form
-to share), a DCP training checkpoint folder `.../checkpoint/step-N` (saved by any number of ranks,
+Accepted: a Hugging Face export (elr/interop: config.json and safetensors, nothing unpickled, every
+file checked against the SHA-256 in its elr_sha256.json first; the form to share; also one re-saved by
+`save_pretrained`, whose tokenizer comes back from its tokenizer.json), a DCP training checkpoint folder `.../checkpoint/step-N` (saved by any number of ranks,
 before or after the late switch: a pre-switch checkpoint has no loop-conditioning parameters, so
 the model is built without them), or a model-only export `.../checkpoint/step-N-model`. DCP
 reshards on load, so the world size the checkpoint was saved from does not matter.
@@ -27,6 +28,7 @@ from elr.checkpoint import check_format, dcp_note, load_module, read_config, rea
 from elr.config import config_from_dict
 from elr.errors import CheckpointError, ConfigError, TokenizerError
 from elr.interop import is_export, load_export, load_export_config
+from elr.interop.hf_tokenizer import TOKENIZER_JSON, tokenizer_from_json
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import Tokenizer, build_tokenizer
@@ -103,7 +105,10 @@ def load_tokenizer(cfg: dict, path: str | None = None) -> Tokenizer:
     SHA-256 the run recorded (`tokenizer.sha256`), when the run recorded one."""
     path = path or cfg["tokenizer"]["path"]
     in_repo = Path(__file__).resolve().parents[2] / path
-    tokenizer = build_tokenizer(str(in_repo) if not Path(path).is_file() and in_repo.is_file() else path)
+    if Path(path).name == TOKENIZER_JSON:  # an export re-saved by transformers: no ranks file, the same ranks
+        tokenizer = tokenizer_from_json(path)
+    else:
+        tokenizer = build_tokenizer(str(in_repo) if not Path(path).is_file() and in_repo.is_file() else path)
     want = cfg["tokenizer"].get("sha256", "")
     if want and tokenizer.sha256 != want:
         raise TokenizerError(f"tokenizer {tokenizer.source} has SHA-256 {tokenizer.sha256}, but the checkpoint "
