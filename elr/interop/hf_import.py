@@ -11,6 +11,7 @@ be finite. Error messages name files and keys, never quote their contents.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from elr.models import ELRModel, ModelArgs, build_model
 # Tables the model builds but an export does not store (the RoPE table, MoE counters): at most this many
 # elements, so a config asking for max_seq_len = 2**40 is refused before anything is allocated.
 MAX_UNSTORED_ELEMENTS = 1 << 28
+MAX_DIMENSION = 1 << 31  # any one size in elr_model: larger products overflow even on the meta device
 
 
 def open_export(folder: str | Path) -> tuple[ModelArgs, dict, set[str]]:
@@ -60,8 +62,9 @@ def check_export(folder: str | Path) -> tuple[ModelArgs, dict]:
     return args, raw
 
 
-def read_export(folder: str | Path) -> tuple[ModelArgs, dict, dict[str, torch.Tensor]]:
-    """(ModelArgs, config.json, weights under the ELR model's own names) of an export, checked."""
+def read_export(folder: str | Path, with_listed: bool = False) -> tuple:
+    """(ModelArgs, config.json, weights under the ELR model's own names) of an export, checked; with
+    `with_listed`, also the names its manifest lists."""
     folder = Path(folder)
     args, raw, listed = open_export(folder)
     own_names(folder, weight_shapes(folder, listed))  # before any tensor is read
@@ -70,12 +73,17 @@ def read_export(folder: str | Path) -> tuple[ModelArgs, dict, dict[str, torch.Te
     bad = first_nonfinite(state)
     if bad:
         raise CheckpointError(f"{folder} holds NaN/Inf in {bad}")
-    return args, raw, state
+    return (args, raw, state, listed) if with_listed else (args, raw, state)
 
 
 def meta_model(args: ModelArgs) -> ELRModel:
     """The model `args` describe, on the meta device (nothing allocated), refused if the tables it would
     build beside its weights are absurd."""
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        if isinstance(value, int) and value > MAX_DIMENSION:
+            raise CheckpointError(f"{CONFIG}: elr_model.{field.name} = {value} is beyond any model this code builds "
+                                  f"(at most {MAX_DIMENSION})")
     with torch.device("meta"):
         model = build_model(args)
     stored = set(model.state_dict())
@@ -105,7 +113,7 @@ def load_export(folder: str | Path, device: str | torch.device = "cpu", dtype: t
     """Model (eval mode) and the training job's config, whose tokenizer path points at the export's
     ranks file. `max_seq_len` enlarges the RoPE table past the training length."""
     folder = Path(folder)
-    args, raw, state = read_export(folder)
+    args, raw, state, listed = read_export(folder, with_listed=True)
     model = meta_model(args)
     check_fits(model, state, folder)  # before anything is allocated
     model.to_empty(device=device)
@@ -113,25 +121,25 @@ def load_export(folder: str | Path, device: str | torch.device = "cpu", dtype: t
     model.load_state_dict(state)
     if max_seq_len is not None:
         model.extend_positions(max_seq_len)
-    return model.to(dtype).eval(), job_config(folder, raw)
+    return model.to(dtype).eval(), job_config(folder, raw, listed)
 
 
 def load_export_config(folder: str | Path) -> dict:
     """The training job's config of an export (as `load_export` returns it), without reading weights."""
-    _, raw, _ = open_export(folder)
-    return job_config(Path(folder), raw)
+    _, raw, listed = open_export(folder)
+    return job_config(Path(folder), raw, listed)
 
 
-def job_config(folder: Path, raw: dict) -> dict:
+def job_config(folder: Path, raw: dict, listed: set[str]) -> dict:
     """config.json's `elr_job`, validated (keys added since at their defaults), its tokenizer the export's:
-    the ranks file in the folder, else (a folder re-saved by transformers, which drops it) the folder's
-    tokenizer.json, which elr.infer.load.load_tokenizer turns back into the same ranks, or a tiktoken
-    encoding name. Never a path the config names: an export reads nothing outside its folder."""
+    the ranks file in the folder when the manifest lists it, else (a folder re-saved by transformers,
+    which writes no ranks file) the folder's tokenizer.json, which elr.infer.load.load_tokenizer turns
+    back into the same ranks and checks against the hash the run recorded; or a tiktoken encoding name.
+    Never a path the config names: an export reads nothing outside its folder."""
     cfg = config_from_dict(raw["elr_job"]).to_dict()
     source = raw.get("elr_tokenizer")
     if source == RANKS:
-        present = (folder / RANKS).exists() or (folder / RANKS).is_symlink()
-        cfg["tokenizer"]["path"] = str(plain_file(folder, RANKS if present else TOKENIZER_JSON).resolve())
+        cfg["tokenizer"]["path"] = str(plain_file(folder, RANKS if RANKS in listed else TOKENIZER_JSON).resolve())
     elif isinstance(source, str) and source in tiktoken.list_encoding_names():
         cfg["tokenizer"]["path"] = source
     else:

@@ -21,6 +21,7 @@ anything is allocated); `save_pretrained` writes the hashes of what it saves.
 from __future__ import annotations
 
 import copy
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from transformers.utils import ModelOutput
 
 from elr.infer.cache import MODES, InferenceCache
 from elr.interop.hf_config import MODEL_TYPE, model_args
+from elr.interop.hf_export import REMOTE, REMOTE_FILES
 from elr.interop.hf_hashes import seal
 from elr.interop.hf_import import check_export
 from elr.models import ELRModel, build_model
@@ -123,10 +125,15 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
         return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' save_pretrained, then the hashes of every file it wrote (elr/interop/hf_hashes.py)."""
+        """transformers' save_pretrained, the remote code files (so the folder also loads with
+        trust_remote_code=True, as an export does), then the hashes of every file written here
+        (elr/interop/hf_hashes.py). A tokenizer saved afterwards is not listed, nor needed: this package
+        rebuilds the ranks from its tokenizer.json and checks them against the hash the run recorded."""
         folder = Path(save_directory)
         before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} if folder.is_dir() else {}
         super().save_pretrained(save_directory, *args, **kwargs)
+        for name in REMOTE_FILES:
+            shutil.copyfile(REMOTE / name, folder / name)
         written = [p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink()
                    and before.get(p.name) != p.stat().st_mtime_ns]
         seal(folder, written)
