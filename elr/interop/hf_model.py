@@ -7,9 +7,9 @@
 `elr.infer`'s at every loop count. It generates through transformers' own GenerationMixin (greedy,
 sampling, beam search, logits processors such as repetition_penalty, a `generation_config`,
 streamers, pipelines) with this package's KV cache (elr/infer/cache.py) carried between steps. The loop
-count and KV mode come, first to last, from `generate(loops=, kv=)`, the generation config's `loops`
-and `kv` (generation_config.json), and the model config's (`from_pretrained(folder, loops=3, kv=...)`
-sets both). What the cache cannot do is refused with an error: assisted and prompt-lookup decoding
+count and KV mode come from `generate(loops=, kv=)`, else from the generation config passed or the
+model's own, whose `loops` and `kv` follow the model config's at load (`from_pretrained(folder, loops=3,
+kv=...)` sets both; lm-eval's `--model_args ...,loops=3` does this). What the cache cannot do is refused with an error: assisted and prompt-lookup decoding
 (the cache cannot be rolled back), a cache passed in, `inputs_embeds`, attention or hidden-state outputs.
 
 An export's `configuration_elr.py` and `modeling_elr.py` (the remote code transformers runs with
@@ -48,6 +48,7 @@ REFUSED = {
     "past_key_values": "the ELR model builds its own cache (elr/infer/cache.py); pass kv= to choose its mode",
     "cache_implementation": "the ELR model builds its own cache (elr/infer/cache.py); pass kv= to choose its mode",
     "inputs_embeds": "the ELR model takes token ids only",
+    "custom_generate": "it runs decoding code from the Hub",
 }
 
 
@@ -114,14 +115,13 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' from_pretrained, after the checks this package's loaders run on a local folder;
-        `loops=`/`kv=` set the defaults of the model config and of the generation config."""
+        """transformers' from_pretrained, after the checks this package's loaders run on a local folder.
+        The generation config's `loops` and `kv` follow the model config's (an export writes the same
+        values into both), so `from_pretrained(folder, loops=3)` sets the default of forward and generate."""
         if Path(pretrained_model_name_or_path).is_dir():
             check_export(pretrained_model_name_or_path)
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        for name in ("loops", "kv"):
-            if name in kwargs:
-                setattr(model.generation_config, name, getattr(model.config, name))
+        model.generation_config.loops, model.generation_config.kv = model.config.loops, model.config.kv
         return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -161,13 +161,20 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
         return cache
 
     def _pad(self, input_ids, attention_mask):
-        """Left-padding columns per row, or None without padding; right padding is refused."""
+        """Left-padding columns per row, or None where no row is left-padded. Right padding (training's:
+        TRL pads on the right, labels -100 there) needs nothing: a causal model's real tokens never see
+        the padding after them. Padding on both sides is refused."""
         if attention_mask is None or bool(attention_mask.all()):
             return None
-        pad = (attention_mask == 0).sum(1)
-        columns = torch.arange(input_ids.shape[1], device=input_ids.device)
-        if not torch.equal(attention_mask.bool(), columns[None, :] >= pad[:, None]):
-            raise ValueError("ELR models take left-padded batches: attention_mask must be 0s then 1s in every row")
+        mask, columns = attention_mask.bool(), torch.arange(input_ids.shape[1], device=input_ids.device)
+        real = mask.sum(1)
+        if torch.equal(mask, columns[None, :] < real[:, None]):
+            return None  # right-padded
+        pad = input_ids.shape[1] - real
+        if not torch.equal(mask, columns[None, :] >= pad[:, None]):
+            raise ValueError("attention_mask must pad each row on one side only (0s then 1s, or 1s then 0s)")
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            raise ValueError("left-padded batches are for inference (no gradients): to train, pad on the right")
         return pad
 
     def forward(self, input_ids, attention_mask=None, labels=None, loops=None, cache=None, use_cache=None,
@@ -207,8 +214,8 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
         for name, why in REFUSED.items():
             if kwargs.get(name, getattr(settings, name, None)) is not None:
                 raise ValueError(f"generate({name}=...) is not offered: {why}")
-        loops = kwargs.pop("loops", None) or getattr(settings, "loops", None) or self.config.loops
-        kv = kwargs.pop("kv", None) or getattr(settings, "kv", None) or self.config.kv
+        loops, kv = (next(v for v in (kwargs.pop(name, None), getattr(settings, name, None), getattr(self.config, name))
+                          if v is not None) for name in ("loops", "kv"))
         if not isinstance(loops, int) or isinstance(loops, bool) or loops < 1:
             raise ValueError(f"loops must be an integer >= 1, got {loops!r}")
         if kv not in MODES:
@@ -217,7 +224,11 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
         if ids is None:
             raise ValueError("generate needs input_ids (prompts start with <|endoftext|>; the tokenizer adds it)")
         merged = copy.deepcopy(settings)
-        merged.update(**{k: v for k, v in kwargs.items() if k in ("max_new_tokens", "max_length")})
+        merged.update(**kwargs)  # the attributes of a generation config; the rest are model inputs
+        mode = merged.get_generation_mode()
+        if mode not in self._supported_generation_modes:
+            raise ValueError(f"{mode.value} is not offered: ELR models generate greedily, by sampling or by beam "
+                             "search")
         new = merged.max_new_tokens if merged.max_new_tokens is not None else merged.max_length - ids.shape[1]
         capacity = ids.shape[1] + max(int(new), 1)
         self.model.extend_positions(capacity)  # positions past the training length were never trained
