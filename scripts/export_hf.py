@@ -3,9 +3,11 @@
     python scripts/export_hf.py --checkpoint outputs/debug/checkpoint/step-150 --out outputs/debug/hf
     python scripts/export_hf.py --checkpoint ... --out ... --dtype bfloat16 --loops 3 --kv last_loop
 
-The folder loads in transformers with `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`
-(the remote code wraps this package, which must be installed) and in this package's own loaders
-(generate.py, evaluate.py, checkpoint.initial_load_path). Share this folder, not the DCP checkpoint.
+The folder loads in transformers with `AutoModelForCausalLM.from_pretrained(out)` after
+`import elr.interop.hf_model` (which registers the classes; no remote code runs), and in this package's
+own loaders (generate.py, evaluate.py, checkpoint.initial_load_path), which check the SHA-256 of every
+file it lists in elr_sha256.json first. Share this folder, not the DCP checkpoint. An existing --out,
+or an OUT.tmp this script did not make, is refused and left as it is.
 """
 
 from __future__ import annotations
