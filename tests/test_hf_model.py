@@ -229,3 +229,14 @@ def test_a_transformers_fine_tune_saved_with_save_pretrained_loads_back(export, 
         assert all(torch.equal(got[k], v) for k, v in want.items())
     finally:
         t.close()
+
+
+def test_the_model_card_has_a_metadata_header_and_its_code_runs(export, capsys):
+    _, _, folder = export
+    card = (folder / "README.md").read_text()
+    header, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+    assert "library_name: transformers" in header and "pipeline_tag: text-generation" in header
+    code = "\n".join(line[4:] for line in body.splitlines() if line.startswith("    "))
+    assert "trust_remote_code" not in code and "import elr.interop.hf_model" in code
+    exec(code.replace("FOLDER", repr(str(folder))), {})
+    assert capsys.readouterr().out.startswith("The king said")

@@ -214,8 +214,12 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
         for name, why in REFUSED.items():
             if kwargs.get(name, getattr(settings, name, None)) is not None:
                 raise ValueError(f"generate({name}=...) is not offered: {why}")
-        loops, kv = (next(v for v in (kwargs.pop(name, None), getattr(settings, name, None), getattr(self.config, name))
-                          if v is not None) for name in ("loops", "kv"))
+        chosen = {}
+        for name in ("loops", "kv"):  # the call's, else the generation config's, else the model config's
+            given = kwargs.pop(name, None)
+            chosen[name] = next(v for v in (given, getattr(settings, name, None), getattr(self.config, name))
+                                if v is not None)
+        loops, kv = chosen["loops"], chosen["kv"]
         if not isinstance(loops, int) or isinstance(loops, bool) or loops < 1:
             raise ValueError(f"loops must be an integer >= 1, got {loops!r}")
         if kv not in MODES:
