@@ -189,3 +189,22 @@ def test_overwrite_replaces_only_an_export(export, tmp_path):
     with pytest.raises(UserError, match="exists and is not an ELR export: not replaced"):
         write_export(model.state_dict(), model.args, {}, tokenizer, tmp_path / "hf", overwrite=True)
     assert (tmp_path / "hf" / "notes.txt").read_text() == "mine" and not (tmp_path / "hf.tmp").exists()
+
+
+def test_seal_rehashes_an_export_edited_by_hand(export, tmp_path, capsys):
+    folder = tmp_path / "hf"
+    shutil.copytree(export[2], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "loops": 2}))
+    with pytest.raises(CheckpointError, match="config.json does not match its SHA-256 .*--seal FOLDER"):
+        load_model(folder)
+    assert script("export_hf").main(["--seal", str(folder)]) == 0
+    assert capsys.readouterr().out.startswith(f"sealed {folder}: ")
+    assert load_model(folder)[0] is not None and json.loads((folder / "config.json").read_text())["loops"] == 2
+    (folder / "extra.json").symlink_to(folder / "config.json")
+    before = snapshot(tmp_path)
+    assert script("export_hf").main(["--seal", str(folder)]) == 2
+    assert "extra.json is a symlink" in one_error_line(capsys.readouterr().err)
+    assert script("export_hf").main(["--seal", str(tmp_path)]) == 2
+    assert "is not an ELR export" in one_error_line(capsys.readouterr().err)
+    assert snapshot(tmp_path) == before

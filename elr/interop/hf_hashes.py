@@ -3,7 +3,8 @@ of them, and the rule that a loader reads only plain files of the export folder 
 
 `elr_sha256.json` maps each file name to its size and SHA-256. The export writes it last (covering every
 file but README.md, the model card, which people edit before sharing); `ELRForCausalLM.save_pretrained`
-writes one for the files it saves. A loader checks every listed file before it reads any, and refuses a
+writes one for the files it saves; `scripts/export_hf.py --seal FOLDER` writes one for a folder its owner
+vouches for (edited by hand, or exported before hashes existed). A loader checks every listed file before it reads any, and refuses a
 file it needs that is not listed, a symlink, or a name with a path in it (an index naming `../x`).
 
 What the hashes guard: a damaged or partly copied folder, a flipped or swapped weight file. Whoever can
@@ -46,12 +47,23 @@ def seal(folder: Path, names: Iterable[str]) -> None:
     (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
+def seal_folder(folder: Path) -> list[str]:
+    """Hash every regular file of `folder` (for a folder its owner vouches for: an export made before
+    hashes, or edited by hand); a symlink is refused, as loaders would refuse it. Returns the names."""
+    links = sorted(p.name for p in folder.iterdir() if p.is_symlink())
+    if links:
+        raise CheckpointError(f"{folder / links[0]} is a symlink: copy the file into the folder first")
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in (MANIFEST, *UNLISTED))
+    seal(folder, names)
+    return names
+
+
 def read_manifest(folder: Path) -> dict[str, dict]:
     """{name: {"bytes", "sha256"}} of the folder's manifest, its shape checked (nothing else read)."""
     if not (folder / MANIFEST).exists() and not (folder / MANIFEST).is_symlink():
         raise CheckpointError(f"{folder} has no {MANIFEST}: not written by the ELR export or by ELRForCausalLM."
-                              "save_pretrained, so its files cannot be checked (load it in transformers after "
-                              "`import elr.interop.hf_model` and save_pretrained it again)")
+                              "save_pretrained, so its files cannot be checked (if you trust it: "
+                              f"python scripts/export_hf.py --seal {folder})")
     path = plain_file(folder, MANIFEST)
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: not a manifest")
@@ -79,5 +91,5 @@ def verify(folder: str | Path, needed: Iterable[str] = ()) -> set[str]:
         path = plain_file(folder, name)
         if path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
             raise CheckpointError(f"{path} does not match its SHA-256 in {MANIFEST}: damaged or changed since it "
-                                  "was written")
+                                  "was written (if you changed it yourself: python scripts/export_hf.py --seal FOLDER)")
     return set(files)
