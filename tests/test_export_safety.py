@@ -33,8 +33,10 @@ def export(tmp_path_factory):
 
 def snapshot(root: Path) -> dict[str, bytes | str]:
     """Every path under `root`: a file's bytes, a symlink's target."""
-    return {str(p.relative_to(root)): (f"-> {p.readlink()}" if p.is_symlink() else p.read_bytes() if p.is_file() else "dir")
-            for p in sorted(root.rglob("*"))}
+    def what(p: Path):
+        return f"-> {p.readlink()}" if p.is_symlink() else p.read_bytes() if p.is_file() else "dir"
+
+    return {str(p.relative_to(root)): what(p) for p in sorted(root.rglob("*"))}
 
 
 def flip_a_weight_byte(folder: Path, outside: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from elr.config import load_config
-from elr.infer.generate import generate, left_pad
+from elr.infer.generate import generate
 from elr.infer.load import load_model
 from export_utils import reseal, script, tiny_export
 from trainer_utils import DEBUG_TOML, ROOT, overrides

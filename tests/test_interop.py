@@ -27,6 +27,7 @@ from elr.interop import hf_config, write_export
 from elr.models import ModelArgs, build_model
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import build_tokenizer
+from export_utils import reseal
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -44,13 +45,6 @@ def script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def reseal(folder: Path) -> None:
-    """Rewrite the export's hashes after an edit, as someone crafting a folder would."""
-    from elr.interop.hf_hashes import MANIFEST, seal
-
-    seal(folder, json.loads((folder / MANIFEST).read_text())["files"])
 
 
 def one_error_line(text: str) -> str:

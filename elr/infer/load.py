@@ -1,11 +1,12 @@
 """Load a trained model from any checkpoint the trainer writes, on any device, without a process group.
 
-Accepted: a Hugging Face export (elr/interop: config.json and safetensors, nothing unpickled, every
-file checked against the SHA-256 in its elr_sha256.json first; the form to share; also one re-saved by
-`save_pretrained`, whose tokenizer comes back from its tokenizer.json), a DCP training checkpoint folder `.../checkpoint/step-N` (saved by any number of ranks,
+Accepted: a Hugging Face export (elr/interop: config.json and safetensors, nothing unpickled; the form
+to share), a DCP training checkpoint folder `.../checkpoint/step-N` (saved by any number of ranks,
 before or after the late switch: a pre-switch checkpoint has no loop-conditioning parameters, so
 the model is built without them), or a model-only export `.../checkpoint/step-N-model`. DCP
-reshards on load, so the world size the checkpoint was saved from does not matter.
+reshards on load, so the world size the checkpoint was saved from does not matter. An export's files
+are checked against the SHA-256 in its elr_sha256.json before any is parsed; one re-saved by
+transformers' `save_pretrained` has no ranks file, and its tokenizer comes back from tokenizer.json.
 
 What is loaded is what was saved: the folder must be committed (commit.json) and every file must
 match its size and SHA-256; the model is built from the config.json inside the step folder, never

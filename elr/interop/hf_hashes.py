@@ -4,8 +4,9 @@ of them, and the rule that a loader reads only plain files of the export folder 
 `elr_sha256.json` maps each file name to its size and SHA-256. The export writes it last (covering every
 file but README.md, the model card, which people edit before sharing); `ELRForCausalLM.save_pretrained`
 writes one for the files it saves; `scripts/export_hf.py --seal FOLDER` writes one for a folder its owner
-vouches for (edited by hand, or exported before hashes existed). A loader checks every listed file before it reads any, and refuses a
-file it needs that is not listed, a symlink, or a name with a path in it (an index naming `../x`).
+vouches for (edited by hand, or exported before hashes existed). A loader checks every listed file before it
+reads any, and refuses a file it needs that is not listed, a symlink, or a name with a path in it (an index
+naming `../x`).
 
 What the hashes guard: a damaged or partly copied folder, a flipped or swapped weight file. Whoever can
 rewrite the folder can rewrite the list too; safety against crafted files comes from what is read (JSON

@@ -4,13 +4,14 @@
     model = AutoModelForCausalLM.from_pretrained(folder)
 
 `ELRForCausalLM` wraps this package's model (elr.models) rather than copying it, so its logits are
-`elr.infer`'s at every loop count. It generates through transformers' own GenerationMixin (greedy,
-sampling, beam search, logits processors such as repetition_penalty, a `generation_config`,
-streamers, pipelines) with this package's KV cache (elr/infer/cache.py) carried between steps. The loop
-count and KV mode come from `generate(loops=, kv=)`, else from the generation config passed or the
-model's own, whose `loops` and `kv` follow the model config's at load (`from_pretrained(folder, loops=3,
-kv=...)` sets both; lm-eval's `--model_args ...,loops=3` does this). What the cache cannot do is refused with an error: assisted and prompt-lookup decoding
-(the cache cannot be rolled back), a cache passed in, `inputs_embeds`, attention or hidden-state outputs.
+`elr.infer`'s at every loop count. It generates through transformers' own GenerationMixin (greedy, sampling,
+beam search, logits processors such as repetition_penalty, a `generation_config`, streamers, pipelines) with
+this package's KV cache (elr/infer/cache.py) carried between steps. The loop count and KV mode come from
+`generate(loops=, kv=)`, else from the generation config passed or the model's own, whose `loops` and `kv`
+follow the model config's at load (`from_pretrained(folder, loops=3, kv=...)` sets both; lm-eval's
+`--model_args ...,loops=3` does this). What the cache cannot do is refused with an error: assisted and
+prompt-lookup decoding (the cache cannot be rolled back), a cache passed in, `inputs_embeds`, attention or
+hidden-state outputs.
 
 An export's `configuration_elr.py` and `modeling_elr.py` (the remote code transformers runs with
 `trust_remote_code=True`) only import these two classes. Loading a local folder checks it first, as
