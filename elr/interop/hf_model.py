@@ -189,6 +189,9 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("ELR models return a ModelOutput (return_dict=False is not offered)")
         if elr_decode is not None and use_cache is not False:
             if cache is None:
+                if attention_mask is not None and attention_mask.shape[1] != input_ids.shape[1]:
+                    raise RuntimeError("transformers did not hand the cache back to the next step: "
+                                       "elr.interop.hf_model needs transformers >= 5.24")
                 pad = self._pad(input_ids, attention_mask)
                 cache = ELRCache(InferenceCache(self.model, input_ids.shape[0], elr_decode.capacity,
                                                 elr_decode.loops, elr_decode.kv, pad))
