@@ -137,6 +137,9 @@ def claim_tmp(out: Path) -> Path:
                                   "to another folder (nothing was deleted)")
         logger.warning(f"removing {tmp}, left by an interrupted export")
         shutil.rmtree(tmp)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except FileExistsError:
+        raise CheckpointError(f"{tmp} appeared meanwhile: is another export to {out} running?") from None
     (tmp / PARTIAL).write_text("an ELR export being written; removed when it completes\n")
     return tmp
