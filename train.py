@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     from elr.config import load_config
     from elr.errors import UserError
     from elr.train.resume import finished_step
-    from elr.train.trainer import NonFiniteLossError, Trainer
+    from elr.train.nonfinite import NonFiniteLossError
+    from elr.train.trainer import Trainer
 
     # A user's mistake (bad config, missing or mismatched files, unusable checkpoint) is one line and
     # exit code 2; anything else is a bug and keeps its traceback.

@@ -7,15 +7,15 @@ typo or an impossible setting costs one line of error instead of a crashed job a
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli
 
+from elr.config_checks import switch_step, validate  # switch_step: part of this module's API
 from elr.config_keys import apply_tables, key_type, parse_overrides, set_key
 from elr.errors import ConfigError
-from elr.tasks import TASKS
+from elr.recurrence_options import RecurrenceOptions
 
 
 @dataclass
@@ -45,35 +45,24 @@ class Model:
 
 
 @dataclass
-class ELR:
+class ELR(RecurrenceOptions):
     """[elr]: what each key means (the README table and --help are made from these lines).
+
+    The recurrence's own options (max_loops, update, conditioning, ...) are the fields of
+    elr/recurrence_options.py's RecurrenceOptions, documented there; these are the keys of the training.
 
     enabled: false: the non-recurrent baseline (every layer once, no ELR parameters; needs `max_loops = 1` and
         `conditioning = false`; `update` and `recurrent_input` do not apply)
-    max_loops: K: loop counts are drawn from 1..K; validation runs every k in 1..K
     partition: `[L_in, L_rec, L_out]`, must add up to the flavor's layer count; empty: the flavor's
-    recurrent_input: `state` or `state_plus_input` (re-injection of h_in from loop 2 on, the Table 14 ablation; k =
-        1 stays the plain stack)
-    update: `adaptive_delta` (learned step), `replace` (s_i = r_i) or `residual` (s_i = s_{i-1} + r_i; k = 1 is not
-        the plain stack)
-    step_input: what `adaptive_delta`'s step a = 2σ(W norm(x) + b) sees: `state` (x = s~_i), `delta` (x = r_i −
-        s_{i-1}) or `channel` (no input: one step per channel, a = 2σ(b))
     step_lr_scale: the step's parameters train at `optimizer.lr` × this (their own optimizer group)
     step_weight_decay: weight decay of the step's parameters (pulls W towards 0, the step towards 1)
-    conditioning: loop-index/budget embeddings with zero-initialised FiLM heads
-    conditioning_budget: the budget embedding E_budget[k] in the conditioning; false: the loop index alone, so the
-        first i loops of every budget are the same computation
-    conditioning_gate: FiLM's gate term (1 + gate) on each recurrent sublayer's output; false: scale and shift only
-    conditioning_first_loop: false: loop 1 unconditioned, so k=1 is exactly the shared block
-    conditioning_later_loops: false: loops 2..k unconditioned (only loop 1 has FiLM), so conditioning cannot scale
-        the later loops down; not both this and `conditioning_first_loop` false
-    conditioning_silu: a SiLU on c = E_loop[i] + E_budget[k] before the FiLM heads (as DiT's adaLN), so a head is
-        not additive in i and k
-    conditioning_exit: FiLM heads from E_budget[k] on the output block's layers too, so it reads each budget's last
-        state in its own way; with both loop options false it is the only conditioning and no loop can be scaled down
     loss_every_loop: the loss at the exit of every loop 1..k of a slot (their mean), not k's alone; needs
         `conditioning_budget = false` or no conditioning
-    sampling: `independent` (each slot draws k) or `synchronized` (one k per update)
+    sampling: `independent` (each slot draws k), `synchronized` (one k per update) or `stratified` (one k per
+        microbatch shared by every data-parallel rank, the microbatches of an update spread over the distribution;
+        no rank waits for another's loops)
+    emulated_ranks: one process only: draw loop counts as this many data-parallel ranks would, its microbatches laid
+        out ranks x microbatches (studies that stand in for a cluster); 1: the process is one rank
     one_loop_override: fraction f in [0, 1] of data-parallel ranks that run k=1 on every microbatch (rotating over
         ranks; over whole expert groups under expert parallelism; over microbatch slots when one group spans every
         rank, or in one process)
@@ -82,22 +71,12 @@ class ELR:
     """
 
     enabled: bool = True
-    max_loops: int = 3
     partition: list[int] = field(default_factory=list)
-    recurrent_input: str = "state"
-    update: str = "adaptive_delta"
-    step_input: str = "state"
     step_lr_scale: float = 1.0
     step_weight_decay: float = 0.0
-    conditioning: bool = True
-    conditioning_budget: bool = True
-    conditioning_gate: bool = True
-    conditioning_first_loop: bool = True
-    conditioning_later_loops: bool = True
-    conditioning_silu: bool = False
-    conditioning_exit: bool = False
     loss_every_loop: bool = False
     sampling: str = "independent"
+    emulated_ranks: int = 1
     one_loop_override: float = 0.0
     loop_weights: list[float] = field(default_factory=list)
     switch_at: float = 0.0
@@ -384,18 +363,6 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
-CHOICES = {
-    "elr.sampling": ("independent", "synchronized"),
-    "data.task": ("", *TASKS),
-    "training.mixed_precision_param": ("float32", "bfloat16"),
-    "optimizer.name": ("adamw", "muon"),
-    "lr_scheduler.decay_type": ("cosine", "wsd"),
-    "checkpoint.export_dtype": ("none", "float32", "bfloat16"),
-    "checkpoint.export_format": ("dcp", "hf"),
-    "activation_checkpoint.mode": ("none", "selective", "full"),
-}
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Defaults, then the TOML file, then CLI overrides; validated before returning."""
     cfg = JobConfig()
@@ -440,144 +407,3 @@ def config_from_dict(raw: dict) -> JobConfig:
     apply_tables(cfg, {k: v for k, v in raw.items() if k != "resumes"})
     validate(cfg)
     return cfg
-
-
-def switch_step(cfg: JobConfig) -> int:
-    """The step at which the late switch happens (elr.switch_at of training.steps, rounded)."""
-    return round(cfg.elr.switch_at * cfg.training.steps)
-
-
-def _check(ok: bool, key: str, message: str, value) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message} (got {value!r})")
-
-
-def validate(cfg: JobConfig) -> None:
-    """Reject impossible settings before any work starts; one error naming the key.
-
-    The checks that need the model code (flavor, update rule, recurrent input, partition vs the
-    flavor's layers) are in elr/models/from_config.py, which the trainer runs first.
-    """
-    for key, allowed in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        _check(value in allowed, key, f"must be one of {', '.join(allowed)}", value)
-
-    e = cfg.elr
-    _check(e.max_loops >= 1, "elr.max_loops", "must be >= 1", e.max_loops)
-    if e.partition:
-        _check(len(e.partition) == 3 and all(n >= 0 for n in e.partition), "elr.partition",
-               "must be three non-negative layer counts [L_in, L_rec, L_out]", e.partition)
-        _check(e.partition[1] >= 1, "elr.partition", "the recurrent block needs at least one layer", e.partition)
-    _check(0.0 <= e.one_loop_override <= 1.0, "elr.one_loop_override", "must lie in [0, 1]", e.one_loop_override)
-    if e.loop_weights:
-        _check(len(e.loop_weights) == e.max_loops, "elr.loop_weights",
-               f"needs one weight per k in 1..{e.max_loops}", e.loop_weights)
-        _check(all(w >= 0 for w in e.loop_weights) and sum(e.loop_weights) > 0, "elr.loop_weights",
-               "must be non-negative with a positive sum", e.loop_weights)
-    _check(e.step_lr_scale > 0, "elr.step_lr_scale", "must be > 0", e.step_lr_scale)
-    _check(e.step_weight_decay >= 0, "elr.step_weight_decay", "must be >= 0", e.step_weight_decay)
-    _check(0.0 <= e.switch_at < 1.0, "elr.switch_at", "must lie in [0, 1)", e.switch_at)
-    loops_conditioned = e.conditioning_first_loop or e.conditioning_later_loops
-    _check(loops_conditioned or e.conditioning_exit, "elr.conditioning_later_loops",
-           "and elr.conditioning_first_loop are both false and elr.conditioning_exit is off: nothing is conditioned "
-           "(set elr.conditioning = false)", e.conditioning_later_loops)
-    _check(e.conditioning or not e.conditioning_exit, "elr.conditioning_exit", "needs elr.conditioning = true",
-           e.conditioning_exit)
-    if e.loss_every_loop:
-        _check(not (e.conditioning and e.conditioning_budget and loops_conditioned), "elr.loss_every_loop",
-               "needs elr.conditioning_budget = false (with the budget embedding loop i of a k-loop run is "
-               "not the model at budget i)", e.loss_every_loop)
-    if e.switch_at > 0:
-        step = switch_step(cfg)
-        _check(0 < step < cfg.training.steps, "elr.switch_at",
-               f"x training.steps = {cfg.training.steps} rounds to step {step}; the switch must fall after "
-               f"step 0 and before the last step {cfg.training.steps}", e.switch_at)
-    if not e.enabled:
-        _check(e.max_loops == 1, "elr.max_loops", "must be 1 when elr.enabled = false (the baseline)", e.max_loops)
-        _check(not e.conditioning, "elr.conditioning", "needs elr.enabled = true", e.conditioning)
-        _check(e.switch_at == 0.0, "elr.switch_at", "needs elr.enabled = true", e.switch_at)
-
-    _check(cfg.moe.bias_update_rate >= 0, "moe.bias_update_rate", "must be >= 0", cfg.moe.bias_update_rate)
-    _check(cfg.moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", "must be >= 0", cfg.moe.aux_loss_coeff)
-
-    t = cfg.training
-    _check(t.steps >= 1, "training.steps", "must be >= 1", t.steps)
-    _check(t.seq_len >= 1, "training.seq_len", "must be >= 1", t.seq_len)
-    _check(t.local_batch_size >= 1, "training.local_batch_size", "must be >= 1", t.local_batch_size)
-    _check(t.global_batch_size == -1 or t.global_batch_size >= 1, "training.global_batch_size",
-           "must be -1 or >= 1", t.global_batch_size)
-    _check(t.max_norm >= 0, "training.max_norm", "must be >= 0", t.max_norm)
-    _check(t.max_nonfinite_steps >= 0, "training.max_nonfinite_steps", "must be >= 0", t.max_nonfinite_steps)
-    _check(t.loss_chunk_tokens >= 0, "training.loss_chunk_tokens", "must be >= 0 (0 = off)", t.loss_chunk_tokens)
-
-    o = cfg.optimizer
-    _check(o.lr > 0, "optimizer.lr", "must be > 0", o.lr)
-    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas",
-           "must be two numbers in [0, 1)", o.betas)
-    _check(o.eps > 0, "optimizer.eps", "must be > 0", o.eps)
-    _check(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", o.weight_decay)
-    _check(0 <= o.muon_momentum < 1, "optimizer.muon_momentum", "must lie in [0, 1)", o.muon_momentum)
-
-    s = cfg.lr_scheduler
-    _check(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0", s.warmup_steps)
-    _check(0 < s.decay_fraction <= 1, "lr_scheduler.decay_fraction", "must lie in (0, 1]", s.decay_fraction)
-    _check(0 <= s.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "must lie in [0, 1]", s.min_lr_ratio)
-
-    sha = cfg.tokenizer.sha256
-    _check(sha == "" or (len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha)), "tokenizer.sha256",
-           "must be empty or 64 lowercase hex digits", sha)
-
-    c = cfg.checkpoint
-    _check(c.interval >= 1, "checkpoint.interval", "must be >= 1", c.interval)
-    _check(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)
-    _check(c.load_step >= -1, "checkpoint.load_step", "must be -1 (latest) or a step", c.load_step)
-    _check(c.enable or not c.create_seed, "checkpoint.create_seed", "needs checkpoint.enable = true", c.create_seed)
-    _check(c.export_format == "dcp" or c.export_dtype != "none", "checkpoint.export_format",
-           "writes an export only with checkpoint.export_dtype set (float32 or bfloat16)", c.export_format)
-    _check(c.export_format != "hf" or not cfg.data.task, "checkpoint.export_format",
-           "hf exports a tokenizer; a data.task run has none (use dcp)", c.export_format)
-    if e.switch_at > 0:
-        _check(c.enable, "checkpoint.enable", "must be true when elr.switch_at > 0 (the switch saves and reloads)",
-               c.enable)
-
-    d = cfg.data
-    if d.task:
-        _check(d.task_items >= 2, "data.task_items", "must be >= 2", d.task_items)
-        _check(1 <= d.task_max_difficulty, "data.task_max_difficulty", "must be >= 1", d.task_max_difficulty)
-        _check(d.task_curriculum_steps >= 0, "data.task_curriculum_steps", "must be >= 0 (0 = off)",
-               d.task_curriculum_steps)
-        _check(cfg.parallelism.context_parallel_degree == 1 and cfg.parallelism.tensor_parallel_degree == 1,
-               "data.task", "runs under data parallelism only (its sequences are tens of tokens): set "
-               "parallelism.context_parallel_degree and tensor_parallel_degree to 1", d.task)
-
-    _check(cfg.metrics.log_freq >= 1, "metrics.log_freq", "must be >= 1", cfg.metrics.log_freq)
-    _check(cfg.profiling.profile_freq >= 2, "profiling.profile_freq", "must be >= 2 (warm-up steps precede a trace)",
-           cfg.profiling.profile_freq)
-    for key in ("save_traces_folder", "save_memory_snapshot_folder"):
-        _check(getattr(cfg.profiling, key) != "", f"profiling.{key}", "must name a folder", "")
-    _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops", "must be > 0", cfg.metrics.peak_tflops)
-    _check(not cfg.metrics.enable_wandb or importlib.util.find_spec("wandb") is not None, "metrics.enable_wandb",
-           'needs wandb, an optional extra (pip install -e ".[wandb]")', cfg.metrics.enable_wandb)
-    _check(cfg.validation.freq >= 0, "validation.freq", "must be >= 0", cfg.validation.freq)
-    _check(cfg.validation.steps >= 1, "validation.steps", "must be >= 1", cfg.validation.steps)
-
-    p = cfg.parallelism
-    _check(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
-           "parallelism.data_parallel_shard_degree", "must be -1 or >= 1", p.data_parallel_shard_degree)
-    _check(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree", "must be >= 1",
-           p.data_parallel_replicate_degree)
-    _check(p.expert_parallel_degree >= 1, "parallelism.expert_parallel_degree", "must be >= 1",
-           p.expert_parallel_degree)
-    _check(p.context_parallel_degree >= 1, "parallelism.context_parallel_degree", "must be >= 1",
-           p.context_parallel_degree)
-    _check(t.seq_len % p.context_parallel_degree == 0, "parallelism.context_parallel_degree",
-           f"must divide training.seq_len = {t.seq_len}", p.context_parallel_degree)
-    _check(p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree", "must be >= 1", p.tensor_parallel_degree)
-    _check(t.seq_len % (p.context_parallel_degree * p.tensor_parallel_degree) == 0, "parallelism.tensor_parallel_degree",
-           f"x context_parallel_degree must divide training.seq_len = {t.seq_len} (sequence parallelism splits "
-           "every context-parallel slice evenly)", p.tensor_parallel_degree)
-
-    ac = cfg.activation_checkpoint.selective_ac_option
-    _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",
-           'must be "op" or a layer interval N >= 1', ac)

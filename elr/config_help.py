@@ -21,9 +21,12 @@ _ENTRY = re.compile(r"^    (\w+): (.*)$")
 
 
 def key_docs(section_cls) -> dict[str, str]:
-    """{field name: its one-line doc} from the section's docstring (continuation lines joined)."""
+    """{field name: its one-line doc} from the docstrings of the section and its bases (continuation
+    lines joined), bases first, as dataclass fields are ordered: [elr]'s recurrence options are
+    documented where they are defined (elr/recurrence_options.py)."""
     docs, current = {}, None
-    for line in (section_cls.__doc__ or "").splitlines():
+    lines = [line for cls in reversed(section_cls.__mro__) for line in (cls.__dict__.get("__doc__") or "").splitlines()]
+    for line in lines:
         if m := _ENTRY.match(line):
             current = m.group(1)
             docs[current] = m.group(2).strip()

@@ -4,12 +4,14 @@
     TRITON_INTERPRET=1 python scripts/bench.py gdp --tiny   # the kernel table's dry run on CPU
     python scripts/bench.py model --flavor debug --seq-len 128 --batch 16 --json bench.json
     python scripts/bench.py replay --flavor study_moe --seq-len 128 --batch 8 --max-loops 4
+    python scripts/bench.py sampling --ranks 2 4       # gloo, one thread a rank: what waiting costs
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -197,7 +199,7 @@ def bench_model(args):
     tokens = torch.randint(0, base.vocab_size, (args.batch, args.seq_len))
 
     def make(**kw):
-        model = build_model(dataclasses.replace(base, **kw))
+        model = build_model(base.with_recurrence(**kw))
         model.init_weights()
         return model
 
@@ -244,8 +246,8 @@ def bench_replay(args):
     from elr.models import build_model, flavors
     from elr.train.loop_sampler import LoopSampler
 
-    args_ = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len, max_loops=args.max_loops,
-                                update="adaptive_delta", conditioning=True)
+    args_ = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len).with_recurrence(
+        max_loops=args.max_loops, update="adaptive_delta", conditioning=True)
     if not args_.moe_experts or "E" not in args_.layer_pattern[args_.partition[0]:sum(args_.partition[:2])]:
         raise SystemExit(f"bench replay: flavor {args.flavor} has no MoE layer in its recurrent block")
     torch.manual_seed(0)
@@ -274,7 +276,111 @@ def bench_replay(args):
           f"mixed depth {times[3] / times[2] - 1:+.1%} (paper, 30B-A3B on GPUs: -19.6%, -11.7%)")
 
 
-BENCHMARKS = {"gdp": bench_gdp, "model": bench_model, "replay": bench_replay}
+SAMPLING_MODES = ("synchronized", "independent", "stratified")
+
+
+def bench_sampling(args):
+    """Mixed-depth update time under each loop sampling mode, on `--ranks` gloo processes of one thread.
+
+    Draws differ between modes, so updates are compared per unit of work: update time over the mean
+    rank's microbatch costs (fixed + k loops each, `fixed` the rest of the network in loops). Every
+    microbatch ends with its gradients all-reduced over the ranks: the meeting FSDP makes on every
+    microbatch (all-gather before, reduce-scatter after), so a rank whose draw is shallower waits there
+    for the deepest. Modes are interleaved update by update; each rank times its compute and its time in
+    the collective (the waiting, plus a transfer every mode pays alike).
+    """
+    import torch.multiprocessing as mp
+
+    for world in args.ranks:
+        if world > (os.cpu_count() or 1):
+            print(f"note: {world} ranks on {os.cpu_count()} cores: a waiting rank frees its core for the others, "
+                  "so the ratios understate what waiting costs on one device per rank")
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=_sampling_rank, args=(rank, world, port, args, results)) for rank in range(world)]
+        for proc in procs:
+            proc.start()
+        rows = sorted((results.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
+        for proc in procs:
+            proc.join()
+        step = {m: statistics.median(rows[0]["step"][m]) for m in SAMPLING_MODES}
+        per_work = {m: statistics.median(rows[0]["per_work"][m]) for m in SAMPLING_MODES}
+        print(f"{world} ranks x {args.micro} microbatches, {args.flavor} batch {args.batch} x {args.seq_len}, K = "
+              f"{args.max_loops}, 10% override, median of {args.repeats} updates per mode (interleaved)")
+        table = []
+        for m in SAMPLING_MODES:
+            waits = [r["wait"][m] * 1e3 for r in rows]
+            table.append([m, f"{step[m] * 1e3:.0f}", f"{rows[0]['mean_k'][m]:.2f}", f"{per_work[m] * 1e3:.1f}",
+                          f"{per_work[m] / per_work['synchronized']:.2f}x", f"{rows[0]['expected'][m]:.2f}x",
+                          f"{min(waits):.0f} / {max(waits):.0f}"])
+        print_table(["sampling", "update ms", "mean k", "ms per loop of work", "vs synchronized", "expected wait x",
+                     "ms in collectives per update (min / max rank)"], table)
+        print("headline: time per unit of work against synchronized: " + ", ".join(
+            f"{m} {per_work[m] / per_work['synchronized']:.2f}x" for m in SAMPLING_MODES[1:]))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _sampling_rank(rank, world, port, args, results):
+    """One rank of bench_sampling: the same draws on every rank (seed, step), its own row of them."""
+    import dataclasses
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from elr.models import build_model, flavors
+    from elr.train.loop_sampler import LoopSampler, wait_factor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model_args = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len).with_recurrence(max_loops=args.max_loops)
+    torch.manual_seed(0)
+    model = build_model(model_args)
+    model.init_weights()
+    tokens = torch.randint(0, model_args.vocab_size, (args.batch, args.seq_len))
+    params = [p for p in model.parameters() if p.requires_grad]
+    samplers = {m: LoopSampler(args.max_loops, m, one_loop_override=0.1, seed=0) for m in SAMPLING_MODES}
+    f1 = model.num_flops_per_token(args.seq_len, 1)
+    fixed = f1 / (model.num_flops_per_token(args.seq_len, 2) - f1) - 1
+    step_times = {m: [] for m in SAMPLING_MODES}
+    per_work = {m: [] for m in SAMPLING_MODES}
+    waits = {m: 0.0 for m in SAMPLING_MODES}
+    ks_run = {m: [] for m in SAMPLING_MODES}
+    expected = {m: [] for m in SAMPLING_MODES}
+    for step in range(1, args.repeats + 2):  # update 1 warms up
+        for mode, sampler in samplers.items():
+            ks = sampler.sample(step, world, args.micro)
+            dist.barrier()
+            start = time.perf_counter()
+            for k in ks[rank].tolist():
+                F.cross_entropy(model(tokens, loops=k).flatten(0, 1), tokens.flatten()).backward()
+                grads = torch.cat([p.grad.flatten() for p in params])
+                met = time.perf_counter()
+                dist.all_reduce(grads)
+                if step > 1:
+                    waits[mode] += time.perf_counter() - met
+                model.zero_grad(set_to_none=True)
+            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step > 1:  # per unit of work: the mean rank's microbatch costs, fixed + k loops each
+                step_times[mode].append(elapsed.item())
+                per_work[mode].append(elapsed.item() / (ks.double() + fixed).sum(1).mean().item())
+                ks_run[mode].append(ks.double().mean().item())
+                expected[mode].append(wait_factor(ks, fixed))
+    results.put({"rank": rank, "step": step_times, "per_work": per_work, "wait": {m: w / args.repeats for m, w in waits.items()},
+                 "mean_k": {m: statistics.mean(v) for m, v in ks_run.items()},
+                 "expected": {m: statistics.mean(v) for m, v in expected.items()}})
+    dist.destroy_process_group()
+
+
+BENCHMARKS = {"gdp": bench_gdp, "model": bench_model, "replay": bench_replay, "sampling": bench_sampling}
 
 
 def main():
@@ -288,6 +394,8 @@ def main():
     parser.add_argument("--tiny", action="store_true",
                         help="gdp: the kernel table at tiny shapes (a dry run; CPU interpreter)")
     parser.add_argument("--max-loops", type=int, default=3, help="model: time ELR at k = 1..this")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="sampling: gloo world sizes to time")
+    parser.add_argument("--micro", type=int, default=4, help="sampling: microbatches per rank per update")
     parser.add_argument("--json", help="model: also write the results to this JSON file (to compare commits)")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)

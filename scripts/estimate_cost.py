@@ -1,6 +1,8 @@
-"""Added training compute of an ELR run against its non-recurrent baseline (our reading of Eq. 5).
+"""Added training compute of an ELR run against its non-recurrent baseline (our reading of Eq. 5), and
+what its loop sampling costs in waiting on a cluster.
 
-    python scripts/estimate_cost.py train_configs/koi4b.toml train_configs/gpt_0p5b.toml
+    python scripts/estimate_cost.py --config train_configs/koi4b.toml        # at 8 GPUs
+    python scripts/estimate_cost.py train_configs/koi4b.toml train_configs/gpt_0p5b.toml --gpus 64
 
 A token trained at k loops passes through L_in + k L_rec + L_out layers; the baseline's passes
 through L = L_in + L_rec + L_out. With a late switch at fraction s of the steps and mean loop count
@@ -10,11 +12,19 @@ E[k] = f + (1 - f) sum_k w_k k in the mixed phase,
 
 The FLOP column weighs each layer by its analytic training FLOPs at the config's seq_len and counts
 the embedding/head once per token, as model.num_flops_per_token does, so it depends (a little) on
-the vocabulary. That comes from the config's tokenizer without loading an encoding: a local ranks
+the vocabulary. The embedding, input and output blocks and head cost `fixed` loops (their FLOPs over
+one loop's). That comes from the config's tokenizer without loading an encoding: a local ranks
 file is read, a tiktoken encoding name is looked up (elr.tokenizer.ENCODING_VOCAB), so the figures are the same
 whether or not the encoding is cached on this machine; `--vocab-size N` overrides it (e.g. 131072,
 the Nemotron vocabulary the paper's models use). The params columns count the model the config
 trains after its late switch (conditioning included); active counts top-k of the routed experts.
+
+Waiting: under FSDP every microbatch all-gathers and reduce-scatters, so all data-parallel ranks meet on
+each one and a microbatch costs what its slowest rank's k costs. `wait x` is the mixed phase's step time
+over the same work without waiting, from the config's own sampler at `--gpus` GPUs (data-parallel ranks
+= GPUs / (tp x cp), microbatches from the batch sizes) over 200 updates; `depths/update` is the mean
+number of distinct loop counts in an update; `run x (time)` is the run's GPU time against the
+baseline's, FLOPs and waiting together.
 """
 
 from __future__ import annotations
@@ -31,8 +41,10 @@ from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.tokenizer import vocab_size as tokenizer_vocab
-from elr.train.data import job_tokenizer_path
-from elr.train.loop_sampler import LoopSampler
+from elr.parallel.parallel_dims import ParallelDims
+from elr.train.data import microbatches
+from elr.train.loop_sampler import SAMPLING, LoopSampler, expected_wait
+from elr.train.token_files import job_tokenizer_path
 
 FORMULA = (
     "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L,   "
@@ -40,7 +52,7 @@ FORMULA = (
 )
 
 
-def estimate(config_path: str, vocab_size: int | None = None) -> dict:
+def estimate(config_path: str, vocab_size: int | None = None, gpus: int = 8) -> dict:
     cfg = load_config(config_path)
     check_model_config(cfg)
     vocab_size = vocab_size or tokenizer_vocab(job_tokenizer_path(cfg))
@@ -57,6 +69,17 @@ def estimate(config_path: str, vocab_size: int | None = None) -> dict:
     f1 = model.num_flops_per_token(cfg.training.seq_len, 1)
     per_loop = model.num_flops_per_token(cfg.training.seq_len, 2) - f1
     mixed_flops = (f1 + (mean_k - 1) * per_loop) / f1
+    fixed = f1 / per_loop - 1
+    p = cfg.parallelism
+    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, gpus,
+                        ep=p.expert_parallel_degree, cp=p.context_parallel_degree, tp=p.tensor_parallel_degree)
+    try:
+        _, n_micro = microbatches(cfg.training, dims.dp_world)
+    except ConfigError as err:
+        raise ConfigError(f"{Path(config_path).name} at --gpus {gpus}: {err}") from None
+    waits = {mode: expected_wait(LoopSampler(e.max_loops, mode, e.one_loop_override, e.loop_weights), dims.dp_world,
+                                 n_micro, fixed, group_size=dims.ep) if e.enabled else (1.0, 1.0) for mode in SAMPLING}
+    wait, depths = waits[e.sampling]
     params = sum(p.numel() for p in model.parameters())
     experts = sum(m.w1.numel() + m.w2.numel() for m in model.moe_layers())
     active = params - experts + experts * args.moe_top_k / max(args.moe_experts, 1)
@@ -64,8 +87,11 @@ def estimate(config_path: str, vocab_size: int | None = None) -> dict:
         "config": Path(config_path).name, "partition": f"{n_in}/{n_rec}/{n_out}", "K": e.max_loops,
         "f": e.one_loop_override, "p1": sampler.p_one_loop() if e.enabled else 1.0, "E[k]": mean_k, "s": s,
         "mixed x (layers)": mixed_layers, "run x (layers)": s + (1 - s) * mixed_layers,
-        "run x (FLOPs)": s + (1 - s) * mixed_flops, "vocab": vocab_size,
+        "run x (FLOPs)": s + (1 - s) * mixed_flops, "fixed": fixed, "sampling": e.sampling, "GPUs": gpus,
+        "ranks x micro": f"{dims.dp_world}x{n_micro}", "wait x": wait, "depths/update": depths,
+        "run x (time)": s + (1 - s) * mixed_flops * wait, "vocab": vocab_size,
         "params": human(params), "active": human(active),
+        "wait x by sampling": {mode: w for mode, (w, _) in waits.items()},
     }
 
 
@@ -75,21 +101,31 @@ def human(n: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    parser.add_argument("configs", nargs="+", help="TOML job configs")
+    parser.add_argument("configs", nargs="*", help="TOML job configs")
+    parser.add_argument("--config", action="append", default=[], help="a TOML job config (repeatable; as train.py)")
+    parser.add_argument("--gpus", type=int, default=8, help="world size to cost the loop sampling's waiting at")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="vocabulary to size the embedding/head with (default: the config tokenizer's)")
     args = parser.parse_args()
+    configs = args.configs + args.config
+    if not configs:
+        parser.error("name at least one config (--config FILE)")
     try:
-        rows = [estimate(path, args.vocab_size) for path in args.configs]
+        rows = [estimate(path, args.vocab_size, args.gpus) for path in configs]
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(FORMULA)
+    modes = [row.pop("wait x by sampling") for row in rows]
     header = list(rows[0])
     cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
     for line in (header, *cells):
         print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
+    for row, waits in zip(rows, modes):
+        others = ", ".join(f"{mode} {w:.2f}x" for mode, w in waits.items() if mode != row["sampling"])
+        print(f"{row['config']} at {row['GPUs']} GPUs ({row['ranks x micro']} ranks x microbatches): {row['sampling']} "
+              f"sampling waits {row['wait x']:.2f}x per mixed-depth step ({others})")
     return 0
 
 

@@ -47,7 +47,7 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
     model, cfg = load_model(checkpoint, args.device, getattr(torch, args.dtype))
     if args.route_replay:
         model.route_replay = True
-    loops = loops or list(range(1, model.args.max_loops + 1))
+    loops = loops or list(range(1, model.args.recurrence.max_loops + 1))
     rows: dict[str, dict[int, float]] = {}
     if cfg["data"].get("task"):  # a depth-task run: answer accuracy per difficulty, nothing text-based
         d = cfg["data"]

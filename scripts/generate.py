@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2
     if args.memory is not None:
-        print(memory_table(model.args, max(args.loops + [model.args.max_loops]), args.memory, dtype))
+        print(memory_table(model.args, max(args.loops + [model.args.recurrence.max_loops]), args.memory, dtype))
         return 0
     if args.route_replay:
         model.route_replay = True

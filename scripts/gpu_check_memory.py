@@ -46,7 +46,7 @@ def train_losses(steps: int, extra: list[str], dump: Path) -> list[float]:
         "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump), *extra]))
     losses = []
     for step in range(1, steps + 1):
-        scalars, _, _ = trainer.train_step(step)
+        scalars = trainer.train_step(step).scalars
         losses.append(scalars["loss/train"])
     trainer.close()
     return losses
@@ -56,7 +56,8 @@ def reduced_koi(seq_len: int, dry_run: bool):
     """koi_4b's widths with 8 layers (2 in, 4 recurrent, 2 out); in a dry run, the debug widths."""
     base = flavors["debug"] if dry_run else flavors["koi_4b"]
     return dataclasses.replace(base, layer_pattern="GF" + "GFAF" + "GF", partition=(2, 4, 2), max_seq_len=seq_len,
-                               max_loops=4, update="adaptive_delta", conditioning=True, vocab_size=8192 if dry_run else 200019)
+                               vocab_size=8192 if dry_run else 200019).with_recurrence(
+        max_loops=4, update="adaptive_delta", conditioning=True)
 
 
 def memory_rows(dry_run: bool, device: torch.device, peak_tflops: float) -> list[list[str]]:

@@ -22,7 +22,7 @@ from elr.config import JobConfig
 from elr.errors import UserError
 from elr.infer.evaluate import read_tokens
 from elr.tokenizer import Tokenizer, build_tokenizer
-from elr.train.data import check_tokenizer, job_tokenizer_path
+from elr.train.token_files import check_tokenizer, job_tokenizer_path
 
 
 def cloze_items(tokens, tokenizer: Tokenizer, items: int, context_tokens: int, option_tokens: int,

@@ -21,7 +21,7 @@ from elr.errors import ConfigError
 from elr.tools.memory_plan import plan_memory
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import vocab_size
-from elr.train.data import job_tokenizer_path
+from elr.train.token_files import job_tokenizer_path
 
 
 def main(argv: list[str] | None = None) -> int:

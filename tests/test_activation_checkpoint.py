@@ -2,7 +2,6 @@
 each AC mode equal those without AC, at every loop count, with and without MoE route replay."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -10,14 +9,15 @@ import torch.nn.functional as F
 
 from elr.models import build_model, flavors
 from elr.parallel.activation_checkpoint import CheckpointedLayer, apply_activation_checkpointing
+from trainer_utils import model_args
 
-DEBUG = dataclasses.replace(flavors["debug"], max_loops=3, update="adaptive_delta")
+DEBUG = model_args(flavors["debug"], max_loops=3, update="adaptive_delta")
 MODES = [("full", "op"), ("selective", "op"), ("selective", "2")]  # (mode, selective_ac_option)
 
 
 def make(route_replay=False):
     torch.manual_seed(0)
-    model = build_model(dataclasses.replace(DEBUG, max_seq_len=16, conditioning=True, moe_route_replay=route_replay))
+    model = build_model(model_args(DEBUG, max_seq_len=16, conditioning=True, moe_route_replay=route_replay))
     model.init_weights()
     with torch.no_grad():  # move the zero-initialised ELR heads off their identity values
         for p in model.recurrent.parameters():

@@ -28,7 +28,8 @@ from elr.infer.load import load_model, load_tokenizer
 from elr.checkpoint import MARKER
 from elr.train.checkpoint import CheckpointManager
 from elr.train.train_state import ModelState
-from elr.train.trainer import NonFiniteLossError, Trainer
+from elr.train.nonfinite import NonFiniteLossError
+from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
@@ -299,7 +300,7 @@ def test_a_config_json_rewritten_by_another_run_does_not_change_the_model(dump):
     config["elr"]["update"] = "replace"  # a later run in the same dump folder
     (dump / "config.json").write_text(json.dumps(config))
     model, cfg = load_model(dump / "checkpoint" / "step-2")
-    assert model.args.update == "adaptive_delta" and cfg["elr"]["update"] == "adaptive_delta"
+    assert model.args.recurrence.update == "adaptive_delta" and cfg["elr"]["update"] == "adaptive_delta"
     with torch.no_grad():
         assert torch.equal(model(tokens, 2), saved(tokens, 2))
 

@@ -1,7 +1,6 @@
 """torch.compile (each layer compiled once, reused on every loop) and torchao float8 conversion."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -10,11 +9,12 @@ from torch import nn
 
 from elr.models import build_model, flavors
 from elr.parallel.parallelize import compile_layers, convert_to_float8
+from trainer_utils import model_args
 
 
 def make():
     torch.manual_seed(0)
-    args = dataclasses.replace(flavors["debug"], max_seq_len=32, max_loops=3, update="adaptive_delta", conditioning=True)
+    args = model_args(flavors["debug"], max_seq_len=32, max_loops=3, update="adaptive_delta", conditioning=True)
     model = build_model(args)
     model.init_weights()
     return model

@@ -58,6 +58,9 @@ def test_tokenizer_sha256_is_a_hex_digest_or_empty():
         ("[elr]\npartition = [4, 0, 4]\n", [], "elr.partition"),  # no recurrent layer
         ("[elr]\nmax_loops = 3\nloop_weights = [1.0, 1.0]\n", [], "elr.loop_weights"),
         ("[elr]\nenabled = false\n", [], "elr.max_loops"),  # the baseline runs one loop
+        ("[elr]\nupdate = \"gated\"\n", [], "elr.update"),  # the recurrence's options check themselves
+        ("[elr]\nrecurrent_input = \"input\"\n", [], "elr.recurrent_input"),
+        ("[elr]\nstep_input = \"both\"\n", [], "elr.step_input"),
         ("[elr]\nswitch_at = 0.5\n", [], "checkpoint.enable"),  # the switch goes through a checkpoint
         ("[lr_scheduler]\nwarmup_steps = -1\n", [], "lr_scheduler.warmup_steps"),
         ("", ["--optimizer.betas", "0.9"], "optimizer.betas"),
@@ -80,8 +83,6 @@ def test_bad_input_names_the_key(tmp_path, toml, overrides, key):
     "toml, key",
     [
         ("[elr]\npartition = [2, 2, 2]\n", "elr.partition"),  # 6 != 8 layers of debug
-        ("[elr]\nupdate = \"gated\"\n", "elr.update"),
-        ("[elr]\nrecurrent_input = \"input\"\n", "elr.recurrent_input"),
         ("[model]\nflavor = \"gpt5\"\n", "model.flavor"),
         ("[model]\ngdp_impl = \"cuda\"\n", "model.gdp_impl"),
     ],
@@ -100,14 +101,13 @@ def test_elr_settings_come_from_the_config_alone():
     """The flavor is a backbone: every recurrence setting of the model is the job's [elr] value."""
     cfg = load_config(None, ["--elr.max_loops", "2", "--elr.update", "residual", "--elr.recurrent_input",
                              "state_plus_input", "--elr.conditioning", "true"])
-    args = model_args_from_config(cfg, vocab_size=256)
-    assert (args.max_loops, args.update, args.recurrent_input, args.conditioning) == (
-        2, "residual", "state_plus_input", True)
-    assert not model_args_from_config(cfg, vocab_size=256, mixed_depth=False).conditioning
+    r = model_args_from_config(cfg, vocab_size=256).recurrence
+    assert (r.max_loops, r.update, r.recurrent_input, r.conditioning) == (2, "residual", "state_plus_input", True)
+    assert not model_args_from_config(cfg, vocab_size=256, mixed_depth=False).recurrence.conditioning
     assert model_args_from_config(load_config(None, ["--model.gdp_impl", "naive"]), vocab_size=256).gdp_impl == "naive"
     baseline = load_config(None, ["--elr.enabled", "false", "--elr.max_loops", "1", "--elr.conditioning", "false"])
-    args = model_args_from_config(baseline, vocab_size=256)
-    assert (args.max_loops, args.update, args.conditioning) == (1, "replace", False)  # no ELR parameter
+    r = model_args_from_config(baseline, vocab_size=256).recurrence
+    assert (r.max_loops, r.update, r.conditioning) == (1, "replace", False)  # no ELR parameter
 
 
 def test_missing_and_malformed_files(tmp_path):
@@ -181,7 +181,7 @@ def test_bundled_paths_resolve_from_any_directory(tmp_path, monkeypatch):
 
 
 def test_the_tokenizer_defaults_to_the_one_the_data_records(tmp_path, monkeypatch):
-    from elr.train.data import job_tokenizer_path
+    from elr.train.token_files import job_tokenizer_path
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(ROOT / "train_configs" / "debug.toml")

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from elr.train.data import WindowPermutation, build_train_loader, load_tokens, val_batches
+from elr.train.data import WindowPermutation, build_train_loader, val_batches
+from elr.train.token_files import load_tokens
 from elr.tokenizer import build_tokenizer, file_sha256
 
 REPO = Path(__file__).resolve().parents[1]

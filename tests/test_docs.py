@@ -57,3 +57,18 @@ def test_help_lists_every_key_with_type_default_and_doc():
         for name, typ, default, doc in keys:
             assert f"  --{section}.{name} {typ.upper()} (default {default})\n      {doc}\n" in text + "\n", name
     assert "--job.config_file" in text
+
+
+def test_every_design_reference_points_to_a_section_of_docs_design():
+    """The code cites the repository's own design note by section; each cited section exists."""
+    design = (ROOT / "docs" / "DESIGN.md").read_text()
+    sections = set(re.findall(r"^#+ (\d+(?:\.\d+)?)\.? ", design, flags=re.M))
+    files = [p for folder in ("elr", "kernels", "tests", "scripts") for p in (ROOT / folder).rglob("*.py")]
+    cited = []
+    for path in files:
+        for m in re.finditer(r"([\w/.]*)DESIGN\.md( §(\d+(?:\.\d+)?))?", path.read_text()):
+            if path.name == "test_docs.py":
+                continue
+            cited.append((path.name, m.group(1), m.group(3)))
+    assert cited and all(prefix == "docs/" for _, prefix, _ in cited), cited
+    assert all(section in sections for _, _, section in cited if section), (sections, cited)

@@ -1,8 +1,6 @@
 """The learned ELR step (update = adaptive_delta): every form starts as the plain stack, learns, and
 trains in its own optimizer group."""
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,16 +9,17 @@ from elr.config import ELR, Optimizer, load_config
 from elr.errors import ConfigError
 from elr.models import build_model, flavors
 from elr.models.from_config import check_model_config
-from elr.models.recurrence import STEP_INPUTS
+from elr.recurrence_options import STEP_INPUTS
 from elr.train.optimizer import build_optimizer
+from trainer_utils import model_args
 
 BASELINE = flavors["debug"]
-DEBUG = dataclasses.replace(BASELINE, max_loops=3, update="adaptive_delta")
+DEBUG = model_args(BASELINE, max_loops=3, update="adaptive_delta")
 
 
 def make(seed=0, **overrides):
     torch.manual_seed(seed)
-    model = build_model(dataclasses.replace(DEBUG, max_seq_len=64, **overrides))
+    model = build_model(model_args(DEBUG, max_seq_len=64, **overrides))
     model.init_weights()
     return model
 
@@ -33,7 +32,7 @@ def tokens(B=2, T=24):
 def test_every_step_form_is_the_plain_stack_at_init_and_gets_gradients(step_input):
     elr = make(step_input=step_input)
     torch.manual_seed(7)
-    baseline = build_model(dataclasses.replace(BASELINE, max_seq_len=64))
+    baseline = build_model(model_args(BASELINE, max_seq_len=64))
     baseline.init_weights()
     keys = set(baseline.state_dict())
     baseline.load_state_dict({k: v for k, v in elr.state_dict().items() if k in keys})

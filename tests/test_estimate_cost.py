@@ -57,7 +57,35 @@ def test_encoding_sizes_match_tiktoken_where_the_encoding_loads(name):
 
 
 def test_cli_prints_the_formula_and_takes_a_vocabulary():
-    command = [sys.executable, "scripts/estimate_cost.py", "train_configs/debug.toml", "--vocab-size", "512"]
+    command = [sys.executable, "scripts/estimate_cost.py", "train_configs/debug.toml", "--vocab-size", "512", "--gpus", "2"]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "cost / baseline = s + (1 - s)" in out.stdout
-    assert " 512 " in out.stdout.splitlines()[-1]
+    assert " 512 " in out.stdout.splitlines()[2]  # the formula, the header, then the row
+
+
+def test_wait_factor_at_8_gpus_from_the_configs_own_sampler():
+    """koi4b at 8 GPUs (8 ranks x 96 microbatches): independent draws make each microbatch wait for the
+    deepest rank; stratified and synchronized draws wait only for the override's ranks."""
+    row = estimate(str(CONFIGS / "koi4b.toml"), gpus=8)
+    waits = row["wait x by sampling"]
+    assert row["ranks x micro"] == "8x96"
+    assert waits["independent"] > 1.3
+    assert waits["stratified"] <= 1.10 and waits["synchronized"] <= 1.10
+    assert row["wait x"] == waits[row["sampling"]]
+    s = row["s"]  # the late switch: one loop (no waiting) before it
+    assert row["run x (time)"] == pytest.approx(s + (row["run x (FLOPs)"] - s) * row["wait x"])
+    assert estimate(str(CONFIGS / "koi4b.toml"), gpus=64)["ranks x micro"] == "64x12"
+
+
+def test_a_batch_that_does_not_split_over_the_gpus_is_one_line():
+    command = [sys.executable, "scripts/estimate_cost.py", "train_configs/debug.toml"]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "debug.toml at --gpus 8: training.global_batch_size" in out.stderr
+
+
+def test_cli_takes_config_as_train_py_does():
+    command = [sys.executable, "scripts/estimate_cost.py", "--config", "train_configs/koi4b.toml"]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "koi4b.toml at 8 GPUs (8x96 ranks x microbatches)" in out.stdout and "sampling waits" in out.stdout

@@ -218,7 +218,7 @@ def test_decoding_takes_the_triton_step_and_equals_the_full_forward(monkeypatch)
     kernel = gdp_op.triton_gated_delta_product_step
     monkeypatch.setattr(gdp_op, "triton_gated_delta_product_step", lambda *a, **kw: steps.append(1) or kernel(*a, **kw))
     args = ModelArgs(dim=32, layer_pattern="GG", partition=(1, 1, 0), vocab_size=16, max_seq_len=16, gdp_heads=2,
-                     gdp_head_dim=16, gdp_impl="triton", max_loops=2)
+                     gdp_head_dim=16, gdp_impl="triton").with_recurrence(max_loops=2)
     torch.manual_seed(0)
     model = build_model(args).to(DEVICE)
     model.init_weights()

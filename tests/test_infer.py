@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from elr.infer.generate import Sampling, generate, left_pad, sample
 from elr.infer.memory import inference_state_bytes
 from elr.models import ELRModel, flavors
 from elr.tokenizer import build_tokenizer
+from trainer_utils import model_args
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "elr8k.tiktoken"
 
@@ -23,7 +23,7 @@ def small_model(seed: int = 0, **overrides) -> ELRModel:
     """The debug flavor (G, E, A, F, with A and G inside the recurrent block), conditioning on, and
     every parameter nudged off its identity init so loops, FiLM heads and step sizes all matter."""
     settings = dict(vocab_size=64, max_seq_len=64, max_loops=3, update="adaptive_delta", conditioning=True, cond_dim=16)
-    args = dataclasses.replace(flavors["debug"], **{**settings, **overrides})
+    args = model_args(flavors["debug"], **{**settings, **overrides})
     torch.manual_seed(seed)
     model = ELRModel(args)
     model.init_weights()
@@ -54,7 +54,7 @@ ROWS_PROMPTS = ([[5, 9, 2, 33, 7, 1, 12, 40, 3], [8, 8, 60, 2, 11, 4], [19, 3, 2
 
 @pytest.mark.parametrize("loops", [1, 2, 3])
 @pytest.mark.parametrize("overrides", [{}, {"recurrent_input": "state_plus_input", "update": "residual",
-                                           "moe_route_replay": True}, {"cond_exit": True}])
+                                           "moe_route_replay": True}, {"conditioning_exit": True}])
 def test_per_loop_decoding_equals_full_forward(loops, overrides):
     model = small_model(**overrides)
     rows, prompt_lens = ROWS_PROMPTS

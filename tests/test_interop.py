@@ -324,6 +324,32 @@ def test_a_malformed_export_config_is_one_error(model_and_export, tmp_path):
         load_model(bad)
 
 
+def test_a_format_1_export_is_still_read(model_and_export, tmp_path):
+    """Format 1 held the recurrence options flat in elr_model, some under older names (cond_budget, ...)."""
+    model, _, folder = model_and_export
+    old = tmp_path / "format1"
+    shutil.copytree(folder, old)
+    config = json.loads((old / "config.json").read_text())
+    assert config["elr_export_format"] == hf_config.FORMAT == 2
+    recurrence = config["elr_model"].pop("recurrence")
+    renamed = {new: old_name for old_name, new in hf_config.FORMAT_1_NAMES.items()}
+    config["elr_model"].update({renamed[name]: value for name, value in recurrence.items()})
+    assert "cond_budget" in config["elr_model"] and "conditioning_budget" not in config["elr_model"]
+    config["elr_export_format"] = 1
+    (old / "config.json").write_text(json.dumps(config))
+    reseal(old)  # an export of that time had no hashes: `export_hf.py --seal` adds them
+    loaded, _ = load_model(old)
+    assert loaded.args == model.args
+    tokens = torch.randint(0, 100, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens, loops=3), model(tokens, loops=3))
+    config["elr_export_format"] = 3
+    (old / "config.json").write_text(json.dumps(config))
+    reseal(old)
+    with pytest.raises(CheckpointError, match=r"export format 3; this code reads 1, 2"):
+        load_model(old)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--checkpoint.export_format", "hf"], "checkpoint.export_format: writes an export only with checkpoint.export_dtype"),
     (["--checkpoint.export_format", "safetensors"], "checkpoint.export_format: must be one of dcp, hf"),

@@ -1,4 +1,4 @@
-"""DESIGN.md section 6: the layers and what each may import, read from the source of every module.
+"""docs/DESIGN.md §6: the layers and what each may import, read from the source of every module.
 
 From the bottom: kernels; the plain data (errors, config, tasks, tokenizer); the single-device models;
 parallelism and the checkpoint format side by side; training and inference side by side; tools,
@@ -14,7 +14,8 @@ from trainer_utils import ROOT
 
 LAYERS = {
     "kernels": 0,
-    "elr.errors": 1, "elr.config": 1, "elr.config_keys": 1, "elr.config_help": 1, "elr.tasks": 1, "elr.tokenizer": 1,
+    "elr.errors": 1, "elr.config": 1, "elr.config_checks": 1, "elr.config_keys": 1, "elr.config_help": 1,
+    "elr.recurrence_options": 1, "elr.tasks": 1, "elr.tokenizer": 1,
     "elr.progress": 1, "elr.chat": 1, "elr.chat_data": 1,
     "elr.models": 2,
     # interop (the Hugging Face export format) sits beside checkpoint: training writes and reads it,

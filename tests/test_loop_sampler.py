@@ -30,7 +30,7 @@ def test_koi_closed_forms_and_empirical_rates():
         assert (ks >= k).double().mean().item() == pytest.approx(share, abs=0.006)
 
 
-@pytest.mark.parametrize("sampling", ["synchronized", "independent"])
+@pytest.mark.parametrize("sampling", ["synchronized", "independent", "stratified"])
 @pytest.mark.parametrize("f", [0.1, 0.15, 0.25, 1 / 3])
 def test_override_picks_whole_ranks_exactly_f_of_them_in_rotation(f, sampling):
     """The paper's override: a rotating subset of data-parallel ranks runs one loop on every microbatch."""
@@ -108,3 +108,83 @@ def test_one_group_over_every_rank_rotates_the_override_over_microbatch_slots(sa
     ones = (ks[:, 0] == 1)  # [steps, n_micro]
     assert torch.equal(ones.sum(-1), torch.full((steps,), round(f * n_micro)))  # every update mixes depths
     assert ones.any(0).all()  # every slot takes its turn
+
+
+def test_stratified_every_rank_runs_each_microbatch_at_one_k_and_updates_cover_the_distribution():
+    """No rank waits for another's loops: outside the override's ranks, a microbatch has one k; an update's
+    microbatches hold each depth in proportion to its weight (floor or ceil of n * p_k)."""
+    weights = [0.1, 0.2, 0.3, 0.4]
+    sampler = LoopSampler(4, "stratified", one_loop_override=0.25, loop_weights=weights, seed=7)
+    n_ranks, n_micro = 8, 10
+    for step in range(1, 60):
+        ks = sampler.sample(step, n_ranks, n_micro)
+        overridden = (ks == 1).all(-1)
+        shared = ks[~overridden]
+        assert torch.equal(shared, shared[:1].expand_as(shared)), step
+        counts = torch.bincount(shared[0], minlength=5)[1:].double()
+        expected = torch.tensor(weights, dtype=torch.float64) * n_micro
+        assert ((counts - expected).abs() < 1).all(), (step, counts)
+        assert overridden.sum().item() in (2, 3)  # f * n_ranks = 2 per update, rotating
+
+
+def test_stratified_closed_forms_hold_and_the_wait_factor_is_the_synchronized_one():
+    """koi4b's sampling at 8 ranks x 96 microbatches: independent draws make every microbatch wait for the
+    deepest rank (about 1.43x); stratified draws keep the override's rate and mean k at 1.04x."""
+    from elr.train.loop_sampler import expected_wait
+
+    stratified = LoopSampler(4, "stratified", one_loop_override=0.1, seed=0)
+    ks = draw(stratified, 300, n_ranks=8, n_micro=96).double()
+    assert (ks == 1).double().mean().item() == pytest.approx(0.325, abs=0.004)
+    assert ks.mean().item() == pytest.approx(2.35, abs=0.01)
+    waits = {mode: expected_wait(LoopSampler(4, mode, one_loop_override=0.1, seed=0), 8, 96, 28 / 24, steps=50)
+             for mode in ("independent", "synchronized", "stratified")}
+    assert waits["independent"][0] == pytest.approx(1.43, abs=0.02)
+    assert waits["stratified"][0] <= 1.06 and waits["synchronized"][0] <= 1.06
+    assert waits["stratified"][1] == 4.0 and waits["synchronized"][1] < 2.1  # depths per update
+
+
+def test_wait_factor_of_one_update():
+    from elr.train.loop_sampler import wait_factor
+
+    ks = torch.tensor([[1, 4], [4, 1]])  # each microbatch costs its slowest rank: 2 x (1 + 4) against 1 + 5 + 1 + 2
+    assert wait_factor(ks, fixed_cost=1.0) == pytest.approx(10 / 7)
+    assert wait_factor(torch.tensor([[3, 1], [3, 1]]), fixed_cost=0.5) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_stratified_schedule_is_the_same_on_every_rank_across_resume_and_reshard(world):
+    """Each process draws the whole [ranks, microbatches] matrix from (seed, step): a process resumed at
+    step s, or a run resharded onto another world size, draws it again; every rank's row (outside the
+    override) is the same, so collectives never desynchronise and no rank waits."""
+    from elr.config import load_config
+    from elr.train.loop_sampler import DepthSchedule
+
+    cfg = load_config(None, ["--elr.max_loops", "4", "--elr.sampling", "stratified", "--elr.one_loop_override",
+                             "0.1", "--training.global_batch_size", "32", "--training.local_batch_size", "2"])
+    n_micro = 32 // (2 * world)
+    ranks = [DepthSchedule(cfg, world, n_micro) for _ in range(world)]  # each process builds its own
+    resumed = DepthSchedule(cfg, world, n_micro)
+    for step in range(1, 30):
+        ks = ranks[0].loop_counts(step)
+        assert all(torch.equal(ks, r.loop_counts(step)) for r in ranks[1:])
+        assert torch.equal(ks, resumed.loop_counts(step))
+        shared = ks[~(ks == 1).all(-1)] if world > 1 else ks
+        if world > 1:
+            assert torch.equal(shared, shared[:1].expand_as(shared))
+
+
+def test_one_process_emulates_ranks_x_microbatches():
+    """elr.emulated_ranks = 2 with 4 microbatches draws what 2 ranks of 2 microbatches draw, rank-major."""
+    from elr.config import load_config
+    from elr.errors import ConfigError
+    from elr.train.loop_sampler import DepthSchedule
+
+    cfg = load_config(None, ["--elr.max_loops", "4", "--elr.sampling", "stratified", "--elr.one_loop_override",
+                             "0.5", "--elr.emulated_ranks", "2"])
+    one = DepthSchedule(cfg, 1, 4)
+    for step in range(1, 20):
+        assert torch.equal(one.loop_counts(step), one.sampler.sample(step, 2, 2).reshape(1, 4))
+    with pytest.raises(ConfigError, match="elr.emulated_ranks"):
+        DepthSchedule(cfg, 1, 3)
+    with pytest.raises(ConfigError, match="elr.emulated_ranks"):
+        DepthSchedule(cfg, 2, 4)

@@ -1,7 +1,5 @@
 """The model: shapes and parameter counts, ELR identities at initialisation, FLOP accounting."""
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,15 +11,16 @@ from elr.models import build_model, flavors
 from elr.models.attention import apply_partial_rope, rope_table
 from elr.models.layers import Layer
 from kernels.gated_delta_product import gated_delta_product
+from trainer_utils import model_args
 
 # A flavor is a backbone; ModelArgs' ELR defaults make it the non-recurrent baseline.
 BASELINE = flavors["debug"]
-DEBUG = dataclasses.replace(BASELINE, max_loops=3, update="adaptive_delta")  # ELR, unconditioned
+DEBUG = model_args(BASELINE, max_loops=3, update="adaptive_delta")  # ELR, unconditioned
 
 
 def make(seed=0, base=DEBUG, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = build_model(dataclasses.replace(base, max_seq_len=64, **overrides))
+    model = build_model(model_args(base, max_seq_len=64, **overrides))
     model.init_weights()
     return model
 
@@ -79,7 +78,7 @@ def test_debug_flavor_has_every_layer_kind_in_the_recurrent_block():
 
 def test_meta_build_then_init_materialises_everything():
     with torch.device("meta"):
-        model = build_model(dataclasses.replace(DEBUG, max_seq_len=64, conditioning=True))
+        model = build_model(model_args(DEBUG, max_seq_len=64, conditioning=True))
     model.to_empty(device="cpu")
     model.init_weights()
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -115,7 +114,7 @@ def test_one_loop_elr_equals_non_recurrent_baseline_at_init(update, recurrent_in
 
 
 def reference_logits(model, x, loops):
-    """The loop of DESIGN.md §3.3 written out from the model's own layers (no conditioning)."""
+    """The loop of docs/DESIGN.md §3.3 written out from the model's own layers (no conditioning)."""
     a = model.args
     rope = model.rope[:, : x.shape[1]]
     h = model.tok_embeddings(x)
@@ -123,13 +122,13 @@ def reference_logits(model, x, loops):
         h = layer(h, rope)
     s = h_in = h
     for i in range(1, loops + 1):
-        s_in = s + h_in if a.recurrent_input == "state_plus_input" and i >= 2 else s
+        s_in = s + h_in if a.recurrence.recurrent_input == "state_plus_input" and i >= 2 else s
         r = s_in
         for layer in model.recurrent.layers:
             r = layer(r, rope)
-        if a.update == "replace":
+        if a.recurrence.update == "replace":
             s = r
-        elif a.update == "residual":
+        elif a.recurrence.update == "residual":
             s = s + r
         else:
             step = model.recurrent.step_size
@@ -195,7 +194,7 @@ def test_conditioning_is_exactly_invisible_at_init_for_every_k(recurrent_input):
     plain = make(seed=3, conditioning=False, recurrent_input=recurrent_input)
     copy_shared_weights(conditioned, plain)
     x = tokens()
-    for k in range(1, DEBUG.max_loops + 1):
+    for k in range(1, DEBUG.recurrence.max_loops + 1):
         assert torch.equal(conditioned(x, loops=k), plain(x, loops=k)), k
 
 
@@ -331,7 +330,7 @@ def perturb_conditioning(model):
 def test_every_loop_forward_is_the_model_at_each_budget():
     """Without the budget embedding the first i loops of a k-loop forward are the i-loop model, so
     every_loop's exits equal separate forwards at k = 1..K."""
-    model, x = perturb_conditioning(make(conditioning=True, cond_budget=False)), tokens()
+    model, x = perturb_conditioning(make(conditioning=True, conditioning_budget=False)), tokens()
     with torch.no_grad():
         exits = model(x, loops=3, every_loop=True)
         assert exits.shape == (3, *x.shape, DEBUG.vocab_size)
@@ -343,7 +342,7 @@ def test_every_loop_forward_is_the_model_at_each_budget():
 
 def test_budget_embedding_changes_loop_one_with_the_budget():
     budget = perturb_conditioning(make(conditioning=True))
-    loop_only = perturb_conditioning(make(conditioning=True, cond_budget=False))
+    loop_only = perturb_conditioning(make(conditioning=True, conditioning_budget=False))
     with torch.no_grad():
         assert not torch.equal(budget.recurrent.conditioning(1, 1)[0][0], budget.recurrent.conditioning(1, 2)[0][0])
         assert torch.equal(loop_only.recurrent.conditioning(1, 1)[0][0], loop_only.recurrent.conditioning(1, 3)[0][0])
@@ -359,7 +358,7 @@ def plain_and_conditioned(**cond_options) -> tuple[torch.nn.Module, torch.nn.Mod
 
 def test_unconditioned_first_loop_is_exactly_the_shared_block():
     x = tokens()
-    plain, first_free = plain_and_conditioned(cond_first_loop=False)
+    plain, first_free = plain_and_conditioned(conditioning_first_loop=False)
     with torch.no_grad():
         assert torch.equal(plain(x, loops=1), first_free(x, loops=1))
         assert not torch.allclose(plain(x, loops=2), first_free(x, loops=2))
@@ -367,7 +366,7 @@ def test_unconditioned_first_loop_is_exactly_the_shared_block():
 
 def test_first_loop_only_conditioning_leaves_the_later_loops_unconditioned():
     x = tokens()
-    plain, first_only = plain_and_conditioned(cond_later_loops=False)
+    plain, first_only = plain_and_conditioned(conditioning_later_loops=False)
     with torch.no_grad():
         assert first_only.recurrent.conditioning(2, 3) == [None] * len(first_only.recurrent.layers)
         assert all(film is not None for film in first_only.recurrent.conditioning(1, 3))
@@ -389,7 +388,7 @@ def test_exit_only_conditioning_leaves_every_loop_as_the_shared_block():
     k are the plain model's), and only the output block sees the budget."""
     x = tokens()
     plain = make(conditioning=False)
-    exit_only = perturb_conditioning(make(conditioning=True, cond_first_loop=False, cond_later_loops=False, cond_exit=True))
+    exit_only = perturb_conditioning(make(conditioning=True, conditioning_first_loop=False, conditioning_later_loops=False, conditioning_exit=True))
     copy_shared_weights(plain, exit_only)
     c = exit_only.recurrent.conditioning
     assert not c.heads and c.loop_embed is None and len(c.exit_heads) == DEBUG.partition[2]
@@ -409,7 +408,7 @@ def test_exit_only_conditioning_leaves_every_loop_as_the_shared_block():
 def test_exit_conditioning_gives_every_exit_its_own_budget():
     """every_loop stacks the exits of loops 1..k; each exit's rows get the FiLM of its own budget, so
     they equal separate forwards at k = 1..K."""
-    model = perturb_conditioning(make(conditioning=True, cond_first_loop=False, cond_later_loops=False, cond_exit=True))
+    model = perturb_conditioning(make(conditioning=True, conditioning_first_loop=False, conditioning_later_loops=False, conditioning_exit=True))
     x = tokens()
     with torch.no_grad():
         exits = model(x, loops=3, every_loop=True)
@@ -419,7 +418,7 @@ def test_exit_conditioning_gives_every_exit_its_own_budget():
 
 
 def test_conditioning_without_gate_has_scale_and_shift_only():
-    model, plain = make(conditioning=True, cond_gate=False), make(conditioning=False)
+    model, plain = make(conditioning=True, conditioning_gate=False), make(conditioning=False)
     copy_shared_weights(plain, model)
     assert model.recurrent.conditioning.heads[0].out_features == 2 * DEBUG.dim
     x = tokens()
@@ -432,7 +431,7 @@ def test_conditioning_without_gate_has_scale_and_shift_only():
 def test_loss_every_loop_is_the_mean_of_the_exits_losses():
     from elr.train.loss import model_loss, summed_loss
 
-    model, x = perturb_conditioning(make(conditioning=True, cond_budget=False)), tokens()
+    model, x = perturb_conditioning(make(conditioning=True, conditioning_budget=False)), tokens()
     labels = torch.roll(x, -1, dims=1)
     with torch.no_grad():
         expected = sum(summed_loss(model(x, loops=k), labels) for k in (1, 2, 3)) / 3
@@ -445,7 +444,7 @@ def test_silu_conditioning_is_not_additive_in_loop_and_budget():
     """A head fed W(E_loop[i] + E_budget[k]) is additive: film(i,k) - film(i,k') is the same for every i.
     Through a SiLU it is not, so it can single out a pair such as the last loop of k."""
     for silu, additive in ((False, True), (True, False)):
-        cond = perturb_conditioning(make(conditioning=True, cond_silu=silu)).recurrent.conditioning
+        cond = perturb_conditioning(make(conditioning=True, conditioning_silu=silu)).recurrent.conditioning
         with torch.no_grad():
             cond.loop_embed.weight.normal_()
             cond.budget_embed.weight.normal_()

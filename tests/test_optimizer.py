@@ -1,18 +1,16 @@
 """AdamW parameter groups, Muon + AdamW against torch's own optimizers, and the learning-rate schedules."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from elr.config import LRScheduler, Optimizer
 from elr.models import build_model, flavors
 from elr.train.optimizer import MuonAdamW, build_lr_scheduler, build_optimizer, lr_lambda, muon_params
-from trainer_utils import copy_checkpoint, records, run
+from trainer_utils import copy_checkpoint, records, run, model_args
 
 
 def test_weight_decay_only_on_matrices_outside_norms_embeddings_and_elr_gates():
-    args = dataclasses.replace(flavors["debug"], max_loops=3, update="adaptive_delta", conditioning=True, max_seq_len=32)
+    args = model_args(flavors["debug"], max_loops=3, update="adaptive_delta", conditioning=True, max_seq_len=32)
     model = build_model(args)
     opt = build_optimizer(model, Optimizer(weight_decay=0.1))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -42,7 +40,7 @@ def test_schedule_warms_up_peaks_and_ends_at_the_minimum(decay_type):
 
 
 def test_scheduler_drives_the_optimizer_lr():
-    model = torch.nn.Linear(4, 4)
+    model = build_model(flavors["task_gpt"])  # the optimizer asks the model for its parameters' roles
     opt = build_optimizer(model, Optimizer(lr=1e-2))
     sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=4), total_steps=20)
     seen = []
@@ -54,7 +52,7 @@ def test_scheduler_drives_the_optimizer_lr():
 
 
 def test_muon_goes_to_hidden_matrices_and_adamw_to_the_rest():
-    model = build_model(dataclasses.replace(flavors["debug"], conditioning=True, max_seq_len=32))
+    model = build_model(model_args(flavors["debug"], conditioning=True, max_seq_len=32))
     opt = build_optimizer(model, Optimizer(name="muon"))
     names = {id(p): n for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}

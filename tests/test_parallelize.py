@@ -13,7 +13,7 @@ from elr.models import build_model, flavors
 from elr.parallel.activation_checkpoint import CheckpointedLayer
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
-from elr.train.metrics import LogWindow
+from elr.train.step_report import LogWindow
 from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, overrides
 
@@ -49,10 +49,10 @@ def test_train_step_syncs_with_the_host_a_fixed_number_of_times(tmp_path, monkey
         trainer = Trainer(load_config(DEBUG_TOML, overrides(tmp_path / str(n_micro), 1, *batch)))
         trainer.depths.switch_step = -1  # mixed depth from the first step, so loop statistics exist
         calls.clear()
-        scalars, ks, per_k = trainer.train_step(1)
-        window = LogWindow(trainer.cfg.elr.max_loops)  # the logging window's statistics, one transfer
-        window.add(per_k, ks, scalars["grad_norm"], trainer.step_loop_stats, 1.0, 1, 1.0)
-        assert "loop1/update_norm" in window.loop_means() and ks.shape == (1, n_micro)
+        stats = trainer.train_step(1)
+        window = LogWindow()  # the logging window's statistics, one transfer
+        window.add(stats, 1.0, 1, 1.0)
+        assert "loop1/update_norm" in window.loop_means() and stats.ks.shape == (1, n_micro)
         return len(calls) - 1  # less the CPU-side ks[dp_rank].tolist() that sets the loop counts
 
     assert syncs(1) == syncs(3)

@@ -88,7 +88,7 @@ def test_a_model_shape_change_through_train_py_is_one_line_and_exit_2(tmp_path):
     )
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and "elr.partition, elr.update: cannot change on resume" in errors[0], result.stderr
+    assert len(errors) == 1 and "elr.update, elr.partition: cannot change on resume" in errors[0], result.stderr
     assert snapshot(dump) == before
 
 

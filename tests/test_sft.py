@@ -45,7 +45,8 @@ def test_an_sft_step_scores_exactly_the_assistant_tokens_and_resumes_exactly(pre
         dataset = trainer.train_loader.dataset
         rows = [split.rows([dataset.conversation(g)], 128)[1] for g in range(4)]  # this update's 2 x 2 rows
         expected = sum(int((labels != IGNORE_INDEX).sum()) for labels in rows)
-        _, ks, per_k = trainer.train_step(1)
+        stats = trainer.train_step(1)
+        ks, per_k = stats.ks, stats.per_k
         assert per_k[1].sum().item() == expected  # the loss's denominator: assistant tokens only
         assert expected == sum(int(split.mask[split.offsets[i] + 1:split.offsets[i + 1]].sum())
                                for i in (dataset.conversation(g) for g in range(4)))

@@ -57,7 +57,7 @@ def test_report_judges_each_paper_comparison_seed_by_seed():
 
 def test_figure_6_number_belongs_to_the_quarter_switch():
     """The paper's 1.6147 vs 1.6273 is GPT-0.5B's, mixed depth only in the last quarter (switch at 75%)."""
-    from elr.tools.study.text_report import paper_difference
+    from elr.tools.study.paper import paper_difference
 
     assert paper_difference("switch75", "default_uncond") == paper_difference("switch75", "default") == "– / -0.0126"
     assert paper_difference("switch50", "default_uncond") == "–"
@@ -82,7 +82,7 @@ def test_tradeoff_points_are_paired_k1_gap_and_best_k_gain():
 
 
 def test_paper_rows_sit_beside_the_unconditioned_variants_where_run():
-    from elr.tools.study.text_report import PAPER, paper_rows
+    from elr.tools.study.paper import PAPER, paper_rows
 
     table = PAPER["table_3"]
     assert paper_rows(table, ["default", "default_uncond", "sync_uniform"]) == {

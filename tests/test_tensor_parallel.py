@@ -18,7 +18,7 @@ from elr.errors import ConfigError
 from elr.models import flavors
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.tensor_parallel import check_tensor_parallel
-from elr.train.metrics import throughput
+from elr.train.step_report import throughput
 from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, overrides, records, run, run_script
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from elr.config import load_config
 from elr.train.optimizer import lr_lambda
-from elr.train.trainer import NonFiniteLossError, Trainer
+from elr.train.nonfinite import NonFiniteLossError
+from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, losses, overrides, records, run
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0"]
@@ -101,13 +102,13 @@ def test_switch_keeps_the_one_loop_model_exactly(tmp_path):
     dump = tmp_path / "run"
     run(dump, 2, *SWITCH)  # switch_at 0.5 of 2 steps: the switch checkpoint is step 1
     trainer = Trainer(load_config(DEBUG_TOML, overrides(dump, 2, *SWITCH, "--checkpoint.load_step", "1")))
-    assert trainer.model_args.conditioning and trainer.step == 1
+    assert trainer.model_args.recurrence.conditioning and trainer.step == 1
     inputs, _ = next(iter(trainer.train_loader))
     with torch.no_grad():
         after = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
         trainer._build(mixed_depth=False)
         trainer._load(1)
-        assert not trainer.model_args.conditioning
+        assert not trainer.model_args.recurrence.conditioning
         before = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
     for a, b in zip(after, before):
         assert torch.equal(a, b)
@@ -215,7 +216,7 @@ def test_aux_loss_adds_coeff_times_its_microbatch_mean_to_the_gradient(tmp_path,
 
     grads = {}
     trainer.optimizer.register_step_pre_hook(lambda *_: grads.update({id(p): p.grad.clone() for p in params}))
-    scalars, _, _ = trainer.train_step(1)
+    scalars = trainer.train_step(1).scalars
     trainer.close()
     for p, want in zip(params, expected):
         torch.testing.assert_close(grads[id(p)], want, rtol=1e-5, atol=1e-8)

@@ -1,5 +1,6 @@
 """Shared helpers for the end-to-end trainer tests: a tiny debug job, run in-process or as a script."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from elr.config import load_config
+from elr.recurrence_options import names as recurrence_names
 from elr.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +22,13 @@ TINY = [
     "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
     "--data.path", str(ROOT / "data" / "tinyprose"), "--tokenizer.path", str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"),
 ]
+
+
+def model_args(base, **changes):
+    """`base` (ModelArgs) with `changes`: recurrence options (the [elr] names) go into its `recurrence`,
+    the rest are ModelArgs fields."""
+    options = {k: changes.pop(k) for k in list(changes) if k in recurrence_names()}
+    return dataclasses.replace(base, **changes).with_recurrence(**options)
 
 
 def overrides(dump: Path, steps: int, *extra: str) -> list[str]:

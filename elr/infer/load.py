@@ -86,9 +86,14 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     embedding = saved.get(f"{prefix}tok_embeddings.weight")
     if embedding is None:
         raise CheckpointError(f"{checkpoint} holds no model weights (no {prefix}tok_embeddings.weight)")
-    conditioning = any(key.startswith(prefix) and ".conditioning." in key for key in saved)
-    # the trainer's own config -> ModelArgs step; a checkpoint without conditioning keys predates the switch
-    args = model_args_from_config(config_from_dict(cfg), embedding.size[0], mixed_depth=conditioning)
+    # the trainer's own config -> ModelArgs step; a checkpoint without conditioning weights predates the switch
+    job = config_from_dict(cfg)
+    args = model_args_from_config(job, embedding.size[0])
+    with torch.device("meta"):
+        roles = build_model(args).parameter_roles()
+    conditioning = [name for name, role in roles.items() if role == "conditioning"]
+    if conditioning and not any(prefix + name in saved for name in conditioning):
+        args = model_args_from_config(job, embedding.size[0], mixed_depth=False)
     with torch.device("meta"):
         model = build_model(args)
     model.to_empty(device=device)

@@ -94,7 +94,7 @@ def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict
         raise CheckpointError(f"{out} exists and is not an ELR export: not replaced (nothing was deleted)")
     if max_shard_bytes < 1:
         raise CheckpointError(f"the shard size limit must be positive, got {max_shard_bytes}")
-    loops = args.max_loops if loops is None else loops
+    loops = args.recurrence.max_loops if loops is None else loops
     if tokenizer.n_vocab > args.vocab_size:
         raise CheckpointError(f"tokenizer {tokenizer.source} has {tokenizer.n_vocab} ids, but the model embeds "
                               f"{args.vocab_size}: not the tokenizer it was trained with")
@@ -115,7 +115,7 @@ def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict
             shutil.copyfile(ranks, tmp / RANKS)
         for name in REMOTE_FILES:
             shutil.copyfile(REMOTE / name, tmp / name)
-        (tmp / "README.md").write_text(MODEL_CARD.format(loops=loops, max_loops=args.max_loops, kv=kv))
+        (tmp / "README.md").write_text(MODEL_CARD.format(loops=loops, max_loops=args.recurrence.max_loops, kv=kv))
         seal(tmp, [p.name for p in tmp.iterdir() if p.name != PARTIAL])
         (tmp / PARTIAL).unlink()
         if out.exists():

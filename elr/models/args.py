@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+from elr.recurrence_options import RecurrenceOptions
 
 
 @dataclass
@@ -42,27 +44,21 @@ class ModelArgs:
     moe_routed_scale: float = 1.0
     moe_route_replay: bool = False
 
-    # Elastic Latent Recurrence (elr/models/recurrence.py). The defaults build the non-recurrent
-    # baseline: one loop, no ELR parameters. The job's [elr] section is the one source of the recipe
-    # (elr/models/from_config.py maps it here), so the flavors below describe backbones only.
-    max_loops: int = 1  # the largest loop count k the model runs (and is conditioned on)
-    recurrent_input: str = "state"  # one of recurrence.RECURRENT_INPUTS
-    update: str = "replace"  # one of recurrence.UPDATE_RULES
-    step_input: str = "state"  # what adaptive_delta's step sees: one of recurrence.STEP_INPUTS
-    conditioning: bool = False
-    cond_dim: int = 256
-    cond_budget: bool = True  # E_budget[k] in the conditioning (false: the loop index alone)
-    cond_gate: bool = True  # FiLM's gate term (1 + gate) on the sublayer's output
-    cond_first_loop: bool = True  # false: loop 1 unconditioned, so k=1 is exactly the shared block
-    cond_later_loops: bool = True  # false: loops 2..k unconditioned, the shared block as it is
-    cond_silu: bool = False  # a SiLU on c_{i,k} before the FiLM heads (not additive in i and k)
-    cond_exit: bool = False  # FiLM heads from E_budget[k] on the output block's layers too
+    # Elastic Latent Recurrence (elr/models/recurrence.py): the job's [elr] options, copied by name
+    # (elr/models/from_config.py). The default is the non-recurrent baseline: one loop, no ELR parameters,
+    # so the flavors below describe backbones only.
+    recurrence: RecurrenceOptions = field(default_factory=RecurrenceOptions.baseline)
+    cond_dim: int = 256  # width of the loop conditioning's embeddings
 
     def __post_init__(self):
         if sum(self.partition) != len(self.layer_pattern):
             raise ValueError(f"partition {self.partition} does not add up to {len(self.layer_pattern)} layers")
-        if self.max_loops < 1:
-            raise ValueError(f"max_loops must be >= 1, got {self.max_loops}")
+        if self.recurrence.max_loops < 1:
+            raise ValueError(f"max_loops must be >= 1, got {self.recurrence.max_loops}")
+
+    def with_recurrence(self, **options) -> ModelArgs:
+        """These shapes with the given recurrence options changed (`args.with_recurrence(max_loops=3)`)."""
+        return replace(self, recurrence=replace(self.recurrence, **options))
 
     @property
     def n_layers(self) -> int:

@@ -1,8 +1,7 @@
 """Job config -> ModelArgs: the one place where [model], [elr] and [moe] become a model's shape.
 
 elr/config.py is plain data and knows no model; the checks that need the model code (flavor names,
-the option strings of the recurrence and of the GDP kernels, the partition against the flavor's layer
-count) live here and raise the same one-line ConfigError naming the key. The trainer runs them
+the option strings of the GDP kernels, the partition against the flavor's layer count) live here and raise the same one-line ConfigError naming the key. The trainer runs them
 before any other work, and scripts/estimate_cost.py uses this module without importing the trainer.
 """
 
@@ -13,7 +12,7 @@ import dataclasses
 from elr.config import JobConfig
 from elr.errors import ConfigError
 from elr.models.args import ModelArgs, flavors
-from elr.models.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES
+from elr.recurrence_options import RecurrenceOptions
 from kernels.gated_delta_product import IMPL_CHOICES
 
 
@@ -28,10 +27,6 @@ def check_model_config(cfg: JobConfig) -> None:
     _check(cfg.model.gdp_impl in IMPL_CHOICES, "model.gdp_impl", f"must be one of {', '.join(IMPL_CHOICES)}",
            cfg.model.gdp_impl)
     e = cfg.elr
-    _check(e.update in UPDATE_RULES, "elr.update", f"must be one of {', '.join(UPDATE_RULES)}", e.update)
-    _check(e.recurrent_input in RECURRENT_INPUTS, "elr.recurrent_input",
-           f"must be one of {', '.join(RECURRENT_INPUTS)}", e.recurrent_input)
-    _check(e.step_input in STEP_INPUTS, "elr.step_input", f"must be one of {', '.join(STEP_INPUTS)}", e.step_input)
     ep, flavor = cfg.parallelism.expert_parallel_degree, flavors[cfg.model.flavor]
     if ep > 1:
         _check("E" in flavor.layer_pattern, "parallelism.expert_parallel_degree",
@@ -47,7 +42,7 @@ def check_model_config(cfg: JobConfig) -> None:
 def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = True) -> ModelArgs:
     """The flavor's backbone with the job's recurrence settings.
 
-    `elr.enabled = false` builds the baseline: ModelArgs' ELR defaults (one loop, `replace`, state
+    `elr.enabled = false` builds the baseline: `RecurrenceOptions.baseline()` (one loop, `replace`, state
     input, no conditioning), so the baseline has no ELR parameter and elr.update / elr.recurrent_input
     do not apply to it. `mixed_depth` false: the one-loop phase before a late switch, built without the
     loop conditioning that the switch adds (elr/train/loop_sampler.py, DepthSchedule).
@@ -65,17 +60,6 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = 
     )
     if not e.enabled:
         return args
-    return dataclasses.replace(
-        args,
-        max_loops=e.max_loops,
-        recurrent_input=e.recurrent_input,
-        update=e.update,
-        step_input=e.step_input,
-        conditioning=e.conditioning and mixed_depth,
-        cond_budget=e.conditioning_budget,
-        cond_gate=e.conditioning_gate,
-        cond_first_loop=e.conditioning_first_loop,
-        cond_later_loops=e.conditioning_later_loops,
-        cond_silu=e.conditioning_silu,
-        cond_exit=e.conditioning_exit,
-    )
+    # Every option by its own name; before the late switch, without the loop conditioning it adds.
+    options = RecurrenceOptions.of(e)
+    return dataclasses.replace(args, recurrence=dataclasses.replace(options, conditioning=e.conditioning and mixed_depth))

@@ -1,4 +1,4 @@
-"""Gated DeltaProduct mixer (DESIGN.md §3.2): projections, short convolutions, gates, output norm.
+"""Gated DeltaProduct mixer (docs/DESIGN.md §3.2): projections, short convolutions, gates, output norm.
 
 The recurrence itself lives in kernels/gated_delta_product; this layer only prepares its inputs:
 L2-normalised q and k after causal depthwise convolutions, beta = 2 sigmoid(.) so the Householder

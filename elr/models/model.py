@@ -12,8 +12,25 @@ from torch import nn
 from elr.models.args import ModelArgs
 from elr.models.attention import rope_table
 from elr.models.ffn import MoE
+from elr.models.gdp import ShortConv
 from elr.models.layers import LAYER_KINDS, Layer
 from elr.models.recurrence import RecurrentBlock
+
+# What each parameter is, for the code that treats kinds of parameters differently (the optimizer's
+# groups and Muon's matrices, the float8 filter, the late switch, inference loading): they ask
+# `ELRModel.parameter_roles()` instead of guessing from names.
+PARAMETER_ROLES = {
+    "embedding": "the token embedding",
+    "head": "the output projection to the vocabulary",
+    "norm": "RMSNorm scales",
+    "matrix": "hidden linear weights and MoE expert stacks (Muon's matrices)",
+    "gate": "linear weights that produce per-head gate values (a layer kind's `gates`, e.g. GDP's decay and beta)",
+    "router": "the MoE router's weight",
+    "conv": "the GDP short convolutions' filters",
+    "vector": "biases and other one-dimensional parameters (GDP's A_log, dt_bias)",
+    "step_size": "the ELR adaptive step's parameters (elr/models/recurrence.py, AdaptiveStep)",
+    "conditioning": "the loop conditioning's embeddings and FiLM heads (LoopConditioning)",
+}
 
 
 class ELRModel(nn.Module):
@@ -98,6 +115,45 @@ class ELRModel(nn.Module):
         if max_seq_len > a.max_seq_len:
             self.args = a = dataclasses.replace(a, max_seq_len=max_seq_len)
             self.rope = rope_table(a.rope_dim, max_seq_len, a.rope_theta).to(self.rope)
+
+    def parameter_roles(self) -> dict[str, str]:
+        """{parameter name, as `named_parameters()` gives it: its role (a key of PARAMETER_ROLES)}.
+
+        The ELR modules and the layer kinds' declared gates first, then each parameter by the module
+        that holds it; a parameter no rule covers is an error, so a new module declares its role here.
+        """
+        roles: dict[int, str] = {}
+
+        def declare(module: nn.Module | None, role: str) -> None:
+            for p in module.parameters() if module is not None else ():
+                roles.setdefault(id(p), role)
+
+        declare(self.tok_embeddings, "embedding")
+        declare(self.output, "head")
+        declare(self.recurrent.step_size, "step_size")
+        declare(self.recurrent.conditioning, "conditioning")
+        for module in self.modules():
+            if isinstance(module, MoE):
+                declare(module.router, "router")
+                roles.setdefault(id(module.w1), "matrix")
+                roles.setdefault(id(module.w2), "matrix")
+        for layer in self.layers():
+            for name in LAYER_KINDS[layer.kind].gates:
+                declare(getattr(layer.sublayer, name), "gate")
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                declare(module, "norm")
+            elif isinstance(module, ShortConv):
+                declare(module, "conv")
+            elif isinstance(module, nn.Linear):
+                roles.setdefault(id(module.weight), "matrix")
+        named = {}
+        for name, p in self.named_parameters():
+            role = roles.get(id(p), "vector" if p.ndim < 2 else None)
+            if role is None:
+                raise ValueError(f"parameter {name} has no declared role (ELRModel.parameter_roles)")
+            named[name] = role
+        return named
 
     def layers(self) -> Iterator[nn.Module]:
         """Every layer once, in order: the input block, the recurrent block, the output block."""

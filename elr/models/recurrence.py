@@ -1,4 +1,4 @@
-"""Elastic Latent Recurrence: the recurrent block and its k-loop (DESIGN.md §3.3).
+"""Elastic Latent Recurrence: the recurrent block and its k-loop (docs/DESIGN.md §3.3).
 
     s_0 = h_in
     for i in 1..k:
@@ -32,17 +32,12 @@ from torch import nn
 
 from elr.models.args import ModelArgs
 from elr.models.ffn import Route
+from elr.recurrence_options import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES, RecurrenceOptions
 
-# The option strings of ModelArgs.update and ModelArgs.recurrent_input (config elr.update and
-# elr.recurrent_input, checked in elr/models/from_config.py).
-UPDATE_RULES = ("adaptive_delta", "replace", "residual")
-RECURRENT_INPUTS = ("state", "state_plus_input")
-
-
-# What the learned step sees (our choice; the paper gives no equation for it): the block's input
-# s~ ("state"), the change the block proposes r - s ("delta"), or nothing, a per-channel step shared
-# by every token ("channel").
-STEP_INPUTS = ("state", "delta", "channel")
+# The option strings (UPDATE_RULES, RECURRENT_INPUTS, STEP_INPUTS) are declared with the options,
+# elr/recurrence_options.py. What the learned step sees (our choice; the paper gives no equation for
+# it): the block's input s~ ("state"), the change the block proposes r - s ("delta"), or nothing, a
+# per-channel step shared by every token ("channel").
 
 
 class AdaptiveStep(nn.Module):
@@ -83,28 +78,32 @@ class LoopConditioning(nn.Module):
 
     The heads start at exactly zero (weights and bias) so adding them changes nothing yet still
     receives gradients; the embeddings start small (std 0.02) so the heads' first updates are too.
-    Options (ModelArgs.cond_*), each a remedy measured against the later loops being switched off
-    (docs/LOG.md, 2026-12-01): `budget` false drops E_budget, so the first i loops of any budget are
-    the same computation (a budget-k run holds every shorter one); `gate` false drops the gate term,
-    the sublayer's output then is never scaled per loop; `first_loop` false leaves loop 1
-    unconditioned, so k=1 is exactly the shared block; `later_loops` false leaves loops 2..k
-    unconditioned, so the heads cannot scale them down (what the conditioned runs learn to do); `silu` passes c through a SiLU before the
-    heads (as DiT's adaLN does), so a head is no longer additive in i and k and can single out a pair
-    such as "the last loop of k". `exit_layers` > 0 gives the output block's layers heads of their
-    own, fed E_budget[k] alone: the output block can read the state of each budget in its own way,
-    and with both loop options false that is the only conditioning, so no loop can be scaled down.
+    Options (the `conditioning_*` fields of RecurrenceOptions, each a remedy measured against the
+    later loops being switched off, docs/LOG.md, 2026-12-01): `conditioning_budget` false drops
+    E_budget, so the first i loops of any budget are the same computation (a budget-k run holds every
+    shorter one); `conditioning_gate` false drops the gate term, the sublayer's output then is never
+    scaled per loop; `conditioning_first_loop` false leaves loop 1 unconditioned, so k=1 is exactly the
+    shared block; `conditioning_later_loops` false leaves loops 2..k unconditioned, so the heads cannot
+    scale them down (what the conditioned runs learn to do); `conditioning_silu` passes c through a
+    SiLU before the heads (as DiT's adaLN does), so a head is no longer additive in i and k and can
+    single out a pair such as "the last loop of k". `conditioning_exit` gives the output block's
+    `exit_layers` layers heads of their own, fed E_budget[k] alone: the output block can read the
+    state of each budget in its own way, and with both loop options false that is the only
+    conditioning, so no loop can be scaled down.
     """
 
-    def __init__(self, n_layers: int, max_loops: int, dim: int, cond_dim: int, budget: bool = True,
-                 gate: bool = True, first_loop: bool = True, later_loops: bool = True, silu: bool = False,
-                 exit_layers: int = 0):
+    def __init__(self, n_layers: int, dim: int, cond_dim: int, options: RecurrenceOptions, exit_layers: int):
         super().__init__()
-        self.budget, self.gate, self.silu = budget, gate, silu
-        self.first_loop, self.later_loops, self.n_layers = first_loop, later_loops, n_layers
-        loops_conditioned = first_loop or later_loops
-        width = (3 if gate else 2) * dim
-        self.loop_embed = nn.Embedding(max_loops, cond_dim) if loops_conditioned else None
-        self.budget_embed = nn.Embedding(max_loops, cond_dim) if (budget and loops_conditioned) or exit_layers else None
+        o = options
+        self.budget, self.gate, self.silu = o.conditioning_budget, o.conditioning_gate, o.conditioning_silu
+        self.first_loop, self.later_loops = o.conditioning_first_loop, o.conditioning_later_loops
+        self.n_layers = n_layers
+        loops_conditioned = self.first_loop or self.later_loops
+        exit_layers = exit_layers if o.conditioning_exit else 0
+        width = (3 if self.gate else 2) * dim
+        self.loop_embed = nn.Embedding(o.max_loops, cond_dim) if loops_conditioned else None
+        self.budget_embed = (nn.Embedding(o.max_loops, cond_dim)
+                             if (self.budget and loops_conditioned) or exit_layers else None)
         self.heads = nn.ModuleList(nn.Linear(cond_dim, width) for _ in range(n_layers if loops_conditioned else 0))
         self.exit_heads = nn.ModuleList(nn.Linear(cond_dim, width) for _ in range(exit_layers))
 
@@ -155,19 +154,18 @@ class RecurrentBlock(nn.Module):
     def __init__(self, args: ModelArgs, layers: list[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.max_loops = args.max_loops
-        self.update, self.recurrent_input = args.update, args.recurrent_input
-        if args.update not in UPDATE_RULES:
-            raise ValueError(f"unknown ELR update rule {args.update!r}; use one of {', '.join(UPDATE_RULES)}")
-        if args.recurrent_input not in RECURRENT_INPUTS:
+        o = args.recurrence
+        self.max_loops, self.update, self.recurrent_input = o.max_loops, o.update, o.recurrent_input
+        if o.update not in UPDATE_RULES:
+            raise ValueError(f"unknown ELR update rule {o.update!r}; use one of {', '.join(UPDATE_RULES)}")
+        if o.recurrent_input not in RECURRENT_INPUTS:
             raise ValueError(
-                f"unknown ELR recurrent input {args.recurrent_input!r}; use one of {', '.join(RECURRENT_INPUTS)}"
+                f"unknown ELR recurrent input {o.recurrent_input!r}; use one of {', '.join(RECURRENT_INPUTS)}"
             )
-        self.step_size = AdaptiveStep(args.dim, args.norm_eps, args.step_input) if args.update == "adaptive_delta" else None
+        self.step_size = AdaptiveStep(args.dim, args.norm_eps, o.step_input) if o.update == "adaptive_delta" else None
         self.conditioning = (
-            LoopConditioning(len(layers), args.max_loops, args.dim, args.cond_dim, args.cond_budget, args.cond_gate,
-                             args.cond_first_loop, args.cond_later_loops, args.cond_silu,
-                             exit_layers=args.partition[2] if args.cond_exit else 0) if args.conditioning else None
+            LoopConditioning(len(layers), args.dim, args.cond_dim, o, exit_layers=args.partition[2])
+            if o.conditioning else None
         )
         self.route_replay = args.moe_route_replay
         # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
@@ -196,7 +194,7 @@ class RecurrentBlock(nn.Module):
         routes = [Route() if self.route_replay and "route" in layer.inputs else None for layer in self.layers]
         no_film = [None] * len(self.layers)
         if every_loop and not self.prefix_consistent:
-            raise ValueError("every_loop needs loop conditioning without the budget embedding (cond_budget = False)")
+            raise ValueError("every_loop needs loop conditioning without the budget embedding (conditioning_budget = False)")
         self._recorded = []
         s, states = h_in, []
         for i in range(1, loops + 1):

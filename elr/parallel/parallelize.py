@@ -75,6 +75,11 @@ class SequenceShards:
         return x
 
 
+# The roles (ELRModel.parameter_roles) of the linear weights float8 takes: not the head, the MoE router
+# or the small ELR heads (step size, conditioning), which are cheap and precision-sensitive.
+FLOAT8_ROLES = ("matrix", "gate")
+
+
 def convert_to_float8(model: ELRModel, emulate: bool, tp_mesh: DeviceMesh | None = None) -> int:
     """Swap the large linear layers for torchao Float8Linear; returns how many were converted.
 
@@ -88,15 +93,14 @@ def convert_to_float8(model: ELRModel, emulate: bool, tp_mesh: DeviceMesh | None
 
     from elr.parallel.float8 import TensorParallelFloat8Linear
 
+    roles = model.parameter_roles()
+
     def wanted(module: nn.Module, fqn: str) -> bool:
         return (
             isinstance(module, nn.Linear)
             and module.in_features % 16 == 0
             and module.out_features % 16 == 0
-            and fqn != "output"
-            and not fqn.endswith("router")
-            and ".step_size" not in f".{fqn}"
-            and ".conditioning" not in f".{fqn}"
+            and roles.get(f"{fqn}.weight") in FLOAT8_ROLES
         )
 
     before = sum(isinstance(m, nn.Linear) for m in model.modules())

@@ -248,7 +248,7 @@ def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp_mesh: DeviceMesh | 
     cp, tp = (mesh.size() if mesh is not None else 1 for mesh in (cp_mesh, tp_mesh))
     dtype = getattr(torch, cfg.training.mixed_precision_param)
     pd = torch.finfo(dtype).bits // 8
-    args, loops = model_args, model_args.max_loops  # K, as model_args_from_config took it from [elr]
+    args, loops = model_args, model_args.recurrence.max_loops  # K, as model_args_from_config took it from [elr]
     model = meta_model(args, torch.float32, tp_mesh)
     n = sum(p.numel() for p in model.parameters())  # the whole model (DTensor numel is global)
     fsdp = dims.dp_world * cp > 1  # FSDP runs over dp_shard x cp (HSDP: replicated over dp_replicate)

@@ -67,7 +67,7 @@ def route_drift(model, batches) -> dict[int, dict[str, float]]:
     moes = [layer.sublayer for layer in model.recurrent.layers if isinstance(layer.sublayer, MoE)]
     if not moes:
         raise ValueError("the model has no MoE layer in its recurrent block")
-    K = model.args.max_loops
+    K = model.args.recurrence.max_loops
     if K < 2:
         raise ValueError("the model runs one loop only: there is no later loop to compare")
     replay, model.route_replay = model.route_replay, False

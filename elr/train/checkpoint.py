@@ -90,6 +90,14 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0
 
+    def maybe_save(self, step: int, last: bool, states: Callable[[], dict[str, Any]], force: bool = False) -> bool:
+        """Save `states()` as `step-{step}` when it is time: every `interval` steps, at the `last` step, or
+        when `force`d (a stop signal); `states` is called only then. Returns whether it saved."""
+        if not (force or last or self.should_save(step)):
+            return False
+        self.save(step, states())
+        return True
+
     # ---- saving ----
 
     def save(self, step: int, states: dict[str, Any]) -> None:

@@ -1,8 +1,19 @@
-"""Loop counts for mixed-depth training (DESIGN.md §3.4).
+"""Loop counts for mixed-depth training (docs/DESIGN.md §3.5).
 
 The unit is a slot = (data-parallel rank, microbatch); every slot of an optimizer update gets a
 loop count k in 1..K. Draws depend only on (seed, step), so a resumed or resharded run draws the
-same counts and no sampler state needs saving. The one-loop override is the paper's "rotating subset
+same counts and no sampler state needs saving.
+
+Three modes. `independent`: every slot draws its own k. `synchronized`: one k for the whole update.
+`stratified`: one k per microbatch, shared by every data-parallel rank, and the microbatches of an
+update spread over the distribution by systematic sampling (n equally spaced quantiles from one
+random offset, then shuffled), so an update with n microbatches holds each depth in proportion to its
+weight, within one microbatch. Under FSDP every microbatch waits for its slowest rank: independent
+draws pay for the deepest of the ranks' draws on every microbatch (1.43x step time at 8 ranks for
+koi4b's sampling, scripts/estimate_cost.py), stratified and synchronized draws pay only for the
+override's ranks idling at k=1.
+
+The one-loop override is the paper's "rotating subset
 of data-parallel ranks runs one loop on every microbatch": in each update a rotating fraction f of
 the ranks runs k=1 on all of its microbatches, whatever was drawn for them. With uniform draws
 p(k=1) = f + (1 - f) / K, in either sampling mode.
@@ -12,8 +23,10 @@ so they must run the same k on every microbatch. Draws are then made per group (
 shared by the group's ranks) and the override rotates whole groups. When one group spans every
 rank, rotating it would set whole updates to k=1; the override then rotates over the group's
 microbatch slots instead (our choice, keeping depths mixed within each update). A single process
-is one group too, and rotates over its slots in the same way: one process with n microbatches draws
-what n ranks of one microbatch each would.
+is one group too, and rotates over its slots in the same way: with independent or synchronized draws
+one process with n microbatches draws what n ranks of one microbatch each would. A process standing in
+for a cluster (`elr.emulated_ranks` R) instead lays its microbatches out as R ranks x n / R
+microbatches and draws exactly what R ranks would.
 
 `DepthSchedule` puts the late switch in front of the sampler: the one place that says which phase a
 step belongs to.
@@ -26,6 +39,11 @@ import math
 import torch
 
 from elr.config import JobConfig, switch_step
+from elr.config_checks import CHOICES
+from elr.errors import ConfigError
+
+
+SAMPLING = CHOICES["elr.sampling"]
 
 
 def _mix(seed: int, step: int) -> int:
@@ -38,7 +56,7 @@ def _mix(seed: int, step: int) -> int:
 class LoopSampler:
     def __init__(self, max_loops: int, sampling: str = "independent", one_loop_override: float = 0.0,
                  loop_weights: list[float] | None = None, seed: int = 0):
-        if sampling not in ("independent", "synchronized"):
+        if sampling not in SAMPLING:
             raise ValueError(f"unknown loop sampling {sampling!r}")
         weights = torch.tensor(loop_weights or [1.0] * max_loops, dtype=torch.float64)
         if len(weights) != max_loops or (weights < 0).any() or weights.sum() <= 0:
@@ -52,10 +70,12 @@ class LoopSampler:
         n_groups = n_ranks // group_size
         n = n_groups * n_micro
         gen = torch.Generator().manual_seed(_mix(self.seed, step))
-        draws = 1 if self.sampling == "synchronized" else n
-        ks = torch.multinomial(self.probs, draws, replacement=True, generator=gen) + 1
-        ks = ks.expand(n).clone()
-        ks = ks.view(n_groups, n_micro)
+        if self.sampling == "stratified":
+            ks = self._stratified(n_micro, gen).expand(n_groups, n_micro).clone()
+        else:
+            draws = 1 if self.sampling == "synchronized" else n
+            ks = torch.multinomial(self.probs, draws, replacement=True, generator=gen) + 1
+            ks = ks.expand(n).clone().view(n_groups, n_micro)
         # Columns [start, end) modulo n_columns run one loop; the window advances by f * n_columns per
         # step, so every column takes its turn and the long-run fraction is exactly f. A column is a
         # group with all its microbatches, or, when there is one group (one process, or one expert
@@ -72,6 +92,14 @@ class LoopSampler:
             ks[overridden] = 1
         return ks.repeat_interleave(group_size, dim=0)
 
+    def _stratified(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        """n loop counts at the quantiles (j + u) / n of the distribution, in random order: each k
+        appears floor or ceil of n * p_k times."""
+        quantiles = (torch.arange(n, dtype=torch.float64) + torch.rand((), dtype=torch.float64, generator=gen)) / n
+        cdf = self.probs.cumsum(0)
+        ks = torch.searchsorted(cdf, quantiles, right=True).clamp(max=self.max_loops - 1) + 1
+        return ks[torch.randperm(n, generator=gen)]
+
     def p_one_loop(self) -> float:
         """Closed-form probability that a slot runs k=1."""
         return self.override + (1 - self.override) * self.probs[0].item()
@@ -80,6 +108,26 @@ class LoopSampler:
         """Closed-form mean loop count per slot."""
         ks = torch.arange(1, self.max_loops + 1, dtype=torch.float64)
         return self.override + (1 - self.override) * (self.probs * ks).sum().item()
+
+
+def wait_factor(ks: torch.Tensor, fixed_cost: float) -> float:
+    """Step time over the same work done without waiting, for loop counts ks [ranks, microbatches]
+    when every microbatch waits for its slowest rank (FSDP gathers and reduce-scatters each one). A
+    microbatch at k costs fixed_cost + k loops: fixed_cost is the rest of the network (embedding,
+    input and output blocks, head) in units of one loop."""
+    cost = ks.double() + fixed_cost
+    return (cost.max(0).values.sum() / cost.sum(1).mean()).item()
+
+
+def expected_wait(sampler: LoopSampler, n_ranks: int, n_micro: int, fixed_cost: float, group_size: int = 1,
+                  steps: int = 200) -> tuple[float, float]:
+    """(wait factor, distinct depths per update) of a sampler at a cluster size, over `steps` updates:
+    the figures to read before launch."""
+    draws = [sampler.sample(step, n_ranks, n_micro, group_size) for step in range(1, steps + 1)]
+    cost = torch.stack(draws).double() + fixed_cost  # [steps, ranks, micro]
+    factor = (cost.max(1).values.sum() / cost.sum(2).mean(1).sum()).item()
+    depths = sum(len(ks.unique()) for ks in draws) / steps
+    return factor, depths
 
 
 class DepthSchedule:
@@ -96,6 +144,12 @@ class DepthSchedule:
         self.switch_step = switch_step(cfg)
         self.sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights, cfg.training.seed)
         self.dp_world, self.n_micro, self.group_size = dp_world, n_micro, group_size
+        # One process standing in for a cluster (elr.emulated_ranks): its microbatches are laid out as
+        # ranks x microbatches, rank-major, and drawn as that many ranks would draw them.
+        self.emulated = e.emulated_ranks
+        if self.emulated > 1 and (dp_world != 1 or n_micro % self.emulated):
+            raise ConfigError(f"elr.emulated_ranks: {self.emulated} needs one data-parallel rank (got {dp_world}) "
+                              f"and a microbatch count it divides (got {n_micro})")
 
     def mixed_depth(self, updates: int) -> bool:
         """The phase of the model after `updates` optimizer steps."""
@@ -106,4 +160,6 @@ class DepthSchedule:
         (group_size) share their k: their all-to-alls run inside the layers."""
         if not self.mixed_depth(step - 1):
             return torch.ones(self.dp_world, self.n_micro, dtype=torch.long)
+        if self.emulated > 1:
+            return self.sampler.sample(step, self.emulated, self.n_micro // self.emulated).reshape(1, self.n_micro)
         return self.sampler.sample(step, self.dp_world, self.n_micro, group_size=self.group_size)

@@ -5,8 +5,8 @@ compared line by line by any tool; TensorBoard gets the same scalars under the s
 run continues both: records past the resumed step are dropped first (elr/train/resume.py) and
 TensorBoard purges its events from there, so every step appears once.
 
-The console line and the per-loop statistics describe the logging window (every step since the
-previous line, `LogWindow`), not the one step that happens to be logged.
+What each step reports (FLOPs, throughput, the logging window and the console line) is made in
+elr/train/step_report.py; this module writes it.
 """
 
 from __future__ import annotations
@@ -15,51 +15,41 @@ import hashlib
 import json
 import logging
 import os
-import resource
 from pathlib import Path
 
 import torch
 
-from elr.progress import duration
-from elr.train.resume import truncate_metrics
+from elr.config import JobConfig
+from elr.train.resume import config_changes, show_value, truncate_metrics
 
 logger = logging.getLogger("elr")
 
 
-def setup_lines(cfg, model, dims, device: torch.device, n_micro: int, global_batch: int) -> list[str]:
-    """What a run prints before its first step: the model, and the layout and batch of an update."""
+def log_setup(cfg: JobConfig, model, dims, device: torch.device, n_micro: int, global_batch: int) -> None:
+    """What a run prints before its first step: the model, the layout and batch of an update, and the
+    config as far as it differs from the defaults."""
     a, t = model.args, cfg.training
     n_params = sum(p.numel() for p in model.parameters())
     n_in, n_rec, n_out = a.partition
-    return [
+    lines = [
         f"model {cfg.model.flavor}: {n_params:,} parameters | layers {a.layer_pattern} "
         f"(input {n_in}, recurrent {n_rec}, output {n_out}) | ELR {'on' if cfg.elr.enabled else 'off (baseline)'}, "
-        f"update {a.update}, conditioning {'on' if a.conditioning else 'off'}, K={a.max_loops}",
+        f"update {a.recurrence.update}, conditioning {'on' if a.recurrence.conditioning else 'off'}, "
+        f"K={a.recurrence.max_loops}",
         f"{dims.world_size} rank(s) on {device.type} (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} "
         f"x cp {dims.cp} x tp {dims.tp}) | {n_micro} microbatch(es) x {t.local_batch_size} x {t.seq_len} tokens "
         f"per data-parallel rank per update | global batch {global_batch} | "
         f"{model.num_flops_per_token(t.seq_len, 1) / 1e9:.3f} GFLOP/token at k=1",
     ]
-
-
-def memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak_tflops: float) -> dict[str, float]:
-    """Tokens/s for the job and per device, and MFU per device.
-
-    `flops` is the model's work for all `tokens` (every slot at its own k). Each device does
-    flops / n_devices of it: data-parallel ranks split the tokens, tensor-parallel ranks split each
-    token's FLOPs (per device = model FLOPs / tp), so MFU is the same for any layout of n_devices.
-    """
-    return {
-        "throughput/tokens_per_s": tokens / seconds,
-        "throughput/tokens_per_s_per_device": tokens / seconds / n_devices,
-        "throughput/mfu_pct": 100 * flops / n_devices / seconds / (peak_tflops * 1e12),
-    }
+    for line in lines:
+        logger.info(line)
+    differs = config_changes(JobConfig().to_dict(), cfg.to_dict())
+    logger.info("config (what differs from the defaults; all of it in config.json): "
+                + ", ".join(f"{k} {show_value(v)}" for k, (_, v) in differs.items()))
+    s, steps = cfg.lr_scheduler, cfg.training.steps
+    if s.warmup_steps > steps:
+        logger.warning(f"lr_scheduler.warmup_steps = {s.warmup_steps} exceeds training.steps = {steps}: the "
+                       "learning rate never reaches optimizer.lr")
 
 
 class MetricsLogger:
@@ -119,65 +109,3 @@ def _wandb_run(dump_folder: Path, config: dict | None):
         id_file.write_text(run_id)
     return wandb.init(project=os.environ.get("WANDB_PROJECT", "elr"), dir=str(dump_folder), id=run_id,
                       resume="allow", config=config, mode=os.environ.get("WANDB_MODE", "offline"))
-
-
-class LogWindow:
-    """Sums since the previous console line: loss and tokens per k, loop counts, gradient norms,
-    time, tokens, FLOPs, and every per-loop statistic of every slot of every step (kept on the
-    device; one host transfer when the line is made)."""
-
-    def __init__(self, max_loops: int):
-        self.max_loops = max_loops
-        self.reset()
-
-    def reset(self) -> None:
-        self.per_k = None  # [2, K]: summed loss, tokens per k
-        self.steps = 0
-        self.seconds = self.tokens = self.flops = self.grad_norm = self.k_sum = 0.0
-        self.k_count = 0
-        self.loops: dict[str, list] = {}  # "loop{i}/{name}" -> [tensor sum, slots in which loop i ran]
-
-    def add(self, per_k: torch.Tensor, ks: torch.Tensor, grad_norm: float, loop_stats: dict[str, list],
-            seconds: float, tokens: int, flops: float) -> None:
-        self.per_k = per_k if self.per_k is None else self.per_k + per_k
-        self.steps += 1
-        self.seconds += seconds
-        self.tokens += tokens
-        self.flops += flops
-        self.grad_norm += grad_norm
-        self.k_sum += float(ks.sum())
-        self.k_count += ks.numel()
-        for name, values in loop_stats.items():
-            total = torch.stack(values).float().sum()
-            if name in self.loops:
-                self.loops[name][0] = self.loops[name][0] + total
-                self.loops[name][1] += len(values)
-            else:
-                self.loops[name] = [total, len(values)]
-
-    def loop_means(self) -> dict[str, float]:
-        """Each per-loop statistic's mean over the slots of the window in which that loop ran."""
-        if not self.loops:
-            return {}
-        sums = torch.stack([v[0] for v in self.loops.values()]).tolist()
-        return {name: total / v[1] for (name, v), total in zip(self.loops.items(), sums)}
-
-
-def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, n_devices: int, peak_tflops: float,
-                 elapsed: float) -> str:
-    """One readable line over the logging window: loss (token-weighted) per k, mean k, gradient norm,
-    tokens/s and MFU are over every step since the previous line; lr is the logged step's, memory
-    the peak so far; eta is the window's time per step x the steps left (validation not counted)."""
-    w = window.per_k
-    seen = w[1] > 0
-    loss = (w[0].sum() / w[1].sum()).item()
-    per_k = " ".join(f"k{k + 1} {(w[0, k] / w[1, k]).item():.4f}" for k in range(w.shape[1]) if seen[k])
-    seconds = max(window.seconds, 1e-9)
-    mfu = 100 * window.flops / n_devices / seconds / (peak_tflops * 1e12)
-    eta = window.seconds / window.steps * (total - step)
-    return (
-        f"step {step:>{len(str(total))}}/{total} | loss {loss:.4f} ({per_k}) | "
-        f"mean k {window.k_sum / window.k_count:.2f} | lr {s['lr']:.2e} | gnorm {window.grad_norm / window.steps:.3f} | "
-        f"{window.tokens / seconds:,.0f} tok/s | mfu {mfu:.2f}% | mem {s['memory/max_gib']:.2f} GiB | "
-        f"elapsed {duration(elapsed)} | eta {duration(eta)}"
-    )

@@ -28,28 +28,25 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from elr.config import ELR, LRScheduler, Optimizer
 from elr.models.ffn import MoE
-from elr.models.layers import LAYER_KINDS
-from elr.models.recurrence import AdaptiveStep, LoopConditioning
 
-# Parameters of these modules never decay: embeddings and norms carry scale, and the loop
-# conditioning must stay free to sit at its identity values. The ELR step has its own group.
-NO_DECAY_MODULES = (nn.Embedding, nn.RMSNorm, LoopConditioning)
+# Roles (ELRModel.parameter_roles) whose parameters decay: matrices, not norms, vectors, embeddings or
+# the loop conditioning, which must stay free to sit at its identity values. The ELR step has its own
+# group; Muon takes the hidden matrices, AdamW the head, gates, router and everything else.
+DECAYED_ROLES = ("matrix", "gate", "router", "head", "conv")
+MUON_ROLES = ("matrix",)
 
 
 def param_groups(model: nn.Module, weight_decay: float, lr: float, elr: ELR | None = None) -> list[dict]:
     """Decayed matrices, undecayed rest, and the ELR step size with its own lr and decay (from `elr`)."""
-    no_decay_ids = {
-        id(p) for m in model.modules() if isinstance(m, NO_DECAY_MODULES) for p in m.parameters()
-    }
-    step_size_ids = {id(p) for m in model.modules() if isinstance(m, AdaptiveStep) for p in m.parameters()}
+    roles = model.parameter_roles()
     decay, no_decay, step_size_params = [], [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if id(p) in step_size_ids:
+        if roles[name] == "step_size":
             step_size_params.append(p)
         else:
-            (decay if p.ndim >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
+            (decay if roles[name] in DECAYED_ROLES else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay, "lr": lr},
         {"params": no_decay, "weight_decay": 0.0, "lr": lr},
@@ -60,22 +57,10 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float, elr: ELR | No
     return groups
 
 
-# Linear layers that produce per-expert or per-head gate values (each layer kind names its own:
-# the MoE router, the GDP decay and beta projections) stay on AdamW with the other gates; our choice
-# of what "gates" covers.
-GATE_LINEARS = {name for kind in LAYER_KINDS.values() for name in kind.gates}
-
-
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
     """Hidden matrices: linear weights inside the layers and MoE expert stacks; not the head or gates."""
-    skip = {id(p) for m in model.modules() if isinstance(m, (*NO_DECAY_MODULES, AdaptiveStep)) for p in m.parameters()}
-    params = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name != "output" and name.rsplit(".", 1)[-1] not in GATE_LINEARS:
-            params.append(module.weight)
-        elif isinstance(module, MoE):
-            params += [module.w1, module.w2]
-    return [p for p in params if p.requires_grad and id(p) not in skip]
+    roles = model.parameter_roles()
+    return [p for name, p in model.named_parameters() if p.requires_grad and roles[name] in MUON_ROLES]
 
 
 def orthogonalize(update: torch.Tensor) -> torch.Tensor:

@@ -18,17 +18,17 @@ import json
 import os
 from pathlib import Path
 
+from elr import recurrence_options
 from elr.checkpoint import latest_step
 from elr.config import JobConfig
 from elr.errors import ConfigError
 
 # Keys whose change would build another model, or make the saved optimizer state, data position or
-# loop draws mean something else. Prefixes end with "." (every key of the section).
+# loop draws mean something else: every recurrence option (each changes the network), and these.
 FROZEN = (
     "model.flavor",
-    "elr.enabled", "elr.max_loops", "elr.partition", "elr.recurrent_input", "elr.update", "elr.step_input",
-    "elr.conditioning", "elr.conditioning_budget", "elr.conditioning_gate", "elr.conditioning_first_loop",
-    "elr.conditioning_later_loops", "elr.conditioning_silu", "elr.conditioning_exit",
+    "elr.enabled", "elr.partition",  # the baseline or not; the layers in each block
+    *(f"elr.{name}" for name in recurrence_options.names()),
     "optimizer.name",  # AdamW and Muon+AdamW keep different state
     "training.seq_len", "training.seed", "data.shuffle",  # the data position counts windows of this order
     "data.task", "data.task_items", "data.task_max_difficulty",  # the task's vocabulary and example length

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 
-from elr.checkpoint import dcp_note, first_nonfinite
+from elr.checkpoint import dcp_note, latest_step
 from elr.config import JobConfig
 from elr.errors import CheckpointError, ConfigError
 from elr.interop import check_fits, differences, is_export, read_export
@@ -34,31 +33,23 @@ from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
 from elr.tokenizer import build_tokenizer
 from elr.train.checkpoint import CheckpointManager
-from elr.train.data import build_task_loader, build_train_loader, check_tokenizer, job_task, job_tokenizer_path
-from elr.train.data import microbatches
+from elr.train.data import build_task_loader, build_train_loader, job_task, microbatches
 from elr.train.loop_sampler import DepthSchedule
 from elr.train.loss import IGNORE_INDEX, model_loss
-from elr.train.metrics import LogWindow, MetricsLogger, console_line, memory_gib, setup_lines, throughput
+from elr.train.metrics import MetricsLogger, log_setup
+from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
 from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
 from elr.train.optimizer import update_expert_biases
 from elr.train.profiling import Profiler
-from elr.train.resume import RESUMES, change_line, check_resume, config_changes, run_config, saved_config
-from elr.train.resume import show_value
+from elr.train.resume import RESUMES, change_line, check_resume, run_config, saved_config
 from elr.train.run_lock import RunLock
+from elr.train.step_report import StepReporter, StepStats
 from elr.train.stop import StopOnSignal
+from elr.train.token_files import check_tokenizer, job_tokenizer_path
 from elr.train.train_state import ModelState, OptimizerState
 from elr.train.validate import Validator
 
 logger = logging.getLogger("elr")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive updates with a NaN/Inf loss or gradient norm."""
-
-
-def is_conditioning_key(key: str) -> bool:
-    """Checkpoint keys of the loop-conditioning parameters, which a pre-switch checkpoint lacks."""
-    return ".conditioning." in key
 
 
 class Trainer:
@@ -102,21 +93,21 @@ class Trainer:
         self.validator = Validator(cfg, self.task, self.dp_rank, self.dp_world, self.device)
         self.depths = DepthSchedule(cfg, self.dp_world, self.n_micro, group_size=self.dims.ep)
         checkpoint_folder = self.dump_folder / cfg.checkpoint.folder
+        # The step to resume from, and its changes, checked before anything is written: a frozen key
+        # stops the job here.
+        ckpt, self.planned_step = cfg.checkpoint, None
+        if ckpt.enable:
+            self.planned_step = latest_step(checkpoint_folder) if ckpt.load_step == -1 else ckpt.load_step
+        self.resume_history, self.resume_changes = [], {}
+        if self.planned_step is not None:
+            self._check_resume(checkpoint_folder, self.planned_step)
         self.checkpointer = CheckpointManager(
             checkpoint_folder, interval=cfg.checkpoint.interval, keep_latest_k=cfg.checkpoint.keep_latest_k,
-            async_save=cfg.checkpoint.async_save, config=cfg.to_dict(),
+            async_save=cfg.checkpoint.async_save, config=run_config(cfg, self.resume_history),
         )
-        # The resume's changes, checked before anything is written: a frozen key stops the job here.
-        self.resume_history, self.resume_changes = [], {}
-        self.checkpointer.config = run_config(cfg, self.resume_history)
-        self.planned_step = None
-        if cfg.checkpoint.enable:
-            self.planned_step = self.checkpointer.latest_step() if cfg.checkpoint.load_step == -1 else cfg.checkpoint.load_step
-        if self.planned_step is not None:
-            self._check_resume(self.planned_step)
         self.step = 0
         self.tokens_seen = 0
-        self.nonfinite_streak = 0
+        self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps)
         self.stop = StopOnSignal(self.device, saves=cfg.checkpoint.enable)
 
         # One run per folder, taken before anything is written; a checkpoint folder outside the dump
@@ -141,16 +132,16 @@ class Trainer:
 
     # ---- setup -------------------------------------------------------------------------------
 
-    def _check_resume(self, step: int) -> None:
-        """Compare this job with the config checkpoint `step` was saved with (elr/train/resume.py)."""
-        saved = saved_config(self.checkpointer.folder, step)
+    def _check_resume(self, folder: Path, step: int) -> None:
+        """Compare this job with the config checkpoint `step` in `folder` was saved with
+        (elr/train/resume.py): the run's resume history and this resume's changes."""
+        saved = saved_config(folder, step)
         if saved is None:  # format 2: no config inside, nothing to compare against
             return
         self.resume_history = list(saved.get(RESUMES, []))
         self.resume_changes = check_resume(saved, self.cfg.to_dict(), step)
         if self.resume_changes:
             self.resume_history.append({"step": step, "changes": self.resume_changes})
-        self.checkpointer.config = run_config(self.cfg, self.resume_history)
 
     def _write_run_config(self) -> None:
         if self.rank == 0:
@@ -183,10 +174,7 @@ class Trainer:
         If the newest checkpoint is unreadable the load falls back to an older one, which may sit on
         the other side of the switch; then the model is rebuilt for that phase and loaded again.
         """
-        ckpt = self.cfg.checkpoint
-        planned = None
-        if ckpt.enable:
-            planned = self.checkpointer.latest_step() if ckpt.load_step == -1 else ckpt.load_step
+        ckpt, planned = self.cfg.checkpoint, self.planned_step
         self._build(mixed_depth=self.depths.mixed_depth(planned or 0))
         # None only when the folder holds no checkpoint at all; one that none can be loaded from stops here
         loaded = self._load(None if ckpt.load_step == -1 else ckpt.load_step) if ckpt.enable else None
@@ -195,7 +183,8 @@ class Trainer:
                 self._load_initial(ckpt.initial_load_path)
             return
         if loaded != planned:  # fell back past unusable checkpoints: compare with the one loaded
-            self._check_resume(loaded)
+            self._check_resume(self.checkpointer.folder, loaded)
+            self.checkpointer.config = run_config(self.cfg, self.resume_history)
         if self.resume_changes:
             logger.info(change_line(self.resume_changes, loaded))
         if self.depths.mixed_depth(self.step) != self.mixed_depth:
@@ -226,9 +215,10 @@ class Trainer:
         torch.set_rng_state(state["rng"])
 
     def _missing_before_switch(self):
-        """The keys a checkpoint from before the late switch lacks and this phase's model has: the
-        conditioning parameters (and their optimizer state), which keep their fresh values."""
-        return is_conditioning_key if self.model_args.conditioning else (lambda key: False)
+        """The keys a checkpoint from before the late switch lacks and this phase's model has: those of
+        the conditioning parameters (weights and optimizer state), which keep their fresh values."""
+        names = [name for name, role in self.model.parameter_roles().items() if role == "conditioning"]
+        return lambda key: any(f".{name}." in f".{key}." for name in names)
 
     def _load(self, step: int | None) -> int | None:
         """Resume from `step` (None: the newest usable), with this job's optimizer settings; newer
@@ -271,22 +261,16 @@ class Trainer:
         logger.info(f"started from the weights of the export {path}; optimizer, schedule and data position fresh")
 
     def _log_setup(self) -> None:
-        for line in setup_lines(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch):
-            logger.info(line)
-        differs = config_changes(JobConfig().to_dict(), self.cfg.to_dict())
-        logger.info("config (what differs from the defaults; all of it in config.json): "
-                    + ", ".join(f"{k} {show_value(v)}" for k, (_, v) in differs.items()))
-        s, steps = self.cfg.lr_scheduler, self.cfg.training.steps
-        if s.warmup_steps > steps:
-            logger.warning(f"lr_scheduler.warmup_steps = {s.warmup_steps} exceeds training.steps = {steps}: the "
-                           "learning rate never reaches optimizer.lr")
+        log_setup(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch)
         if not self.mixed_depth:
             logger.info(f"one loop until step {self.depths.switch_step}, then mixed depth")
 
     # ---- training ----------------------------------------------------------------------------
 
-    def train_step(self, step: int) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
-        cfg, K = self.cfg, self.cfg.elr.max_loops
+    def train_step(self, step: int) -> StepStats:
+        """One optimizer update over every microbatch slot, each at its own loop count k."""
+        cfg, K = self.cfg, self.model_args.recurrence.max_loops
+        every_loop = cfg.elr.loss_every_loop and self.mixed_depth
         ks = self.depths.loop_counts(step)
         self.model.record_loop_statistics(True)  # every step: the console window covers every loop that ran
         batches = [self._slice(*next(self.data_iter)) for _ in range(self.n_micro)]
@@ -306,7 +290,7 @@ class Trainer:
         # per data-parallel rank, the same on every process.
         for (inputs, labels), k in zip(batches, ks[self.dp_rank].tolist()):
             with self._loss_context():
-                loss_sum = self.model_loss(inputs, labels, k, every_loop=cfg.elr.loss_every_loop and self.mixed_depth)
+                loss_sum = self.model_loss(inputs, labels, k, every_loop=every_loop)
                 micro_loss = loss_sum * loss_scale
                 # Under TP or CP: this rank's share of its sequences' balance loss. FSDP averages over
                 # the cp ranks (the token loss is per rank) but the shares add up: hence x cp.
@@ -327,24 +311,11 @@ class Trainer:
         reduce_gradients(self.model, self.dims)
         grad_norm = clip_gradients(self.model, cfg.training.max_norm)
 
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
-            self.nonfinite_streak = 0
+        if self.nonfinite.allows_update(step, loss, grad_norm):
             self.optimizer.step()
             moe_stats = update_expert_biases(self.model.moe_layers(), cfg.moe.bias_update_rate)
         else:
-            self.nonfinite_streak += 1
             moe_stats = update_expert_biases(self.model.moe_layers(), 0.0)  # drop this update's counts
-            logger.warning(
-                f"step {step}: non-finite loss {loss} or grad norm {grad_norm}; update skipped "
-                f"({self.nonfinite_streak} in a row, limit {cfg.training.max_nonfinite_steps})"
-            )
-            if self.nonfinite_streak > cfg.training.max_nonfinite_steps:
-                raise NonFiniteLossError(
-                    f"{self.nonfinite_streak} consecutive updates had a NaN/Inf loss or gradient norm "
-                    f"(training.max_nonfinite_steps = {cfg.training.max_nonfinite_steps}); stopping without "
-                    "saving. Lower optimizer.lr or resume from the last checkpoint."
-                )
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
@@ -353,13 +324,12 @@ class Trainer:
         for k, (loss_sum, tokens) in enumerate(zip(*per_k.tolist()), start=1):
             if tokens > 0:
                 scalars[f"loss/k{k}"] = loss_sum / tokens
-        self.step_loop_stats = loop_stats  # on the device until the console line (LogWindow)
         scalars.update(moe_stats)
         if self.model.moe_layers():  # logged whatever the coefficient (unscaled; 1 per routing call if balanced)
             if dist.is_initialized():
                 dist.all_reduce(aux_sum)
             scalars["moe/aux_loss"] = (aux_sum / (self.n_micro * self.dp_world)).item()
-        return scalars, ks, per_k
+        return StepStats(scalars, ks, per_k, loop_stats, every_loop)
 
     def _slice(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device; under context parallelism, this rank's contiguous slice of each sequence
@@ -394,19 +364,17 @@ class Trainer:
         self.checkpointer.wait()
         self._build(mixed_depth=True)
         self._load(step)
-        logger.info(f"step {step}: switched to mixed depth (K={self.cfg.elr.max_loops}), loop conditioning "
-                    f"{'added at zero' if self.model_args.conditioning else 'off'}")
+        r = self.model_args.recurrence
+        logger.info(f"step {step}: switched to mixed depth (K={r.max_loops}), loop conditioning "
+                    f"{'added at zero' if r.conditioning else 'off'}")
+
+    def _states_to_save(self) -> dict:
+        """The states a checkpoint holds, never weights holding NaN/Inf (every rank checks its shards)."""
+        check_weights_finite(self.model, self.device, self.step)
+        return self.states()
 
     def _save(self, step: int) -> None:
-        """Save a checkpoint, never one whose weights hold NaN/Inf (every rank checks its shards)."""
-        bad = torch.tensor([first_nonfinite(ModelState(self.model).state_dict()) is not None],
-                           dtype=torch.float32, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
-            raise NonFiniteLossError(f"step {step}: the model weights hold NaN/Inf; not saving a checkpoint of them. "
-                                     "Lower optimizer.lr or resume from the last checkpoint.")
-        self.checkpointer.save(step, self.states())
+        self.checkpointer.save(step, self._states_to_save())
 
     def create_seed_checkpoint(self) -> None:
         if self.world_size > 1:
@@ -422,8 +390,7 @@ class Trainer:
         if cfg.checkpoint.create_seed:
             return self.create_seed_checkpoint()
         tokens_per_update = self.global_batch * t.seq_len
-        window = LogWindow(cfg.elr.max_loops)  # every step since the last console line
-        session_start = time.perf_counter()
+        reporter = StepReporter(cfg, self.metrics, self.world_size, self.device, tokens_per_update)
         profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
         try:
             with self.stop, profiler:
@@ -432,24 +399,10 @@ class Trainer:
                 while self.step < t.steps:
                     step = self.step + 1
                     start = time.perf_counter()
-                    scalars, ks, per_k = self.train_step(step)
-                    elapsed = time.perf_counter() - start
-                    self.step = step
-                    self.tokens_seen += tokens_per_update
-                    every_loop = cfg.elr.loss_every_loop and self.mixed_depth
-                    flops = sum(self.model.num_flops_per_token(t.seq_len, k, every_loop) for k in ks.flatten().tolist())
-                    flops *= t.local_batch_size * t.seq_len
-                    window.add(per_k, ks, scalars["grad_norm"], self.step_loop_stats, elapsed, tokens_per_update, flops)
-                    scalars.update(throughput(tokens_per_update, flops, elapsed, self.world_size, cfg.metrics.peak_tflops))
-                    scalars["memory/max_gib"] = memory_gib(self.device)
-                    line = step % cfg.metrics.log_freq == 0 or step == 1 or step == t.steps
-                    if line:  # per-loop statistics: the window's means, for every loop that ran in it
-                        scalars.update(window.loop_means())
-                    self.metrics.log(step, scalars, {"loops": ks.tolist(), "tokens": self.tokens_seen})
-                    if line:
-                        logger.info(console_line(step, t.steps, scalars, window, self.world_size,
-                                                 cfg.metrics.peak_tflops, time.perf_counter() - session_start))
-                        window.reset()
+                    stats = self.train_step(step)
+                    seconds = time.perf_counter() - start
+                    self.step, self.tokens_seen = step, self.tokens_seen + tokens_per_update
+                    reporter.report(step, stats, seconds, self.model, self.tokens_seen)
                     if self.config_pending:  # the resumed step ran with this config: now config.json says so
                         self._write_run_config()
                         self.config_pending = False
@@ -460,23 +413,27 @@ class Trainer:
                     stop = self.stop.now()
                     if step == self.depths.switch_step and step < t.steps:
                         self._switch_to_mixed_depth(step)
-                    elif cfg.checkpoint.enable and (stop or self.checkpointer.should_save(step) or step == t.steps):
-                        self._save(step)
+                    elif cfg.checkpoint.enable:
+                        self.checkpointer.maybe_save(step, step == t.steps, self._states_to_save, force=stop)
                     if stop:
                         logger.info(f"stopped at step {step}; resume with the same command" if cfg.checkpoint.enable
                                     else f"stopped at step {step} without saving (checkpoint.enable is false)")
                         break
                 self.checkpointer.wait()
                 if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
-                    dtype = getattr(torch, cfg.checkpoint.export_dtype)
-                    if cfg.checkpoint.export_format == "hf":
-                        path = self.checkpointer.export_hf(self.step, self.model, self.model_args, self.tokenizer, dtype)
-                    else:
-                        path = self.checkpointer.export_model(self.step, self.model, dtype)
-                    logger.info(f"exported model weights ({cfg.checkpoint.export_dtype}, "
-                                f"{cfg.checkpoint.export_format}) to {path}")
+                    self._export()
         finally:
             self.metrics.close()
+
+    def _export(self) -> None:
+        """The model weights alone, as checkpoint.export_dtype and export_format ask, after the last step."""
+        c = self.cfg.checkpoint
+        dtype = getattr(torch, c.export_dtype)
+        if c.export_format == "hf":
+            path = self.checkpointer.export_hf(self.step, self.model, self.model_args, self.tokenizer, dtype)
+        else:
+            path = self.checkpointer.export_model(self.step, self.model, dtype)
+        logger.info(f"exported model weights ({c.export_dtype}, {c.export_format}) to {path}")
 
     def _log_validation(self, step: int) -> None:
         val = self.validate()

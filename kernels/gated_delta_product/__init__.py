@@ -1,4 +1,4 @@
-"""Gated DeltaProduct (DESIGN.md §3.2): one public op, several implementations behind `impl`.
+"""Gated DeltaProduct (docs/DESIGN.md §3.2): one public op, several implementations behind `impl`.
 
 "naive" is the token loop kept as the oracle; "chunk" is the chunked PyTorch form used on CPU;
 "triton" is the chunked Triton kernel set (GPU, or CPU under TRITON_INTERPRET=1); "auto" picks

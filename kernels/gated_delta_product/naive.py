@@ -1,6 +1,6 @@
 """Token-by-token gated DeltaProduct: the oracle every faster implementation is tested against.
 
-It follows the recurrence of DESIGN.md §3.2 line by line, so it is slow (one Python step per
+It follows the recurrence of docs/DESIGN.md §3.2 line by line, so it is slow (one Python step per
 Householder sub-step) but easy to check by eye.
 """
 

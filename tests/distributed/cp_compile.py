@@ -24,8 +24,8 @@ from elr.models import build_model  # noqa: E402
 from elr.models.args import flavors  # noqa: E402
 from elr.parallel.context_parallel import enable_context_parallel, shard_sequence  # noqa: E402
 
-ARGS = dataclasses.replace(flavors["debug"], gdp_impl="chunk", max_loops=3, update="adaptive_delta",
-                           conditioning=True, cond_dim=16)
+ARGS = dataclasses.replace(flavors["debug"], gdp_impl="chunk", cond_dim=16).with_recurrence(
+    max_loops=3, update="adaptive_delta", conditioning=True)
 
 
 def main(backend: str = "inductor"):

@@ -39,8 +39,8 @@ from kernels.gated_delta_product import gated_delta_product  # noqa: E402
 
 SHARD = 37
 TOLERANCE = 1e-5  # max |CP - one process| relative to max |one process|, per tensor
-ARGS = dataclasses.replace(flavors["debug"], gdp_impl="chunk", max_loops=3, update="adaptive_delta",
-                           conditioning=True, cond_dim=16)
+ARGS = dataclasses.replace(flavors["debug"], gdp_impl="chunk", cond_dim=16).with_recurrence(
+    max_loops=3, update="adaptive_delta", conditioning=True)
 
 
 WORST: dict[str, float] = {}  # the largest error of each check group, over tensors and ranks

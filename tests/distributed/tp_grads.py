@@ -106,7 +106,7 @@ def checks(mesh, failures: list) -> None:
         check(dataclasses.replace(ARGS, n_kv_heads=1), "full", mesh, failures)
         check(ARGS, "selective", mesh, failures)
         # FiLM on the output block as well (the production recipe's), computed inside the recurrent block
-        check(dataclasses.replace(ARGS, cond_exit=True), "none", mesh, failures)
+        check(ARGS.with_recurrence(conditioning_exit=True), "none", mesh, failures)
         check_planned_activations(mesh, failures)
 
 

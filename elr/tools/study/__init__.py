@@ -4,6 +4,7 @@ several seeds), and the reports that read them back (README, "Does the recipe wo
     runs.py          suites, run folders, training them --jobs at a time, reading their results
     stats.py         means, spreads and paired differences over seeds
     text_report.py   the text suite: loss per k against the paper's tables, per-loop statistics
+    paper.py         the paper's side of the text suite: its losses, its claims, the readings it leaves open
     depth_report.py  the depth suite: answer accuracy per difficulty and k, extrapolation past K
     byte_data.py     the bundled prose re-encoded as bytes (the text suite's data)
 """

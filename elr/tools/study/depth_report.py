@@ -32,7 +32,7 @@ def extrapolate(folder: Path, factor: int, examples: int) -> dict[int, list[floa
     model, cfg = load_model(latest_checkpoint(folder))
     d = cfg["data"]
     task = build_task(d["task"], d["task_items"], d["task_max_difficulty"])
-    K = model.args.max_loops
+    K = model.args.recurrence.max_loops
     return {k: task_accuracy(model, task, cfg["training"]["seed"], examples, k) for k in range(1, factor * K + 1)}
 
 

@@ -6,93 +6,11 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from elr.tools.study.runs import Run, carried_note, final_validation, latest_checkpoint
 from elr.tools.route_diagnostics import route_drift
+from elr.tools.study.paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS
+from elr.tools.study.paper import paper_difference, paper_rows
+from elr.tools.study.runs import Run, carried_note, final_validation, latest_checkpoint
 from elr.tools.study.stats import paired, relative, summarise, verdict
-
-# What each group reproduces, and the paper's numbers (arXiv 2610.12582; GPT-0.5B, K = 5, k = 1..5).
-GROUPS = {
-    "baseline": ("Baselines", "ELR k=1 should match the matched baseline (the paper: -0.52 points on ten tasks, 4B)."),
-    "figure_4a": ("Figure 4a: update rule", "the learned step preserves one-loop accuracy and gains with loops; "
-                  "parameter-free residual addition or replacement do worse."),
-    "table_3": ("Table 3: loop sampling", "independent draws beat synchronized ones at every k (1.36x step time); "
-                "among one-depth-per-update rows the 15% override is best."),
-    "table_14": ("Table 14: recurrent-block input", "re-injecting h_in is slightly worse at every k."),
-    "table_1": ("Tables 1 and 13: cross-loop route replay (MoE)", "replay costs little loss at k = K (+0.0038 "
-                "trained with it, +0.0055 at inference only) and saves update time (-11.7% mixed depth, -19.6% at k = 4)."),
-    "figure_6": ("Figure 6: late switch and conditioning", "a late switch with zero-initialised conditioning beats "
-                 "mixed depth from scratch at the most loops (GPT-0.5B, mixed depth in the last quarter: 1.6147 vs "
-                 "1.6273 at k = 5; Koi-4B switches at half, without a GPT-0.5B number)."),
-    "controls": ("Untied depth: what loops could buy", "(not in the paper) untied models as deep as k = 2 and k = 4 "
-                 "bound what looping the recurrent block can gain at this budget."),
-    "remedies": ("Keeping the later loops at work", "(not in the paper) one ingredient changed at a time; wanted: "
-                 "k = 1 at the matched baseline and a best k well below its own k = 1."),
-}
-PAPER = {  # group -> variant -> validation loss at k = 1..5
-    "table_3": {
-    "sync_uniform": [1.7077, 1.6473, 1.6344, 1.6318, 1.6313],
-    "indep_uniform": [1.6937, 1.6330, 1.6193, 1.6157, 1.6147],
-    "sync_weighted": [1.6871, 1.6436, 1.6343, 1.6320, 1.6316],
-    "default": [1.6830, 1.6391, 1.6299, 1.6278, 1.6273],
-    "indep_weighted": [1.6774, 1.6334, 1.6231, 1.6200, 1.6194],
-    },
-    "table_14": {"default": [1.6830, 1.6391, 1.6299, 1.6278, 1.6273], "reinject": [1.6858, 1.6442, 1.6352, 1.6329, 1.6325]},
-}
-PAPER_BASELINE = 1.6852
-# The comparisons the paper makes, as (variant, reference, claimed sign of variant - reference, the
-# k at which it is claimed: "every" or "K", what the paper says). Judged seed by seed (stats.verdict).
-# The paper's rows are unconditioned (the *_uncond variants); the conditioned ones are our extra rows.
-PAPER_CLAIMS = [
-    ("default", "replace", -1, "every", "Figure 4a: the learned step beats replacement"),
-    ("default", "residual", -1, "every", "Figure 4a: the learned step beats residual addition"),
-    ("indep_uniform", "sync_uniform", -1, "every", "Table 3: independent beats synchronized (uniform)"),
-    ("indep_weighted", "sync_weighted", -1, "every", "Table 3: independent beats synchronized (weighted)"),
-    ("default", "sync_uniform", -1, "every", "Table 3: the 15% override beats synchronized uniform"),
-    ("default", "sync_weighted", -1, "every", "Table 3: the 15% override beats synchronized weighted"),
-    ("reinject", "default", 1, "every", "Table 14: re-injecting h_in is worse"),
-]
-CLAIMS = ([(f"{a}_uncond", f"{b}_uncond", sign, at, claim) for a, b, sign, at, claim in PAPER_CLAIMS]
-          + [("switch75", "default_uncond", -1, "K", "Figure 6: a late switch at 75% (GPT-0.5B's) beats unconditioned mixed depth from scratch at K"),
-             ("switch50", "default_uncond", -1, "K", "Figure 6: a late switch at 50% (Koi-4B's) beats unconditioned mixed depth from scratch at K"),
-             ("moe_replay", "moe_dynamic", 1, "K", "Table 1: route replay in training costs a little at K")]
-          + [(a, b, sign, at, f"{claim} (conditioned)") for a, b, sign, at, claim in PAPER_CLAIMS]
-          + [(s, "default", -1, "K", f"Figure 6: a late switch at {pct} beats mixed depth from scratch at K (conditioned)")
-             for s, pct in (("switch75", "75%"), ("switch50", "50%"))])
-# The readings the paper leaves open (README "The paper's rows as it ran them"): (option, alternative, what is read)
-READINGS = [
-    ("cond_silu", "default", "conditioning head: FiLM through a SiLU (can single out the last loop of k) vs additive in i and k"),
-    ("residual_uncond", "replace_uncond", "parameter-free rule: residual s_{i-1} + r_i vs replacement (unconditioned)"),
-    ("residual", "replace", "parameter-free rule: residual s_{i-1} + r_i vs replacement (conditioned)"),
-    ("reinject_uncond", "default_uncond", "recurrent input: s_{i-1} + h_in (Figure 1's caption) vs s_{i-1} (Table 14; unconditioned)"),
-    ("reinject", "default", "recurrent input: s_{i-1} + h_in vs s_{i-1} (conditioned)"),
-]
-READING_WORDS = {"reproduced": "lower on every seed", "contradicted": "higher on every seed", "inconclusive": "mixed"}
-# Figure 6's number is GPT-0.5B's, whose switch leaves mixed depth to the last quarter (switch75); Table 1
-PAPER_DIFF_AT_K = {("switch75", "default"): 1.6147 - 1.6273, ("moe_replay", "moe_dynamic"): 0.0038}
-
-
-def paper_difference(variant: str, reference: str) -> str:
-    """The paper's own variant - reference at k = 1 and k = K (its K = 5), where its tables give both."""
-    variant, reference = variant.removesuffix("_uncond"), reference.removesuffix("_uncond")
-    for table in PAPER.values():
-        if variant in table and reference in table:
-            a, b = table[variant], table[reference]
-            return f"{a[0] - b[0]:+.4f} / {a[-1] - b[-1]:+.4f}"
-    diff = PAPER_DIFF_AT_K.get((variant, reference))
-    return "–" if diff is None else f"– / {diff:+.4f}"
-
-
-def paper_rows(table: dict[str, list[float]], members: list[str]) -> dict[str, list[float]]:
-    """{variant: the paper's losses} for the rows of one of its tables: each sits beside our
-    unconditioned variant where it was run (the paper's rows are unconditioned), else beside the
-    conditioned one."""
-    rows = {}
-    for name, losses in table.items():
-        variant = next((v for v in (f"{name}_uncond", name) if v in members), None)
-        if variant is not None:
-            rows[variant] = losses
-    return rows
-
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
@@ -109,7 +27,7 @@ def loop_statistics(model, batches) -> dict[str, list[float]]:
     import torch
 
     batches = list(batches)
-    loops = model.args.max_loops
+    loops = model.args.recurrence.max_loops
     model.record_loop_statistics(True)
     sums: dict[str, list[float | None]] = {}  # None: the loop has no such statistic (an unconditioned loop's gate)
     with torch.no_grad():
@@ -134,7 +52,7 @@ def replay_at_inference_loss(model, batches) -> float:
     total = count = 0.0
     with torch.no_grad():
         for inputs, labels in batches:
-            total += summed_loss(model(inputs, loops=model.args.max_loops), labels).item()
+            total += summed_loss(model(inputs, loops=model.args.recurrence.max_loops), labels).item()
             count += labels.numel()
     model.route_replay = False
     return total / count
@@ -195,7 +113,8 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
     base = results.get("baseline_matched") or results.get("baseline")
     lines = [f"# ELR study results (seeds {', '.join(map(str, seeds))}; {steps} updates each)", "",
              "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over the finished "
-             "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, GPT-0.5B, K = 5 "
+             "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, "
+             "GPT-0.5B, K = 5 "
              f"(its baseline {PAPER_BASELINE}); its k = 1..{K} are shown. Made by `python scripts/study.py`.", ""]
     lines += carried_note(carried)
     for group, (title, claim) in GROUPS.items():
@@ -224,13 +143,14 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
         for v in members:
             r = results[v]
             cells = [fmt(m, s, len(r["seeds"])) for m, s in zip(r["loss"], r["std"])] + ["–"] * (K - len(r["loss"]))
-            delta = (f"{100 * (r['loss'][0] / base['loss'][0] - 1):+.2f}% / {100 * (min(r['loss']) / base['loss'][0] - 1):+.2f}%"
-                     if base else "–")
+            delta = (f"{100 * (r['loss'][0] / base['loss'][0] - 1):+.2f}% / "
+                     f"{100 * (min(r['loss']) / base['loss'][0] - 1):+.2f}%" if base else "–")
             row = f"| {r['label']} | {len(r['seeds'])} | " + " | ".join(cells) + f" | {delta} |"
             if paper:
                 if v in paper:
                     row += (f" {' / '.join(f'{x:.4f}' for x in paper[v][:len(r['loss'])])} |"
-                            f" {rank_of(paper_1)[v]} / {rank_of(paper_k)[v]} | {rank_of(ours_1)[v]} / {rank_of(ours_k)[v]} |")
+                            f" {rank_of(paper_1)[v]} / {rank_of(paper_k)[v]} |"
+                            f" {rank_of(ours_1)[v]} / {rank_of(ours_k)[v]} |")
                 else:
                     row += " – | – | – |"
             lines.append(row)
@@ -239,14 +159,16 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
     elr = {v: r for v, r in results.items() if "loop_stats" in r}
     if elr:
         lines += ["## Later loops at work", "",
-                  "Relative update norm ||s_i − s_{i−1}|| / ||s_{i−1}|| per loop i at k = K (loop 1 starts from the "
+                  "Relative update norm ||s_i − s_{i−1}|| / ||s_{i−1}|| per loop i at k = K (loop 1 starts from "
+                  "the "
                   "embeddings, so its norm is large); FiLM gate mean 1 + g (1 = unconditioned).", "",
                   "| variant | " + " | ".join(f"norm loop {i}" for i in range(2, K + 1)) + " | gate mean, loops 1..K |",
                   "|" + "---|" * (K + 1)]
         for v, r in elr.items():
             norms = " | ".join(f"{x:.3f}" for x in r["loop_stats"]["update_norm"][1:])
             gates = r["loop_stats"].get("film_gate_mean")
-            lines.append(f"| {r['label']} | {norms} | {' / '.join('–' if g is None else f'{g:.2f}' for g in gates) if gates else '–'} |")
+            gate_means = " / ".join("–" if g is None else f"{g:.2f}" for g in gates) if gates else "–"
+            lines.append(f"| {r['label']} | {norms} | {gate_means} |")
         lines.append("")
     (out / "results.md").write_text("\n".join(lines))
 
@@ -300,7 +222,8 @@ def claims_section(results: dict) -> list[str]:
             "paper's sign. Rule (elr/tools/study/stats.py): *reproduced* when every seed has the paper's sign (or, "
             "with more than three seeds, a paired t above 2 that way), *contradicted* when every seed has the "
             "opposite sign, otherwise *inconclusive*; a claim made at every k needs the same word at each k.", "",
-            "| claim | paper: variant is | paper's difference k=1 / k=K | ours, paired per k (seeds with the paper's sign) | verdict |",
+            "| claim | paper: variant is | paper's difference k=1 / k=K | ours, paired per k (seeds with the paper's "
+            "sign) | verdict |",
             "|---|---|---|---|---|", *rows, ""]
 
 
@@ -321,7 +244,8 @@ def readings_section(results: dict) -> list[str]:
     return ["## Readings the paper leaves open, seed by seed", "",
             "Each option against its alternative on shared seeds (nats per byte; in brackets the seeds where the "
             "option is lower), worded by the same rule with 'lower' as the claim.", "",
-            "| reading | option − alternative | paired per k (seeds lower) | result |", "|---|---|---|---|", *rows, ""]
+            "| reading | option − alternative | paired per k (seeds lower) | result |", "|---|---|---|---|",
+            *rows, ""]
 
 
 def controls_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
@@ -347,7 +271,8 @@ def remedies_section(results: dict, members: list[str], title: str, claim: str) 
              "over seeds). Targets: k = 1 no worse than the matched baseline by more than its seed spread; best k "
              "at least 1% below the run's own k = 1 and by more than three paired sd; every later loop's update "
              "norm above 0.05.", "",
-             "| variant | seeds | k = 1 vs matched baseline | best k | best k vs own k = 1 | later-loop update norms | targets |",
+             "| variant | seeds | k = 1 vs matched baseline | best k | best k vs own k = 1 | later-loop update norms "
+             "| targets |",
              "|---|---|---|---|---|---|---|"]
     spread = base["std"][0] / base["loss"][0] if base else None
     for v in members:
@@ -361,9 +286,10 @@ def remedies_section(results: dict, members: list[str], title: str, claim: str) 
         norms = r.get("loop_stats", {}).get("update_norm", [])[1:]
         met = [one is not None and one["mean"] <= spread, gain["mean"] <= -0.01 and -gain["mean"] > 3 * gain["sd"],
                bool(norms) and min(norms) > 0.05]
+        missed = [name for name, ok in zip(("parity", "loop gain", "norms"), met) if not ok]
         lines.append(f"| {r['label']} | {len(r['seeds'])} | {fmt_paired(one)} | {best} | {fmt_paired(gain)} | "
                      f"{' / '.join(f'{n:.3f}' for n in norms) or '–'} | "
-                     f"{'all met' if all(met) else ', '.join(n for n, ok in zip(('parity', 'loop gain', 'norms'), met) if not ok) + ' not met'} |")
+                     f"{', '.join(missed) + ' not met' if missed else 'all met'} |")
     if spread is not None:
         lines += ["", f"Matched baseline's seed spread at k = 1: {100 * spread:.2f}% (sd / mean)."]
     return lines + [""]
@@ -387,7 +313,8 @@ def tradeoff_points(results: dict) -> dict[str, tuple[dict, dict]]:
 
 
 def replay_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
-    lines = [f"## {title}", "", f"Paper: {claim}", "", "| routing | val loss k=K | Δ vs dynamic | paper Δ |", "|---|---|---|---|"]
+    lines = [f"## {title}", "", f"Paper: {claim}", "", "| routing | val loss k=K | Δ vs dynamic | paper Δ |",
+             "|---|---|---|---|"]
     dynamic = next((results[v] for v in members if "loss_replay_at_inference" in results[v]), None)
     trained = [results[v] for v in members if results[v] is not dynamic]
     if dynamic:
@@ -399,10 +326,12 @@ def replay_section(results: dict, members: list[str], title: str, claim: str) ->
         lines += ["", "Route drift of the dynamic run (scripts/route_diagnostics.py), per loop i against loop 1; "
                   "paper at loop 4: kept 0.53, count cosine 0.978, routed cosine 0.767 (shifted 0.227), "
                   "full cosine 0.918 (shifted 0.718).", "",
-                  "| loop i | kept | count cosine | routed cosine (shifted) | full cosine (shifted) |", "|---|---|---|---|---|"]
+                  "| loop i | kept | count cosine | routed cosine (shifted) | full cosine (shifted) |",
+                  "|---|---|---|---|---|"]
         for i, m in dynamic["route_drift"].items():
             lines.append(f"| {i} | {m['kept']:.3f} | {m['count_cosine']:.3f} | {m['routed_cosine']:.3f} "
-                         f"({m['routed_cosine_shifted']:.3f}) | {m['full_cosine']:.3f} ({m['full_cosine_shifted']:.3f}) |")
+                         f"({m['routed_cosine_shifted']:.3f}) | {m['full_cosine']:.3f} "
+                         f"({m['full_cosine_shifted']:.3f}) |")
     return lines + [""]
 
 

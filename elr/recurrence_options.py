@@ -1,0 +1,102 @@
+"""The recurrence's options: one dataclass whose field names are the `[elr]` config keys.
+
+The job's `[elr]` section is this dataclass plus the training-only keys (elr/config.py, `ELR`), and
+`ModelArgs.recurrence` holds one (elr/models/args.py), copied field by field, so an option has one
+name from the TOML file to the code that runs it (elr/models/recurrence.py). Every field changes the
+network, so every field is frozen on resume (elr/train/resume.py) and written into a Hugging Face
+export's config (elr/interop/hf_config.py); both read the list from here.
+
+Plain data on purpose: elr/config.py imports it and must not import the models. Adding an option is
+a field with its doc line and its check here, its use in the recurrence, its test (README, "Adding a
+recurrence option").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from elr.errors import ConfigError
+
+# The option strings of `update`, `recurrent_input` and `step_input` (their meaning: elr/models/recurrence.py).
+UPDATE_RULES = ("adaptive_delta", "replace", "residual")
+RECURRENT_INPUTS = ("state", "state_plus_input")
+STEP_INPUTS = ("state", "delta", "channel")
+
+
+@dataclass
+class RecurrenceOptions:
+    """[elr]: what each key means (the README table and --help are made from these lines).
+
+    max_loops: K: loop counts are drawn from 1..K; validation runs every k in 1..K
+    recurrent_input: `state` or `state_plus_input` (re-injection of h_in from loop 2 on, the Table 14 ablation; k =
+        1 stays the plain stack)
+    update: `adaptive_delta` (learned step), `replace` (s_i = r_i) or `residual` (s_i = s_{i-1} + r_i; k = 1 is not
+        the plain stack)
+    step_input: what `adaptive_delta`'s step a = 2σ(W norm(x) + b) sees: `state` (x = s~_i), `delta` (x = r_i −
+        s_{i-1}) or `channel` (no input: one step per channel, a = 2σ(b))
+    conditioning: loop-index/budget embeddings with zero-initialised FiLM heads
+    conditioning_budget: the budget embedding E_budget[k] in the conditioning; false: the loop index alone, so the
+        first i loops of every budget are the same computation
+    conditioning_gate: FiLM's gate term (1 + gate) on each recurrent sublayer's output; false: scale and shift only
+    conditioning_first_loop: false: loop 1 unconditioned, so k=1 is exactly the shared block
+    conditioning_later_loops: false: loops 2..k unconditioned (only loop 1 has FiLM), so conditioning cannot scale
+        the later loops down; not both this and `conditioning_first_loop` false
+    conditioning_silu: a SiLU on c = E_loop[i] + E_budget[k] before the FiLM heads (as DiT's adaLN), so a head is
+        not additive in i and k
+    conditioning_exit: FiLM heads from E_budget[k] on the output block's layers too, so it reads each budget's last
+        state in its own way; with both loop options false it is the only conditioning and no loop can be scaled down
+    """
+
+    max_loops: int = 3
+    recurrent_input: str = "state"
+    update: str = "adaptive_delta"
+    step_input: str = "state"
+    conditioning: bool = True
+    conditioning_budget: bool = True
+    conditioning_gate: bool = True
+    conditioning_first_loop: bool = True
+    conditioning_later_loops: bool = True
+    conditioning_silu: bool = False
+    conditioning_exit: bool = False
+
+    @classmethod
+    def baseline(cls) -> RecurrenceOptions:
+        """The non-recurrent baseline's (`elr.enabled = false`): one loop, `replace`, no conditioning, so the
+        recurrent block is the middle of a plain stack with no ELR parameter."""
+        return cls(max_loops=1, update="replace", conditioning=False)
+
+    @classmethod
+    def of(cls, section) -> RecurrenceOptions:
+        """The options of an object with these fields (the job's `[elr]` section), copied by name."""
+        return cls(**{name: getattr(section, name) for name in names()})
+
+    def check(self) -> None:
+        """Reject options no recurrence can be built from; one ConfigError naming the key."""
+        _check(self.max_loops >= 1, "max_loops", "must be >= 1", self.max_loops)
+        for key, allowed in (("update", UPDATE_RULES), ("recurrent_input", RECURRENT_INPUTS),
+                             ("step_input", STEP_INPUTS)):
+            _check(getattr(self, key) in allowed, key, f"must be one of {', '.join(allowed)}", getattr(self, key))
+        loops_conditioned = self.conditioning_first_loop or self.conditioning_later_loops
+        _check(loops_conditioned or self.conditioning_exit, "conditioning_later_loops",
+               "and elr.conditioning_first_loop are both false and elr.conditioning_exit is off: nothing is "
+               "conditioned (set elr.conditioning = false)", self.conditioning_later_loops)
+        _check(self.conditioning or not self.conditioning_exit, "conditioning_exit", "needs elr.conditioning = true",
+               self.conditioning_exit)
+
+    @property
+    def prefix_consistent(self) -> bool:
+        """Whether the first i loops are the same computation at every budget k >= i (no budget embedding
+        reaches the loops), so one forward at k yields the states of every shorter budget."""
+        loops_conditioned = self.conditioning_first_loop or self.conditioning_later_loops
+        return not (self.conditioning and self.conditioning_budget and loops_conditioned)
+
+
+def names() -> list[str]:
+    """The option names: each is the config key `elr.<name>` and the field `ModelArgs.recurrence.<name>`."""
+    return [f.name for f in dataclasses.fields(RecurrenceOptions)]
+
+
+def _check(ok: bool, name: str, message: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"elr.{name}: {message} (got {value!r})")

@@ -1,0 +1,116 @@
+"""Token files and their tokenizer: opening a prepared data folder's `train.bin` / `val.bin` with the
+dtype its meta.json gives, refusing token ids past the vocabulary, and checking (before any work) that
+the files were made by the configured tokenizer. The batches drawn from them are elr/train/data.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from elr.config import JobConfig
+from elr.errors import ConfigError, DataError
+from elr.tokenizer import Tokenizer
+
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def read_meta(data_dir: str | Path) -> dict:
+    """A prepared data folder's meta.json (scripts/prepare_data.py), or one DataError saying why not."""
+    meta_path = Path(data_dir) / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"data.path: {meta_path} not found (make it with scripts/prepare_data.py)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{meta_path} is not readable JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size", 0), int):
+        raise DataError(f"{meta_path}: expected a JSON object with an integer vocab_size")
+    return meta
+
+
+def job_tokenizer_path(cfg: JobConfig) -> str:
+    """tokenizer.path, or when empty the tokenizer data.path's meta.json records: its `tokenizer_path`
+    if that file exists, else its file name beside the data, in a `tokenizer/` folder next to the
+    data folder, or in the repository's data/tokenizer/; else the recorded name (a tiktoken encoding)."""
+    if cfg.tokenizer.path:
+        return cfg.tokenizer.path
+    data_dir = Path(cfg.data.path)
+    meta = read_meta(data_dir)
+    name = meta.get("tokenizer")
+    if not name:
+        raise ConfigError(f"tokenizer.path: empty, and {data_dir / 'meta.json'} records no tokenizer; set tokenizer.path")
+    repository = Path(__file__).resolve().parents[2]
+    for candidate in (meta.get("tokenizer_path"), data_dir / name, data_dir.parent / "tokenizer" / name,
+                      repository / "data" / "tokenizer" / name):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    return name
+
+
+def check_tokenizer(data_dir: Path, tokenizer: Tokenizer, cfg: JobConfig) -> None:
+    """The data was tokenized by this tokenizer: same vocabulary size and, where recorded, the same
+    file (a shuffled ranks file has the size but not the ids). Records the hash in the config."""
+    meta = read_meta(data_dir)
+    vocab, tok = meta["vocab_size"], cfg.tokenizer
+    if vocab != tokenizer.n_vocab:
+        raise ConfigError(f"data.path: {data_dir} was tokenized with a vocabulary of {vocab}, but tokenizer.path "
+                          f"{tok.path} has {tokenizer.n_vocab}")
+    have = tokenizer.sha256
+    for key, want in (("data.path", meta.get("tokenizer_sha256")), ("tokenizer.sha256", tok.sha256)):
+        if want and have and want != have:
+            raise ConfigError(f"{key}: {'the data was tokenized by' if key == 'data.path' else 'expects'} a tokenizer "
+                              f"with SHA-256 {want}, but tokenizer.path {tok.path} has {have}")
+    tok.sha256 = tok.sha256 or have or ""
+
+
+def load_tokens(path: str | Path) -> np.memmap:
+    """Open a token file read-only, with the dtype from the meta.json beside it; every token id must
+    be below meta.json's vocab_size (the largest id is computed once and cached in meta.json)."""
+    path = Path(path)
+    meta_path = path.parent / "meta.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"token file {path} does not exist (see scripts/prepare_data.py)")
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path} is missing: it gives the dtype of {path}")
+    meta = read_meta(path.parent)
+    if meta.get("dtype") not in _DTYPES:
+        raise DataError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {list(_DTYPES)}")
+    dtype = np.dtype(_DTYPES[meta["dtype"]])
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise DataError(f"{path}: size {size} bytes is not a positive multiple of {dtype.name}")
+    n_tokens = size // dtype.itemsize
+    expected = meta.get("splits", {}).get(path.stem, {}).get("tokens")
+    if expected is not None and expected != n_tokens:
+        raise DataError(f"{path}: holds {n_tokens} tokens but {meta_path} says {expected}")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    vocab = meta.get("vocab_size")
+    if vocab is not None:
+        largest = meta.get("splits", {}).get(path.stem, {}).get("max_token_id")
+        # A refusal is always checked against the file: a meta.json copied from another tokenization
+        # (e.g. scripts/study.py's byte copy) may carry that data's value.
+        if not isinstance(largest, int) or largest >= vocab:
+            largest = int(tokens.max())
+            _cache_max_token_id(meta_path, path.stem, largest, n_tokens)
+        if largest >= vocab:
+            raise DataError(f"{path}: holds token id {largest}, but {meta_path} gives vocab_size {vocab}: "
+                            f"tokenized with another vocabulary, or not written as {dtype.name}")
+    return tokens
+
+
+def _cache_max_token_id(meta_path: Path, split: str, largest: int, n_tokens: int) -> None:
+    """Record a split's largest token id in meta.json (atomically); a read-only folder keeps none."""
+    try:
+        meta = json.loads(meta_path.read_text())
+        entry = meta.setdefault("splits", {}).setdefault(split, {})
+        entry.setdefault("tokens", n_tokens)
+        entry["max_token_id"] = largest
+        tmp = meta_path.with_name(f".meta.json.{os.getpid()}")
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp, meta_path)
+    except OSError:
+        pass

@@ -1,0 +1,78 @@
+"""The recurrence's options (elr/recurrence_options.py): each `[elr]` key reaches the model under its own
+name, is frozen on resume and is written into an export, with no list of them kept anywhere else."""
+
+import dataclasses
+
+import pytest
+
+from elr.config import ELR, load_config
+from elr.errors import ConfigError
+from elr.interop import hf_config
+from elr.models.from_config import model_args_from_config
+from elr.recurrence_options import RecurrenceOptions, names
+from elr.train.resume import FROZEN, check_resume
+
+# The [elr] keys that are not recurrence options: they steer training (the draws of k, the loss, the
+# step's optimizer group, the late switch), or pick the backbone's split. A new key lands here only
+# on purpose; one that changes the network belongs in RecurrenceOptions.
+TRAINING_KEYS = {"enabled", "partition", "step_lr_scale", "step_weight_decay", "loss_every_loop", "sampling", "emulated_ranks",
+                 "one_loop_override", "loop_weights", "switch_at"}
+
+# Per option, a valid value other than its default (with the other options at their defaults).
+OTHER_VALUE = {
+    "max_loops": 2, "recurrent_input": "state_plus_input", "update": "residual", "step_input": "delta",
+    "conditioning": False, "conditioning_budget": False, "conditioning_gate": False,
+    "conditioning_first_loop": False, "conditioning_later_loops": False, "conditioning_silu": True,
+    "conditioning_exit": True,
+}
+
+
+def test_the_elr_section_is_the_options_and_the_training_keys():
+    keys = [f.name for f in dataclasses.fields(ELR)]
+    assert keys[:len(names())] == names()
+    assert set(keys) - set(names()) == TRAINING_KEYS
+    assert set(OTHER_VALUE) == set(names()), "every option has a test value below"
+
+
+@pytest.mark.parametrize("name", names())
+def test_every_option_reaches_the_model_by_its_own_name(name):
+    default = getattr(RecurrenceOptions(), name)
+    value = OTHER_VALUE[name]
+    assert value != default
+    cfg = load_config(None, [f"--elr.{name}", str(value).lower()])
+    args = model_args_from_config(cfg, vocab_size=256)
+    assert getattr(args.recurrence, name) == value
+    assert args.recurrence == dataclasses.replace(RecurrenceOptions(), **{name: value})
+
+
+def test_the_baseline_and_the_one_loop_phase():
+    baseline = load_config(None, ["--elr.enabled", "false", "--elr.max_loops", "1", "--elr.conditioning", "false"])
+    assert model_args_from_config(baseline, vocab_size=256).recurrence == RecurrenceOptions.baseline()
+    one_loop = model_args_from_config(load_config(None), vocab_size=256, mixed_depth=False).recurrence
+    assert one_loop == dataclasses.replace(RecurrenceOptions(), conditioning=False)
+
+
+@pytest.mark.parametrize("name", names())
+def test_every_option_is_frozen_on_resume(name):
+    assert f"elr.{name}" in FROZEN
+    saved = load_config(None).to_dict()
+    job = load_config(None, [f"--elr.{name}", str(OTHER_VALUE[name]).lower()]).to_dict()
+    with pytest.raises(ConfigError, match=rf"^elr.{name}: cannot change on resume"):
+        check_resume(saved, job, step=5)
+
+
+def test_the_export_writes_every_option_and_reads_it_back():
+    cfg = load_config(None, ["--elr.conditioning_exit", "--elr.max_loops", "4", "--elr.step_input", "channel"])
+    args = model_args_from_config(cfg, vocab_size=256)
+    config = hf_config.hf_config(args, {}, loops=2, kv="per_loop", dtype="float32", eot_id=0, tokenizer="t")
+    assert list(config["elr_model"]["recurrence"]) == names()
+    assert config["max_loops"] == 4
+    assert hf_config.model_args(config["elr_model"]) == args
+
+
+def test_a_bad_option_names_its_key():
+    for name, value in [("max_loops", 0), ("update", "gated"), ("step_input", "both")]:
+        with pytest.raises(ConfigError, match=rf"^elr.{name}: "):
+            dataclasses.replace(RecurrenceOptions(), **{name: value}).check()
+    with pytest.raises(ConfigError, match=r"^elr.conditioning_exit: needs elr.conditioning = true"):
+        RecurrenceOptions(conditioning=False, conditioning_exit=True).check()
