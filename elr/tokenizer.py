@@ -76,7 +76,10 @@ def load_ranks(path: str | Path, sha256: str | None = None) -> dict[bytes, int]:
     """Read a tiktoken ranks file and check that its ranks are exactly 0..n-1."""
     # tiktoken caches every file it reads under a key made from the path alone, so a file that
     # was rebuilt in place would come back stale; passing the current hash makes it re-read.
-    ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=sha256 or file_sha256(path))
+    try:
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=sha256 or file_sha256(path))
+    except ValueError:  # tiktoken's message quotes the line: say what is wrong, never what the file holds
+        raise TokenizerError(f"{path}: not a tiktoken ranks file (one `base64(token) rank` per line)") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise TokenizerError(f"{path}: ranks are not the contiguous range 0..{len(ranks) - 1}")
     return ranks

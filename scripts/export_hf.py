@@ -2,10 +2,13 @@
 
     python scripts/export_hf.py --checkpoint outputs/debug/checkpoint/step-150 --out outputs/debug/hf
     python scripts/export_hf.py --checkpoint ... --out ... --dtype bfloat16 --loops 3 --kv last_loop
+    python scripts/export_hf.py --seal outputs/debug/hf   # rehash an export you edited by hand (or made before hashes)
 
-The folder loads in transformers with `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`
-(the remote code wraps this package, which must be installed) and in this package's own loaders
-(generate.py, evaluate.py, checkpoint.initial_load_path). Share this folder, not the DCP checkpoint.
+The folder loads in transformers with `AutoModelForCausalLM.from_pretrained(out)` after
+`import elr.interop.hf_model` (which registers the classes; no remote code runs), and in this package's
+own loaders (generate.py, evaluate.py, checkpoint.initial_load_path), which check the SHA-256 of every
+file it lists in elr_sha256.json first. Share this folder, not the DCP checkpoint. An existing --out,
+or an OUT.tmp this script did not make, is refused and left as it is.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from pathlib import Path
 import torch
 
 from elr.cli import HelpFormatter
-from elr.errors import UserError
+from elr.errors import CheckpointError, UserError
 from elr.infer.cache import MODES
 from elr.infer.load import load_model, load_tokenizer
-from elr.interop import write_export
+from elr.interop import check_export, is_export, write_export
+from elr.interop.hf_hashes import seal_folder
 
 _SIZE = re.compile(r"(\d+)\s*(B|KB|MB|GB|KiB|MiB|GiB)?", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -36,8 +40,10 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="step-N (DCP), step-N-model, or an export folder")
-    p.add_argument("--out", required=True, type=Path, help="the folder to write (must not exist)")
+    p.add_argument("--checkpoint", help="step-N (DCP), step-N-model, or an export folder (required unless --seal)")
+    p.add_argument("--out", type=Path, help="the folder to write (must not exist; required unless --seal)")
+    p.add_argument("--seal", type=Path, metavar="FOLDER", help="instead of exporting, write elr_sha256.json for an "
+                   "export you vouch for (edited by hand, or made before exports carried hashes), then check it")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype in the export")
     p.add_argument("--loops", type=int, help="default loop count of forward/generate (default: the model's max_loops)")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="default KV cache mode of generate (last_loop_kv to serve with: README)")
@@ -46,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the template SFT trains with, elr/chat.py)")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     args = p.parse_args(argv)
+    if args.seal:
+        return seal_main(args.seal)
+    if not args.checkpoint or not args.out:
+        p.error("--checkpoint and --out are required (or --seal FOLDER)")
     try:
         model, cfg = load_model(args.checkpoint)
         tokenizer = load_tokenizer(cfg, args.tokenizer)
@@ -56,6 +66,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
+def seal_main(folder: Path) -> int:
+    """--seal: hash the export's files as they are now, then run the checks a loader runs."""
+    try:
+        if not is_export(folder):
+            raise CheckpointError(f"{folder} is not an ELR export (no config.json with model_type elr)")
+        names = seal_folder(folder)
+        check_export(folder)
+    except UserError as e:
+        print(f"export_hf: error: {e}", file=sys.stderr)
+        return 2
+    print(f"sealed {folder}: {len(names)} files hashed into elr_sha256.json; it loads")
     return 0
 
 

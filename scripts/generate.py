@@ -9,7 +9,9 @@
     python scripts/generate.py --checkpoint ... --messages chat.json --loops 1,3   # one reply per k
 
 For each k it prints a header line with tokens/s, then the generated text; the last line printed is
-the text generated at the last k. Several --prompt flags decode as one left-padded batch.
+the text generated at the last k. Several --prompt flags decode as one left-padded batch. Each prompt
+begins with <|endoftext|>, as every training document does (and as the export's tokenizer and both
+lm-eval paths begin them).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.prompt:
                 raise ValueError("give at least one --prompt")
             tokenizer = load_tokenizer(run_config(args.checkpoint), args.tokenizer)
-            prompts = [tokenizer.encode(text) for text in args.prompt]
+            prompts = [[tokenizer.eot_id] + tokenizer.encode(text) for text in args.prompt]  # as documents begin
             longest = max(len(t) for t in prompts) + args.max_new_tokens
         model, _ = load_model(args.checkpoint, args.device, dtype,
                               max_seq_len=None if args.memory is not None else longest)

@@ -67,7 +67,7 @@ def test_generate_script_prints_the_generated_text_last(trained, capsys):
     assert lines[0].startswith("--- k=1") and lines[2].startswith("--- k=3") and "tokens/s" in lines[2]
     model, cfg = load_model(checkpoint)
     tokenizer = load_tokenizer(cfg)
-    out = generate(model, [tokenizer.encode("The king")], 3, 5, tokenizer.eot_id, "last_loop")[0]
+    out = generate(model, [[tokenizer.eot_id] + tokenizer.encode("The king")], 3, 5, tokenizer.eot_id, "last_loop")[0]
     assert lines[-1] == tokenizer.decode(out).replace("\n", " ")
 
 

@@ -27,6 +27,7 @@ from elr.interop import hf_config, write_export
 from elr.models import ModelArgs, build_model
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import build_tokenizer
+from export_utils import reseal
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -78,7 +79,9 @@ def test_the_export_holds_what_transformers_needs(model_and_export):
     model, _, folder = model_and_export
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-            "tokenizer_config.json", "configuration_elr.py", "modeling_elr.py", "elr.tiktoken"} <= names
+            "tokenizer_config.json", "configuration_elr.py", "modeling_elr.py", "elr.tiktoken", "elr_sha256.json"} <= names
+    listed = set(json.loads((folder / "elr_sha256.json").read_text())["files"])
+    assert listed == names - {"elr_sha256.json", "README.md"}
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all((folder / s).is_file() for s in shards)
@@ -117,7 +120,7 @@ def test_this_packages_loaders_read_the_export(model_and_export, capsys):
     argv = ["--checkpoint", str(folder), "--loops", "2", "--kv", "last_loop", "--prompt", PROMPTS[0],
             "--max-new-tokens", "6"]
     assert script("generate").main(argv) == 0
-    want = generate(model, [tokenizer.encode(PROMPTS[0])], 2, 6, tokenizer.eot_id, "last_loop")[0]
+    want = generate(model, [[tokenizer.eot_id] + tokenizer.encode(PROMPTS[0])], 2, 6, tokenizer.eot_id, "last_loop")[0]
     assert capsys.readouterr().out.splitlines()[-1] == tokenizer.decode(want).replace("\n", " ")
 
 
@@ -168,7 +171,7 @@ def test_transformers_loads_the_export_in_a_fresh_process_with_this_packages_log
                             env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-3000:]
     got = load_file(str(out))
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    prompts = [[tokenizer.eot_id] + tokenizer.encode(p) for p in PROMPTS]  # the tokenizer begins them with it
     tokens, pad = left_pad(prompts, tokenizer.eot_id, "cpu")
     assert torch.equal(got["input_ids"], tokens) and torch.equal(got["attention_mask"].sum(1), tokens.shape[1] - pad)
     with torch.no_grad():
@@ -310,11 +313,13 @@ def test_a_malformed_export_config_is_one_error(model_and_export, tmp_path):
     config = json.loads((bad / "config.json").read_text())
     config["elr_model"]["dim"] = "128"
     (bad / "config.json").write_text(json.dumps(config))
+    reseal(bad)
     with pytest.raises(CheckpointError, match=r"elr_model.dim must be int"):
         load_model(bad)
     del config["elr_model"]["dim"]
     config["elr_model"]["new_field"] = 1
     (bad / "config.json").write_text(json.dumps(config))
+    reseal(bad)
     with pytest.raises(CheckpointError, match=r"lacks dim; has unknown new_field"):
         load_model(bad)
 
@@ -332,6 +337,7 @@ def test_a_format_1_export_is_still_read(model_and_export, tmp_path):
     assert "cond_budget" in config["elr_model"] and "conditioning_budget" not in config["elr_model"]
     config["elr_export_format"] = 1
     (old / "config.json").write_text(json.dumps(config))
+    reseal(old)  # an export of that time had no hashes: `export_hf.py --seal` adds them
     loaded, _ = load_model(old)
     assert loaded.args == model.args
     tokens = torch.randint(0, 100, (1, 9))
@@ -339,6 +345,7 @@ def test_a_format_1_export_is_still_read(model_and_export, tmp_path):
         assert torch.equal(loaded(tokens, loops=3), model(tokens, loops=3))
     config["elr_export_format"] = 3
     (old / "config.json").write_text(json.dumps(config))
+    reseal(old)
     with pytest.raises(CheckpointError, match=r"export format 3; this code reads 1, 2"):
         load_model(old)
 

@@ -22,8 +22,9 @@ LAYERS = {
     # inference reads it, and it needs only the models below
     "elr.parallel": 3, "elr.checkpoint": 3, "elr.interop": 3,
     "elr.train": 4, "elr.infer": 4,
-    # the remote code an export carries wraps inference (its cache and decoder) for transformers: on top
-    "elr.tools": 5, "elr.cli": 5, "scripts": 5, "train": 5, "elr.interop.remote": 5,
+    # the transformers classes of an export (and the remote code that imports them) wrap inference's
+    # cache for transformers: on top
+    "elr.tools": 5, "elr.cli": 5, "scripts": 5, "train": 5, "elr.interop.remote": 5, "elr.interop.hf_model": 5,
 }
 NEIGHBOURS = [("elr.parallel", "elr.checkpoint"), ("elr.train", "elr.infer")]  # neither imports the other
 NEVER = {"elr.models": ("torch.distributed",)}

@@ -5,7 +5,9 @@ to share), a training checkpoint folder `.../checkpoint/step-N` (safetensors and
 nothing unpickled either; saved by any number of ranks,
 before or after the late switch: a pre-switch checkpoint has no loop-conditioning parameters, so
 the model is built without them), or a model-only export `.../checkpoint/step-N-model`. DCP
-reshards on load, so the world size the checkpoint was saved from does not matter.
+reshards on load, so the world size the checkpoint was saved from does not matter. An export's files
+are checked against the SHA-256 in its elr_sha256.json before any is parsed; one re-saved by
+transformers' `save_pretrained` has no ranks file, and its tokenizer comes back from tokenizer.json.
 
 What is loaded is what was saved: the folder must be committed (commit.json), hold only the files
 it lists, and every file must match its size and SHA-256 before any of them is parsed; the model is
@@ -27,6 +29,7 @@ from elr.checkpoint import CONFIG, Stored, dcp_note, load_module, read_config, v
 from elr.config import config_from_dict
 from elr.errors import CheckpointError, TokenizerError
 from elr.interop import is_export, load_export, load_export_config
+from elr.interop.hf_tokenizer import TOKENIZER_JSON, tokenizer_from_json
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import Tokenizer, build_tokenizer
@@ -94,7 +97,10 @@ def load_tokenizer(cfg: dict, path: str | None = None) -> Tokenizer:
     SHA-256 the run recorded (`tokenizer.sha256`), when the run recorded one."""
     path = path or cfg["tokenizer"]["path"]
     in_repo = Path(__file__).resolve().parents[2] / path
-    tokenizer = build_tokenizer(str(in_repo) if not Path(path).is_file() and in_repo.is_file() else path)
+    if Path(path).name == TOKENIZER_JSON:  # an export re-saved by transformers: no ranks file, the same ranks
+        tokenizer = tokenizer_from_json(path)
+    else:
+        tokenizer = build_tokenizer(str(in_repo) if not Path(path).is_file() and in_repo.is_file() else path)
     want = cfg["tokenizer"].get("sha256", "")
     if want and tokenizer.sha256 != want:
         raise TokenizerError(f"tokenizer {tokenizer.source} has SHA-256 {tokenizer.sha256}, but the checkpoint "

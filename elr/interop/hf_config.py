@@ -36,6 +36,7 @@ FORMAT_1_NAMES = {
 }
 MODEL_TYPE = "elr"
 ARCHITECTURE = "ELRForCausalLM"
+MAX_CONFIG_BYTES = 64 << 20  # a larger config.json is not read at all
 AUTO_MAP = {"AutoConfig": "configuration_elr.ELRConfig", "AutoModelForCausalLM": "modeling_elr.ELRForCausalLM"}
 
 
@@ -60,7 +61,7 @@ def hf_config(args: ModelArgs, job: dict, *, loops: int, kv: str, dtype: str, eo
 def is_export(path: str | Path) -> bool:
     """Whether `path` is a folder holding an ELR export's config.json (not a DCP checkpoint)."""
     file = Path(path) / CONFIG
-    if not file.is_file() or (Path(path) / "commit.json").exists():
+    if not file.is_file() or (Path(path) / "commit.json").exists() or file.stat().st_size > MAX_CONFIG_BYTES:
         return False
     try:
         return json.loads(file.read_text()).get("model_type") == MODEL_TYPE

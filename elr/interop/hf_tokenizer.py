@@ -7,19 +7,30 @@ the same choices, so both give the same ids. The split regex is the run's, with 
 `tokenizers` regex engine (Oniguruma) reads `{1,3}+` as "{1,3}, repeated", not possessive, so it is
 written `{1,3}` (the same matches: nothing follows it in its alternative). `check` encodes a sample with
 both and refuses an export on which they differ.
+
+A prompt begins with `<|endoftext|>`, as every training document does: the tokenizer adds it (a
+post-processor, `add_bos_token`) unless called with `add_special_tokens=False`; generate.py and both
+lm-eval paths add it too (README, "Sharing a model"). `tokenizer_from_json` reads the vocabulary back
+into tiktoken ranks, for a folder re-saved by transformers, which keeps tokenizer.json but not the
+ranks file.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from pathlib import Path
 
+import tiktoken
+
 from elr.errors import TokenizerError
-from elr.tokenizer import EOT, Tokenizer
+from elr.tokenizer import EOT, SPLIT_PATTERN, Tokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+MAX_TOKENIZER_JSON_BYTES = 256 << 20
 
 # What `check` encodes: words, digits in runs, contractions, whitespace runs, newlines, punctuation, UTF-8.
 SAMPLE = ("The king's 12345 men didn't   go.\n\n  Then: \"ok\"?! (x+y)=z\t\ttabs  \r\n"
@@ -73,12 +84,17 @@ def tokenizer_json(tokenizer: Tokenizer) -> dict:
     specials = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
                  "special": True} for s, i in sorted(encoding._special_tokens.items(), key=lambda item: item[1])]
     pattern = encoding._pat_str.replace("{1,3}+", "{1,3}")
+    eot = {"id": EOT, "type_id": 0}
+    begin = {"type": "TemplateProcessing", "single": [{"SpecialToken": eot}, {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [{"SpecialToken": eot}, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": eot},
+                      {"Sequence": {"id": "B", "type_id": 1}}],
+             "special_tokens": {EOT: {"id": EOT, "ids": [tokenizer.eot_id], "tokens": [EOT]}}}
     return {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": specials, "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-        "post_processor": None,
+        "post_processor": begin,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
@@ -87,10 +103,10 @@ def tokenizer_json(tokenizer: Tokenizer) -> dict:
 
 
 def tokenizer_config(chat_template: str | None = None, max_length: int | None = None) -> dict:
-    """tokenizer_config.json: the fast tokenizer class, <|endoftext|> as every special token (documents
-    start with it in training; nothing is added automatically), and the chat template when given."""
+    """tokenizer_config.json: the fast tokenizer class, <|endoftext|> as every special token and added
+    at the start of every text (as it begins every training document), and the chat template when given."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT, "pad_token": EOT,
-              "unk_token": None, "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+              "unk_token": None, "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
               "model_max_length": max_length or int(1e30)}
     if chat_template is not None:
         config["chat_template"] = chat_template
@@ -118,3 +134,31 @@ def check(tokenizer: Tokenizer, data: dict, text: str = SAMPLE) -> None:
     if converted != tokenizer.encode(text):
         raise TokenizerError(f"tokenizer {tokenizer.source}: its tokenizer.json conversion encodes differently "
                              "(a split regex the tokenizers library reads otherwise?); not exported")
+
+
+def tokenizer_from_json(path: str | Path) -> Tokenizer:
+    """The run's tokenizer from an export's tokenizer.json: its vocabulary (GPT-2's byte alphabet) back
+    to tiktoken ranks, with the run's split regex. Its `sha256` is that of the ranks file it came from
+    (one `base64(token) rank` line per rank, in rank order, as the project's ranks files are written),
+    so a caller can compare it with the hash the run recorded."""
+    path = Path(path)
+    if path.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
+        raise TokenizerError(f"{path} is larger than {MAX_TOKENIZER_JSON_BYTES} bytes: not a tokenizer.json")
+    inverse = {char: byte for byte, char in _byte_alphabet().items()}
+    try:
+        data = json.loads(path.read_bytes())
+        vocab = data["model"]["vocab"]
+        ranks = {bytes(inverse[c] for c in token): rank for token, rank in vocab.items()}
+        pattern = data["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+        specials = {t["content"]: t["id"] for t in data["added_tokens"]}
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise TokenizerError(f"{path}: not a tokenizer.json written by the ELR export ({type(e).__name__})") from None
+    if pattern != SPLIT_PATTERN.replace("{1,3}+", "{1,3}") or specials.get(EOT) != len(ranks) \
+            or not all(type(r) is int for r in ranks.values()) or sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"{path}: not a tokenizer.json written by the ELR export (its split regex, ranks or "
+                             f"{EOT} id differ)")
+    lines = b"".join(base64.b64encode(token) + b" %d\n" % rank
+                     for token, rank in sorted(ranks.items(), key=lambda item: item[1]))
+    encoding = tiktoken.Encoding(name=path.stem, pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens={EOT: len(ranks)})
+    return Tokenizer(encoding, str(path), hashlib.sha256(lines).hexdigest())

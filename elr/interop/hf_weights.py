@@ -1,6 +1,7 @@
 """Model weights as safetensors: one `model.safetensors`, or shards of at most `max_shard_bytes` with
 `model.safetensors.index.json` (transformers' layout). A safetensors file is a JSON header and raw bytes:
 reading one runs nothing, which is why exports hold no other weight format and nothing here reads one.
+Only files listed in the export's manifest (elr/interop/hf_hashes.py) and lying in the folder itself are read.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from elr.errors import CheckpointError, UserError
+from elr.interop.hf_hashes import MANIFEST, plain_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -57,36 +59,72 @@ def write_weights(state_dict: dict[str, torch.Tensor], folder: Path,
     return [*names, INDEX]
 
 
-def weight_files(folder: Path) -> list[str]:
-    """The safetensors files of an export (from the index when sharded), each a plain file of the folder."""
-    if (folder / SINGLE).is_file():
-        return [SINGLE]
-    if not (folder / INDEX).is_file():
-        pickled = [name for name in PICKLED if (folder / name).exists()]
-        extra = f" ({', '.join(pickled)} is pickled and is never loaded)" if pickled else ""
-        raise CheckpointError(f"{folder} holds no {SINGLE} or {INDEX}{extra}")
-    try:
-        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{folder / INDEX}: not a safetensors index ({type(e).__name__}: {e})") from None
+def weight_files(folder: Path, listed: set[str]) -> list[str]:
+    """The safetensors files of an export (from the index when sharded): plain files of the folder
+    (elr/interop/hf_hashes.py), each listed in its manifest (`listed`, already verified)."""
+    single, index = folder / SINGLE, folder / INDEX
+    check_some_weights(folder)
+    if single.exists() or single.is_symlink():
+        names = [SINGLE]
+    else:
+        _listed(plain_file(folder, INDEX), listed)
+        try:
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__})") from None
     for name in names:
-        if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors") \
-                or not (folder / name).is_file():
-            raise CheckpointError(f"{folder / INDEX} names {name!r}, not a .safetensors file of this folder")
+        if not isinstance(name, str) or not name.endswith(".safetensors"):
+            raise CheckpointError(f"{index} names {name!r}, not a .safetensors file")
+        _listed(plain_file(folder, name), listed)
     return names
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+def check_some_weights(folder: Path) -> None:
+    """CheckpointError unless the folder holds model.safetensors or its index (by name only: nothing is
+    read); it names a pickled weight file it finds instead, which is never opened."""
+    if not any((folder / name).exists() or (folder / name).is_symlink() for name in (SINGLE, INDEX)):
+        pickled = [name for name in PICKLED if (folder / name).exists()]
+        extra = f" ({', '.join(pickled)} is pickled and is never loaded)" if pickled else ""
+        raise CheckpointError(f"{folder} holds no {SINGLE} or {INDEX}{extra}")
+
+
+def _listed(path: Path, listed: set[str]) -> None:
+    if path.name not in listed:
+        raise CheckpointError(f"{path} is not listed in the export's {MANIFEST}")
+
+
+def _open_error(path: Path, e: Exception) -> CheckpointError:
+    """A cut or damaged file: the error's class only (its text may quote the file)."""
+    return CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__})")
+
+
+def weight_shapes(folder: Path, listed: set[str]) -> dict[str, tuple[int, ...]]:
+    """Each stored tensor's shape, read from the safetensors headers alone (no tensor data)."""
+    st = _safetensors()
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in weight_files(folder, listed):
+        try:
+            with st.safe_open(str(folder / name), framework="pt") as f:
+                part = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        except Exception as e:
+            raise _open_error(folder / name, e) from None
+        doubled = sorted(set(part) & set(shapes))
+        if doubled:
+            raise CheckpointError(f"{folder}: {doubled[0]} is stored in more than one file")
+        shapes.update(part)
+    return shapes
+
+
+def read_weights(folder: Path, listed: set[str]) -> dict[str, torch.Tensor]:
     """Every tensor of the export's safetensors files (on CPU, as stored)."""
     st = _safetensors()
     tensors: dict[str, torch.Tensor] = {}
-    for name in weight_files(folder):
+    for name in weight_files(folder, listed):
         try:
             part = st.load_file(str(folder / name))
-        except Exception as e:  # a cut or damaged file: safetensors says what it found
-            raise CheckpointError(f"{folder / name}: not a readable safetensors file ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        except Exception as e:
+            raise _open_error(folder / name, e) from None
         doubled = sorted(set(part) & set(tensors))
         if doubled:
             raise CheckpointError(f"{folder}: {doubled[0]} is stored in more than one file")
