@@ -13,7 +13,8 @@ from pathlib import Path
 
 import tomli
 
-from elr.config_keys import apply_tables, key_type, parse_overrides, set_key
+from elr.config_keys import apply_tables, check_key, key_type, parse_overrides, set_key
+from elr.dump_folder import default_dump_folder
 from elr.errors import ConfigError
 from elr.tasks import TASKS
 
@@ -23,11 +24,16 @@ class Job:
     """[job]: what each key means (the README table and --help are made from these lines).
 
     description: free text, saved with the run
-    dump_folder: metrics.jsonl, TensorBoard (`tb/`), checkpoints and config.json go here
+    dump_folder: metrics.jsonl, TensorBoard (`tb/`), checkpoints and config.json go here; empty: `outputs/<run_name>`,
+        or `outputs/<config file name>` plus `-<data folder>` (or `-<task>`) when the command line changes the data
+        (elr/dump_folder.py)
+    run_name: names the default dump folder `outputs/<run_name>` (a second run of one config and data beside the
+        first); empty: the config file's name; not with `dump_folder` set
     """
 
     description: str = ""
-    dump_folder: str = "outputs/debug"
+    dump_folder: str = ""
+    run_name: str = ""
 
 
 @dataclass
@@ -414,8 +420,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomli.TOMLDecodeError as e:
             raise ConfigError(f"--config: {path} is not valid TOML ({e})") from None
         apply_tables(cfg, raw)
-    for key, value in parse_overrides(overrides or [], is_flag=lambda key: key_type(cfg, key) is bool):
+    file_data = dataclasses.replace(cfg.data)  # the data the config file names, for the dump folder's name
+    for key, value in parse_overrides(overrides or [], is_flag=lambda key: key_type(cfg, key) is bool,
+                                      check=lambda key: check_key(cfg, key)):
         set_key(cfg, key, value)
+    if cfg.job.dump_folder and cfg.job.run_name:
+        raise ConfigError("job.run_name: names the default dump folder, and job.dump_folder is set (set one of them)")
+    if not cfg.job.dump_folder:
+        cfg.job.dump_folder = default_dump_folder(cfg.job, cfg.data, path, file_data)
     resolve_bundled_paths(cfg)
     validate(cfg)
     return cfg
