@@ -271,14 +271,15 @@ class Metrics:
     log_freq: steps between console lines; the line's loss per k, mean k, gnorm, tok/s and MFU, and the per-loop
         statistics in metrics.jsonl, are over every step since the previous line
     enable_tensorboard: write TensorBoard scalars under `dump_folder/tb`
-    peak_tflops: per-device peak for MFU (H100/H200 dense bf16)
+    peak_tflops: per-device peak TFLOP/s for MFU; 0: the device's dense bf16 peak when it is a GPU of the table in
+        elr/train/metrics.py (H100, H200, A100, B200, MI300X, ...), else MFU is not reported (`mfu n/a`: on a CPU)
     enable_wandb: also log the scalars to Weights & Biases (`pip install -e ".[wandb]"`), into `dump_folder/wandb`,
         offline unless `WANDB_MODE` says otherwise; one run per dump folder, resumed with it
     """
 
     log_freq: int = 10
     enable_tensorboard: bool = True
-    peak_tflops: float = 989.0
+    peak_tflops: float = 0.0
     enable_wandb: bool = False
 
 
@@ -574,7 +575,8 @@ def validate(cfg: JobConfig) -> None:
            cfg.profiling.profile_freq)
     for key in ("save_traces_folder", "save_memory_snapshot_folder"):
         _check(getattr(cfg.profiling, key) != "", f"profiling.{key}", "must name a folder", "")
-    _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops", "must be > 0", cfg.metrics.peak_tflops)
+    _check(cfg.metrics.peak_tflops >= 0, "metrics.peak_tflops", "must be >= 0 (0: the device's, if known)",
+           cfg.metrics.peak_tflops)
     _check(not cfg.metrics.enable_wandb or importlib.util.find_spec("wandb") is not None, "metrics.enable_wandb",
            'needs wandb, an optional extra (pip install -e ".[wandb]")', cfg.metrics.enable_wandb)
     _check(cfg.validation.freq >= 0, "validation.freq", "must be >= 0", cfg.validation.freq)

@@ -8,6 +8,7 @@ import logging
 import re
 
 import pytest
+import torch
 
 from elr.config import load_config
 from elr.errors import DataError
@@ -16,21 +17,36 @@ from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, overrides, run
 
 STEP_LINE = re.compile(r"^step +\d+/\d+ \| loss [\d.]+ \((k\d [\d.]+ ?)+\) \| mean k [\d.]+ \| lr \S+ \| gnorm [\d.]+ \| "
-                       r"[\d,]+ tok/s \| mfu [\d.]+% \| mem [\d.]+ GiB \| elapsed \d+\w+ \| eta \d+\w+$")
+                       r"[\d,]+ tok/s \| mfu (?:[\d.]+%|n/a) \| mem [\d.]+ GiB \| elapsed \d+\w+ \| eta \d+\w+$")
 
 
 def test_step_lines_carry_elapsed_and_eta_and_the_config_is_printed(tmp_path, caplog):
+    dump = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="elr"):
-        run(tmp_path / "run", 4, "--metrics.log_freq", "2", "--lr_scheduler.warmup_steps", "9")
+        run(dump, 4, "--metrics.log_freq", "2", "--lr_scheduler.warmup_steps", "9", "--checkpoint.enable", "true",
+            "--metrics.enable_tensorboard", "true")
     messages = [r.getMessage() for r in caplog.records]
     lines = [m for m in messages if m.startswith("step ")]
     assert [m.split("|")[0].strip() for m in lines] == ["step 1/4", "step 2/4", "step 4/4"]
-    assert all(STEP_LINE.match(m) for m in lines), lines
+    assert all(STEP_LINE.match(m) and "| mfu n/a |" in m for m in lines), lines  # a CPU has no known peak
+    saved = [m for m in messages if m.startswith("checkpoint saved: ")]
+    assert len(saved) == 1 and re.fullmatch(rf"checkpoint saved: {re.escape(str(dump))}/checkpoint/step-4 "
+                                            r"\([\d.]+ MiB, [\d.]+ s\)", saved[0]), saved
+    assert messages[-1] == (f"finished at step 4/4; outputs: {dump}/metrics.jsonl, {dump}/config.json, "
+                            f"TensorBoard {dump}/tb, checkpoint {dump}/checkpoint/step-4")
     assert lines[-1].endswith("eta 0s")
     config = [m for m in messages if m.startswith("config (what differs from the defaults")]
     assert len(config) == 1 and "training.steps 4" in config[0] and "metrics.log_freq 2" in config[0]
     warned = [m for m in messages if "lr_scheduler.warmup_steps = 9 exceeds training.steps = 4" in m]
     assert len(warned) == 1
+
+
+def test_mfu_only_against_a_known_peak():
+    from elr.train.metrics import peak_tflops, throughput
+
+    assert peak_tflops(0.0, torch.device("cpu")) is None and peak_tflops(400.0, torch.device("cpu")) == 400.0
+    assert "throughput/mfu_pct" not in throughput(1000, 4e12, 2.0, 1, None)
+    assert throughput(1000, 4e12, 2.0, 1, 1.0)["throughput/mfu_pct"] == pytest.approx(200.0)
 
 
 def test_profiler_writes_a_trace_on_cpu(tmp_path):

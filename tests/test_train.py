@@ -28,8 +28,9 @@ def test_debug_job_writes_every_metric(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert math.isfinite(r["loss/train"]) and len(r["loops"]) == 1 and len(r["loops"][0]) == 2
-        for key in ("lr", "grad_norm", "loops/mean", "throughput/tokens_per_s", "throughput/mfu_pct", "memory/max_gib"):
+        for key in ("lr", "grad_norm", "loops/mean", "throughput/tokens_per_s", "memory/max_gib"):
             assert key in r, key
+        assert "throughput/mfu_pct" not in r  # no known peak on a CPU: no MFU rather than 0
         assert any(k.startswith("loss/k") for k in r)
     logged = [r for r in steps if r["step"] % 2 == 0]  # per-loop statistics on log steps
     assert all("loop1/update_norm" in r and "loop1/step_size_mean" in r and "loop1/film_gate_mean" in r for r in logged)

@@ -42,24 +42,52 @@ def setup_lines(cfg, model, dims, device: torch.device, n_micro: int, global_bat
     ]
 
 
+# Dense bf16 peak TFLOP/s per device, from the vendors' datasheets; the first name found in the device's
+# name wins (so "H100 PCIe" before "H100").
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "GH200": 989.0, "H200": 989.0, "H100": 989.0,
+               "A100": 312.0, "B200": 2250.0, "MI300X": 1307.0}
+
+
+def peak_tflops(configured: float, device: torch.device) -> float | None:
+    """The peak MFU is measured against: the configured one, else the device's from PEAK_TFLOPS; None
+    for a device without a known peak (a CPU), whose MFU is not reported rather than shown as 0."""
+    if configured > 0:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def outputs_line(dump_folder: Path, step: int, steps: int, tensorboard: bool, checkpoint: Path | None,
+                 export: Path | None = None) -> str:
+    """A run's last line: what it wrote and where, so the next command (generate, evaluate, plot) can start."""
+    outputs = [str(dump_folder / "metrics.jsonl"), str(dump_folder / "config.json")]
+    if tensorboard:
+        outputs.append(f"TensorBoard {dump_folder / 'tb'}")
+    outputs.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpoint.enable is false)")
+    if export:
+        outputs.append(f"export {export}")
+    return f"{'finished' if step >= steps else 'stopped'} at step {step}/{steps}; outputs: {', '.join(outputs)}"
+
+
 def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak_tflops: float) -> dict[str, float]:
-    """Tokens/s for the job and per device, and MFU per device.
+def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak_tflops: float | None) -> dict[str, float]:
+    """Tokens/s for the job and per device, and MFU per device (none without a known peak).
 
     `flops` is the model's work for all `tokens` (every slot at its own k). Each device does
     flops / n_devices of it: data-parallel ranks split the tokens, tensor-parallel ranks split each
     token's FLOPs (per device = model FLOPs / tp), so MFU is the same for any layout of n_devices.
     """
-    return {
-        "throughput/tokens_per_s": tokens / seconds,
-        "throughput/tokens_per_s_per_device": tokens / seconds / n_devices,
-        "throughput/mfu_pct": 100 * flops / n_devices / seconds / (peak_tflops * 1e12),
-    }
+    scalars = {"throughput/tokens_per_s": tokens / seconds, "throughput/tokens_per_s_per_device": tokens / seconds / n_devices}
+    if peak_tflops:
+        scalars["throughput/mfu_pct"] = 100 * flops / n_devices / seconds / (peak_tflops * 1e12)
+    return scalars
 
 
 class MetricsLogger:
@@ -163,8 +191,8 @@ class LogWindow:
         return {name: total / v[1] for (name, v), total in zip(self.loops.items(), sums)}
 
 
-def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, n_devices: int, peak_tflops: float,
-                 elapsed: float) -> str:
+def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, n_devices: int,
+                 peak_tflops: float | None, elapsed: float) -> str:
     """One readable line over the logging window: loss (token-weighted) per k, mean k, gradient norm,
     tokens/s and MFU are over every step since the previous line; lr is the logged step's, memory
     the peak so far; eta is the window's time per step x the steps left (validation not counted)."""
@@ -173,11 +201,11 @@ def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, 
     loss = (w[0].sum() / w[1].sum()).item()
     per_k = " ".join(f"k{k + 1} {(w[0, k] / w[1, k]).item():.4f}" for k in range(w.shape[1]) if seen[k])
     seconds = max(window.seconds, 1e-9)
-    mfu = 100 * window.flops / n_devices / seconds / (peak_tflops * 1e12)
+    mfu = f"{100 * window.flops / n_devices / seconds / (peak_tflops * 1e12):.2f}%" if peak_tflops else "n/a"
     eta = window.seconds / window.steps * (total - step)
     return (
         f"step {step:>{len(str(total))}}/{total} | loss {loss:.4f} ({per_k}) | "
         f"mean k {window.k_sum / window.k_count:.2f} | lr {s['lr']:.2e} | gnorm {window.grad_norm / window.steps:.3f} | "
-        f"{window.tokens / seconds:,.0f} tok/s | mfu {mfu:.2f}% | mem {s['memory/max_gib']:.2f} GiB | "
+        f"{window.tokens / seconds:,.0f} tok/s | mfu {mfu} | mem {s['memory/max_gib']:.2f} GiB | "
         f"elapsed {duration(elapsed)} | eta {duration(eta)}"
     )

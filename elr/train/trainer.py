@@ -38,7 +38,8 @@ from elr.train.data import build_task_loader, build_train_loader, check_tokenize
 from elr.train.data import microbatches
 from elr.train.loop_sampler import DepthSchedule
 from elr.train.loss import IGNORE_INDEX, model_loss
-from elr.train.metrics import LogWindow, MetricsLogger, console_line, memory_gib, setup_lines, throughput
+from elr.train.metrics import LogWindow, MetricsLogger, console_line, memory_gib, outputs_line, peak_tflops
+from elr.train.metrics import setup_lines, throughput
 from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
 from elr.train.optimizer import update_expert_biases
 from elr.train.profiling import Profiler
@@ -69,6 +70,7 @@ class Trainer:
         self.cfg = cfg
         t = cfg.training
         self.rank, self.world_size, self.device = init_distributed()
+        self.peak_tflops = peak_tflops(cfg.metrics.peak_tflops, self.device)  # None: MFU not reported
         p = cfg.parallelism
         self.dims = ParallelDims(
             p.data_parallel_replicate_degree, p.data_parallel_shard_degree, self.world_size,
@@ -440,7 +442,7 @@ class Trainer:
                     flops = sum(self.model.num_flops_per_token(t.seq_len, k, every_loop) for k in ks.flatten().tolist())
                     flops *= t.local_batch_size * t.seq_len
                     window.add(per_k, ks, scalars["grad_norm"], self.step_loop_stats, elapsed, tokens_per_update, flops)
-                    scalars.update(throughput(tokens_per_update, flops, elapsed, self.world_size, cfg.metrics.peak_tflops))
+                    scalars.update(throughput(tokens_per_update, flops, elapsed, self.world_size, self.peak_tflops))
                     scalars["memory/max_gib"] = memory_gib(self.device)
                     line = step % cfg.metrics.log_freq == 0 or step == 1 or step == t.steps
                     if line:  # per-loop statistics: the window's means, for every loop that ran in it
@@ -448,7 +450,7 @@ class Trainer:
                     self.metrics.log(step, scalars, {"loops": ks.tolist(), "tokens": self.tokens_seen})
                     if line:
                         logger.info(console_line(step, t.steps, scalars, window, self.world_size,
-                                                 cfg.metrics.peak_tflops, time.perf_counter() - session_start))
+                                                 self.peak_tflops, time.perf_counter() - session_start))
                         window.reset()
                     if self.config_pending:  # the resumed step ran with this config: now config.json says so
                         self._write_run_config()
@@ -467,16 +469,25 @@ class Trainer:
                                     else f"stopped at step {step} without saving (checkpoint.enable is false)")
                         break
                 self.checkpointer.wait()
+                export = None
                 if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
                     dtype = getattr(torch, cfg.checkpoint.export_dtype)
                     if cfg.checkpoint.export_format == "hf":
-                        path = self.checkpointer.export_hf(self.step, self.model, self.model_args, self.tokenizer, dtype)
+                        export = self.checkpointer.export_hf(self.step, self.model, self.model_args, self.tokenizer, dtype)
                     else:
-                        path = self.checkpointer.export_model(self.step, self.model, dtype)
+                        export = self.checkpointer.export_model(self.step, self.model, dtype)
                     logger.info(f"exported model weights ({cfg.checkpoint.export_dtype}, "
-                                f"{cfg.checkpoint.export_format}) to {path}")
+                                f"{cfg.checkpoint.export_format}) to {export}")
+                self._log_outputs(export)
         finally:
             self.metrics.close()
+
+    def _log_outputs(self, export: Path | None) -> None:
+        """The run's closing line: where its metrics, curves and last checkpoint are."""
+        latest = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
+        checkpoint = self.checkpointer.folder / f"step-{latest}" if latest is not None else None
+        logger.info(outputs_line(self.dump_folder, self.step, self.cfg.training.steps,
+                                 self.cfg.metrics.enable_tensorboard, checkpoint, export))
 
     def _log_validation(self, step: int) -> None:
         val = self.validate()
