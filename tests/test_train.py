@@ -1,6 +1,7 @@
 """End-to-end training on the bundled data: metrics, accumulation, exact resume, the late switch,
 bad numbers and preemption."""
 
+import json
 import logging
 import math
 import signal
@@ -40,6 +41,13 @@ def test_debug_job_writes_every_metric(tmp_path):
     assert all(set(r) >= {"val/loss_k1", "val/loss_k2", "val/loss_k3"} for r in vals)
     assert list((dump / "tb").glob("events.out.tfevents.*"))
     assert (dump / "config.json").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(dump / "tb"))
+    events.Reload()
+    text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert json.loads(text.strip("`\n"))["training"]["steps"] == 4  # the run's config, as text
+    assert set(events.PluginTagToContent("hparams")) >= {"_hparams_/experiment", "_hparams_/session_start_info"}
 
 
 def test_gradient_accumulation_equals_one_large_microbatch(tmp_path):

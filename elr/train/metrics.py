@@ -112,6 +112,8 @@ class MetricsLogger:
 
             # one run in TensorBoard: events at or past the next step (a killed run's) are purged
             self.writer = SummaryWriter(str(dump_folder / "tb"), purge_step=start_step + 1 if start_step else 0)
+            if config is not None and not start_step:  # a resume keeps the fresh run's record
+                record_config(self.writer, config)
         if enable_wandb:
             self.wandb = _wandb_run(dump_folder, config)
 
@@ -133,6 +135,20 @@ class MetricsLogger:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def record_config(writer, config: dict) -> None:
+    """The run's config in TensorBoard: the whole of it as text (TEXT tab), and its keys as hparams
+    (HPARAMS tab, runs compared by their settings against their training and validation loss)."""
+    from torch.utils.tensorboard.summary import hparams
+
+    writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
+    flat = {f"{section}.{key}": value if isinstance(value, (int, float, str, bool)) else str(value)
+            for section, keys in config.items() if isinstance(keys, dict) for key, value in keys.items()}
+    max_loops = config.get("elr", {}).get("max_loops", 1)
+    metrics = {"loss/train": 0.0, **{f"val/loss_k{k}": 0.0 for k in range(1, max_loops + 1)}}  # names only
+    for summary in hparams(flat, metrics):
+        writer.file_writer.add_summary(summary)
 
 
 def _wandb_run(dump_folder: Path, config: dict | None):
