@@ -102,3 +102,6 @@ def test_plot_loops_draws_a_runs_metrics(tmp_path, monkeypatch):
     spec.loader.exec_module(script)
     assert script.main([str(dump / "metrics.jsonl"), "--out-dir", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "metrics_over_steps.png").stat().st_size > 1000
+    fig = script.metrics_figure([json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()])
+    scales = {ax.get_title(): ax.get_yscale() for ax in fig.axes}
+    assert scales["update norm per loop"] == "log" and scales["training loss per k"] == "linear"
