@@ -105,3 +105,19 @@ def test_plot_loops_draws_a_runs_metrics(tmp_path, monkeypatch):
     fig = script.metrics_figure([json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()])
     scales = {ax.get_title(): ax.get_yscale() for ax in fig.axes}
     assert scales["update norm per loop"] == "log" and scales["training loss per k"] == "linear"
+
+
+def test_importing_transformers_beside_torchao_prints_nothing():
+    """torchao's optional-kernel and pytree-deprecation lines are dropped by their text; others pass."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    from trainer_utils import ROOT
+
+    code = ("import elr, logging, transformers.modeling_utils, sys; assert 'torchao' in sys.modules; "
+            "logging.getLogger('torchao').warning('Failed to load something else')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "Failed to load something else", result.stderr
