@@ -199,6 +199,12 @@ def test_debug_config_learns_real_text(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     val = [r["val/loss_k1"] for r in records(dump) if "val/loss_k1" in r]
     assert val[-1] <= 0.7 * val[0], val
+    # the README's next step works at once: the last step is saved (and only it is kept)
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-150"]
+    generate = subprocess.run([sys.executable, "scripts/generate.py", "--checkpoint", str(dump / "checkpoint" / "step-150"),
+                               "--prompt", "The king said", "--max-new-tokens", "4"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert generate.returncode == 0 and generate.stdout.strip(), generate.stderr[-3000:]
 
 
 @pytest.mark.parametrize("coeff", [0.0, 0.5])
