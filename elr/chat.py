@@ -20,7 +20,7 @@ from __future__ import annotations
 from elr.errors import DataError
 from elr.tokenizer import EOT, Tokenizer
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 # Jinja (Hugging Face's tokenizer.chat_template); `render` below is the same text, a test holds it.
 # No newline follows a block tag, so Hugging Face's trim_blocks / lstrip_blocks render it the same.
@@ -51,14 +51,17 @@ def check_messages(messages, where: str, need_assistant: bool = True) -> list[di
     return messages
 
 
-def _pieces(messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, bool, bool]]:
-    """The rendering as (text, scored, special) pieces; special: the <|endoftext|> token itself."""
+def _pieces(messages: list[dict], add_generation_prompt: bool,
+            trained: list[bool] | None = None) -> list[tuple[str, bool, bool]]:
+    """The rendering as (text, scored, special) pieces; special: the <|endoftext|> token itself.
+    `trained[i]` false: message i is context even when it is the assistant's (a prompt's turns)."""
     pieces = [(EOT, False, True)]
-    for m in messages:
+    for i, m in enumerate(messages):
         assistant = m["role"] == "assistant"
-        pieces += [(f"<|{m['role']}|>\n", False, False), (m["content"], assistant, False)]
+        scored = assistant and (trained is None or trained[i])
+        pieces += [(f"<|{m['role']}|>\n", False, False), (m["content"], scored, False)]
         if assistant:
-            pieces.append((EOT, True, True))
+            pieces.append((EOT, scored, True))
         pieces.append(("\n", False, False))
     if add_generation_prompt:
         pieces.append(("<|assistant|>\n", False, False))
@@ -70,9 +73,10 @@ def render(messages: list[dict], add_generation_prompt: bool = False) -> str:
     return "".join(text for text, _, _ in _pieces(messages, add_generation_prompt))
 
 
-def encode_conversation(messages: list[dict], tokenizer: Tokenizer,
-                        add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
-    """Token ids of `render(messages)` and, per token, whether the loss scores it (see the top).
+def encode_conversation(messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False,
+                        trained: list[bool] | None = None) -> tuple[list[int], list[bool]]:
+    """Token ids of `render(messages)` and, per token, whether the loss scores it (see the top; `trained`:
+    per message, false for an assistant turn that is context, elr/chat_formats.py).
 
     The text between special tokens is encoded whole (so ids equal a tokenizer's encoding of the
     rendered string), and a token is scored when its first byte lies in a scored piece."""
@@ -95,7 +99,7 @@ def encode_conversation(messages: list[dict], tokenizer: Tokenizer,
             position += len(tokenizer.encoding.decode_single_token_bytes(token))
         run.clear()
 
-    for text, s, special in _pieces(messages, add_generation_prompt):
+    for text, s, special in _pieces(messages, add_generation_prompt, trained):
         if special:
             flush()
             ids.append(tokenizer.eot_id)

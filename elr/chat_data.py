@@ -1,9 +1,10 @@
-"""Conversation data on disk: JSONL in, token / scored-flag / offset files out, padded rows back.
+"""Conversation data on disk: JSONL in (the shapes of elr/chat_formats.py), token / scored-flag /
+offset files out, padded rows back.
 
 A prepared chat folder (scripts/prepare_data.py --format chat) holds, per split (train, val):
 
     {split}.bin          every conversation's token ids (elr/chat.py's template), one after another
-    {split}.mask.bin     uint8, 1 where the token is scored (assistant content and its <|endoftext|>)
+    {split}.mask.bin     uint8, 1 where the token is scored (a trained assistant turn and its <|endoftext|>)
     {split}.offsets.bin  int64, the N + 1 starts of the N conversations in {split}.bin
     meta.json            "format": "chat", counts, the longest conversation and where it came from
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from elr.chat import check_messages, encode_conversation
+from elr.chat_formats import read_record
 from elr.errors import DataError
 from elr.tokenizer import Tokenizer, file_sha256
 
@@ -35,8 +37,9 @@ SPLITS = ("train", "val")
 FILES = {"tokens": ".bin", "mask": ".mask.bin", "offsets": ".offsets.bin"}
 
 
-def read_conversations(path: Path) -> Iterator[tuple[list[dict], str]]:
-    """(messages, "file:line") for each non-blank line of a JSONL file; one DataError per bad line."""
+def read_conversations(path: Path) -> Iterator[tuple[list[dict], list[bool], str]]:
+    """(messages, per message whether it trains, "file:line") for each non-blank line of a JSONL file, in
+    any shape elr/chat_formats.py reads; one DataError per bad line."""
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -47,9 +50,8 @@ def read_conversations(path: Path) -> Iterator[tuple[list[dict], str]]:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}: not valid JSON ({e})") from None
-                if not isinstance(record, dict) or "messages" not in record:
-                    raise DataError(f"{where}: expected an object with a \"messages\" list")
-                yield check_messages(record["messages"], where), where
+                messages, trained = read_record(record, where)
+                yield check_messages(messages, where), trained, where
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e})") from None
 
@@ -71,8 +73,8 @@ def prepare_chat(files: list[Path], tokenizer: Tokenizer, tokenizer_path: str, o
     counts = {s: {"conversations": 0, "tokens": 0, "scored_tokens": 0, "longest": 0, "longest_at": ""}
               for s in SPLITS}
     for path in files:
-        for messages, where in read_conversations(path):
-            ids, scored = encode_conversation(messages, tokenizer)
+        for messages, trained, where in read_conversations(path):
+            ids, scored = encode_conversation(messages, tokenizer, trained=trained)
             if max_tokens and len(ids) > max_tokens:
                 raise DataError(f"{where}: the conversation is {len(ids)} tokens, more than --max-tokens "
                                 f"{max_tokens} (conversations are never cut; shorten it or raise the limit)")

@@ -13,7 +13,8 @@ from pathlib import Path
 import tomli
 
 from elr.config_checks import switch_step, validate  # switch_step: part of this module's API
-from elr.config_keys import apply_tables, key_type, parse_overrides, set_key
+from elr.config_keys import apply_tables, check_key, key_type, parse_overrides, set_key
+from elr.dump_folder import default_dump_folder
 from elr.errors import ConfigError
 from elr.recurrence_options import RecurrenceOptions
 
@@ -23,14 +24,19 @@ class Job:
     """[job]: what each key means (the README table and --help are made from these lines).
 
     description: free text, saved with the run
-    dump_folder: metrics.jsonl, TensorBoard (`tb/`), checkpoints and config.json go here; a folder holding a run is
-        continued from its checkpoint (same model, tokenizer and data) or refused, never silently restarted
+    dump_folder: metrics.jsonl, TensorBoard (`tb/`), checkpoints and config.json go here; empty: `outputs/<run_name>`,
+        or `outputs/<config file name>` plus `-<data folder>` (or `-<task>`) when the command line changes the data
+        (elr/dump_folder.py); a folder holding a run is continued from its checkpoint (same model, tokenizer and data)
+        or refused, never silently restarted
+    run_name: names the default dump folder `outputs/<run_name>` (a second run of one config and data beside the
+        first); empty: the config file's name; not with `dump_folder` set
     start_over: start a new run in a dump folder that holds one: its checkpoints, metrics.jsonl, config.json and `tb/`
         are set aside as `<name>.abandoned-<time>` (never deleted)
     """
 
     description: str = ""
-    dump_folder: str = "outputs/debug"
+    dump_folder: str = ""
+    run_name: str = ""
     start_over: bool = False
 
 
@@ -243,14 +249,15 @@ class Metrics:
     log_freq: steps between console lines; the line's loss per k, mean k, gnorm, tok/s and MFU, and the per-loop
         statistics in metrics.jsonl, are over every step since the previous line
     enable_tensorboard: write TensorBoard scalars under `dump_folder/tb`
-    peak_tflops: per-device peak for MFU (H100/H200 dense bf16)
+    peak_tflops: per-device peak TFLOP/s for MFU; 0: the device's dense bf16 peak when it is a GPU of the table in
+        elr/train/metrics.py (H100, H200, A100, B200, MI300X, ...), else MFU is not reported (`mfu n/a`: on a CPU)
     enable_wandb: also log the scalars to Weights & Biases (`pip install -e ".[wandb]"`), into `dump_folder/wandb`,
         offline unless `WANDB_MODE` says otherwise; one run per dump folder, resumed with it
     """
 
     log_freq: int = 10
     enable_tensorboard: bool = True
-    peak_tflops: float = 989.0
+    peak_tflops: float = 0.0
     enable_wandb: bool = False
 
 
@@ -380,8 +387,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomli.TOMLDecodeError as e:
             raise ConfigError(f"--config: {path} is not valid TOML ({e})") from None
         apply_tables(cfg, raw)
-    for key, value in parse_overrides(overrides or [], is_flag=lambda key: key_type(cfg, key) is bool):
+    file_data = dataclasses.replace(cfg.data)  # the data the config file names, for the dump folder's name
+    for key, value in parse_overrides(overrides or [], is_flag=lambda key: key_type(cfg, key) is bool,
+                                      check=lambda key: check_key(cfg, key)):
         set_key(cfg, key, value)
+    if cfg.job.dump_folder and cfg.job.run_name:
+        raise ConfigError("job.run_name: names the default dump folder, and job.dump_folder is set (set one of them)")
+    if not cfg.job.dump_folder:
+        cfg.job.dump_folder = default_dump_folder(cfg.job, cfg.data, path, file_data)
     resolve_bundled_paths(cfg)
     validate(cfg)
     return cfg

@@ -147,7 +147,8 @@ def validate(cfg: JobConfig) -> None:
            cfg.profiling.profile_freq)
     for key in ("save_traces_folder", "save_memory_snapshot_folder"):
         _check(getattr(cfg.profiling, key) != "", f"profiling.{key}", "must name a folder", "")
-    _check(cfg.metrics.peak_tflops > 0, "metrics.peak_tflops", "must be > 0", cfg.metrics.peak_tflops)
+    _check(cfg.metrics.peak_tflops >= 0, "metrics.peak_tflops", "must be >= 0 (0: the device's, if known)",
+           cfg.metrics.peak_tflops)
     _check(not cfg.metrics.enable_wandb or importlib.util.find_spec("wandb") is not None, "metrics.enable_wandb",
            'needs wandb, an optional extra (pip install -e ".[wandb]")', cfg.metrics.enable_wandb)
     _check(cfg.validation.freq >= 0, "validation.freq", "must be >= 0", cfg.validation.freq)

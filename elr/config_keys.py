@@ -10,6 +10,7 @@ defaults and the checks of their values; this is the mechanism that fills them.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 
 from elr.errors import ConfigError
@@ -57,22 +58,41 @@ def key_type(cfg, key: str):
     return typing.get_type_hints(type(section)).get(name)
 
 
+def check_key(cfg, key: str) -> type:
+    """The annotated type of "section.name"; an unknown section or key is one ConfigError naming it,
+    with the nearest spelling that exists ("did you mean ...?")."""
+    key = key.replace("-", "_")
+    section_name, _, name = key.partition(".")
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    if section_name not in sections:
+        raise ConfigError(f"{key}: unknown section {section_name!r}{_did_you_mean(section_name, sections)}")
+    hints = typing.get_type_hints(type(getattr(cfg, section_name)))
+    if not name:
+        raise ConfigError(f"{key}: a section, not a key (expected {section_name}.<key>)")
+    if name not in hints:
+        elsewhere = [f"{s}.{name}" for s in sections if name in typing.get_type_hints(type(getattr(cfg, s)))]
+        hint = f", did you mean {elsewhere[0]!r}?" if elsewhere else _did_you_mean(name, list(hints))
+        raise ConfigError(f"{key}: unknown key {name!r} in [{section_name}]{hint}")
+    return hints[name]
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f", did you mean {close[0]!r}?" if close else ""
+
+
 def set_key(cfg, key: str, value) -> None:
     """cfg.<section>.<name> = value for key "section.name", checked against the field's type."""
     key = key.replace("-", "_")
+    typ = check_key(cfg, key)
     section_name, _, name = key.partition(".")
-    section = getattr(cfg, section_name, None)
-    if section is None or not dataclasses.is_dataclass(section) or not name:
-        raise ConfigError(f"{key}: unknown config section {section_name!r}")
-    hints = typing.get_type_hints(type(section))
-    if name not in hints:
-        raise ConfigError(f"{key}: unknown key in [{section_name}]")
-    setattr(section, name, coerce(key, value, hints[name]))
+    setattr(getattr(cfg, section_name), name, coerce(key, value, typ))
 
 
-def parse_overrides(overrides: list[str], is_flag=lambda key: False) -> list[tuple[str, str]]:
+def parse_overrides(overrides: list[str], is_flag=lambda key: False, check=lambda key: None) -> list[tuple[str, str]]:
     """["--section.key", "value", "--other.key=value", "--flag", ...] -> [(key, value), ...];
-    `is_flag(key)`: a boolean key, true when given without a value."""
+    `is_flag(key)`: a boolean key, true when given without a value; `check(key)` raises for an unknown
+    key before its value is looked for (a misspelt flag is "unknown", not "missing value")."""
     pairs, i = [], 0
     while i < len(overrides):
         arg = overrides[i]
@@ -80,6 +100,7 @@ def parse_overrides(overrides: list[str], is_flag=lambda key: False) -> list[tup
             raise ConfigError(f"{arg}: expected --section.key value")
         key, eq, value = arg[2:].partition("=")
         key = key.replace("-", "_")
+        check(key)
         if not eq:
             bare = i + 1 >= len(overrides) or (overrides[i + 1].startswith("--") and not _is_number(overrides[i + 1]))
             if bare and is_flag(key):

@@ -18,6 +18,15 @@ def duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+def size(n_bytes: float) -> str:
+    """512 B, 43.1 MiB, 7.6 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n_bytes < 1024 or unit == "GiB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1024
+    return ""
+
+
 class Progress:
     """`with Progress("evaluate", total, "batches") as p: ... p.update()`; total may be None (unknown)."""
 

@@ -26,8 +26,10 @@ train. Train parts are written in input order (the loader shuffles windows); val
 in memory and written in the order of a hash of their document's text, so that the first windows
 of val.bin (which validation reads) mix the sources, and val.bin does not depend on input order.
 
---format chat reads .jsonl conversations ({"messages": [{"role": "system|user|assistant",
-"content": ...}, ...]}, one per line), renders them with elr/chat.py's template and writes token,
+--format chat reads .jsonl conversations, one per line: {"messages": [{"role": "system|user|assistant|tool",
+"content": ...}, ...]}, ShareGPT {"conversations": [{"from": "human|gpt|...", "value": ...}]} or
+{"prompt": ..., "completion": ...} (strings, or lists of messages), with tool calls (elr/chat_formats.py:
+the shapes, and which turns train); renders them with elr/chat.py's template and writes token,
 scored-flag and offset files per split (elr/chat_data.py; split by a hash of each conversation);
 --max-tokens refuses a conversation longer than the training row (seq_len + 1), naming its line.
 
@@ -307,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of documents (document split) or of each document's tokens (tail split) for val")
     parser.add_argument("--text-field", default="text", help="JSON field of .jsonl documents")
     parser.add_argument("--format", choices=("text", "chat"), default="text",
-                        help="text: documents (above); chat: .jsonl conversations, loss on the assistant turns")
+                        help="text: documents (above); chat: .jsonl conversations (messages, ShareGPT, prompt/completion), "
+                             "loss on the assistant turns")
     parser.add_argument("--max-tokens", type=int, default=0,
                         help="chat: refuse a conversation longer than this (training.seq_len + 1; 0: no limit)")
     args = parser.parse_args(argv)

@@ -129,7 +129,7 @@ def test_chat_stream_resumes_and_reshards_exactly(tmp_path, tok):
 
 BAD = [
     ("{not json", "not valid JSON"),
-    (json.dumps({"text": "hi"}), "\"messages\" list"),
+    (json.dumps({"text": "hi"}), "not a conversation of a known shape (keys: text)"),
     (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "unknown role 'robot'"),
     (json.dumps({"messages": [{"role": "user", "content": "only a question"}]}), "no assistant turn"),
     (json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}),

@@ -1,6 +1,7 @@
 """Config: TOML + CLI precedence, and one clear error naming the key for every kind of bad input."""
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ def write(tmp_path, text):
 
 
 def test_defaults_without_a_file():
-    assert load_config() == JobConfig()
+    expected = JobConfig()
+    expected.job.dump_folder = "outputs/default"  # derived: no config file, its data
+    assert load_config() == expected
 
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
@@ -156,6 +159,53 @@ def test_torchtitan_spellings_bare_booleans_dashes_and_lists():
     assert load_config(None, ["--checkpoint.enable", "false"]).checkpoint.enable is False
     with pytest.raises(ConfigError, match="^training.steps: expected an integer"):
         load_config(None, ["--training.steps", "--checkpoint.enable"])  # only a boolean may be bare
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--chekpoint.enable"], "chekpoint.enable: unknown section 'chekpoint', did you mean 'checkpoint'?"),
+    (["--checkpoint.intervall", "3"], "checkpoint.intervall: unknown key 'intervall' in [checkpoint], did you mean "
+                                      "'interval'?"),
+    (["--training.lr", "1e-3"], "training.lr: unknown key 'lr' in [training], did you mean 'optimizer.lr'?"),
+    (["--checkpoint"], "checkpoint: a section, not a key"),
+    (["--zzz.enable", "true"], "zzz.enable: unknown section 'zzz'"),
+])
+def test_a_misspelt_flag_is_unknown_with_the_nearest_spelling(overrides, message):
+    """Not "missing value" for a bare misspelt boolean: the key is checked before its value is looked for."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_misspelt_toml_section_or_key_gets_the_nearest_spelling(tmp_path):
+    with pytest.raises(ConfigError, match=r"^trainng.steps: unknown section 'trainng', did you mean 'training'\?"):
+        load_config(write(tmp_path, "[trainng]\nsteps = 1\n"))
+    with pytest.raises(ConfigError, match=r"^metrics.log_frq: .* did you mean 'log_freq'\?"):
+        load_config(write(tmp_path, "[metrics]\nlog_frq = 1\n"))
+
+
+def test_the_readme_commands_write_separate_dump_folders(monkeypatch):
+    """Quick start, own data and SFT, one after another: three folders, and the same command finds its own."""
+    monkeypatch.chdir(ROOT)
+    configs = ROOT / "train_configs"
+    quick = load_config(configs / "debug.toml").job.dump_folder
+    own = load_config(configs / "debug.toml", ["--data.path", "data/mycorpus"]).job.dump_folder
+    sft = load_config(configs / "sft_debug.toml").job.dump_folder
+    assert (quick, own, sft) == ("outputs/debug", "outputs/debug-mycorpus", "outputs/sft_debug")
+    assert load_config(configs / "debug.toml", ["--data.path", "data/tinyprose/"]).job.dump_folder == quick  # its own
+    assert load_config(configs / "debug.toml", ["--data.task", "var_chain"]).job.dump_folder == "outputs/debug-var_chain"
+    assert load_config(configs / "debug.toml", ["--job.run_name", "try2"]).job.dump_folder == "outputs/try2"
+    assert load_config(configs / "debug.toml", ["--job.dump_folder", "x/y"]).job.dump_folder == "x/y"
+    # the SFT config starts from the quick start's folder
+    assert load_config(configs / "sft_debug.toml").checkpoint.initial_load_path == f"{quick}/checkpoint"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--job.run_name", "../up"], "job.run_name: must be a folder name"),
+    (["--job.run_name", "a", "--job.dump_folder", "b"], "job.run_name: names the default dump folder"),
+])
+def test_run_name_is_a_folder_name_and_not_beside_dump_folder(overrides, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        load_config(None, overrides)
 
 
 def test_job_config_file_is_an_alias_of_config(tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ LAYERS = {
     "kernels": 0,
     "elr.errors": 1, "elr.config": 1, "elr.config_checks": 1, "elr.config_keys": 1, "elr.config_help": 1,
     "elr.recurrence_options": 1, "elr.tasks": 1, "elr.tokenizer": 1,
-    "elr.progress": 1, "elr.chat": 1, "elr.chat_data": 1,
+    "elr.progress": 1, "elr.chat": 1, "elr.chat_data": 1, "elr.chat_formats": 1, "elr.dump_folder": 1,
+    "elr.quiet_logs": 1,
     "elr.models": 2,
     # interop (the Hugging Face export format) sits beside checkpoint: training writes and reads it,
     # inference reads it, and it needs only the models below

@@ -30,13 +30,25 @@ def test_weight_decay_only_on_matrices_outside_norms_embeddings_and_elr_gates():
 def test_schedule_warms_up_peaks_and_ends_at_the_minimum(decay_type):
     cfg = LRScheduler(warmup_steps=10, decay_type=decay_type, decay_fraction=0.2, min_lr_ratio=0.01)
     total = 100
-    lrs = [lr_lambda(step, cfg, total) for step in range(total + 1)]
+    lrs = [lr_lambda(step, cfg, total) for step in range(total)]  # the counts updates 1..total use
     assert lrs[0] == pytest.approx(1 / 11) and max(lrs) == pytest.approx(1.0)
     assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))  # warmup rises
-    assert lrs[total] == pytest.approx(0.01)
+    assert lrs[total - 1] == pytest.approx(0.01) and lrs[total - 2] > 0.01 + 1e-6  # the last update at the minimum
     assert all(a >= b - 1e-12 for a, b in zip(lrs[10:], lrs[11:]))  # never rises after warmup
     if decay_type == "wsd":
-        assert lrs[10:80] == [1.0] * 70 and lrs[90] == pytest.approx(1 - 0.99 * 0.5)
+        assert lrs[10:80] == [1.0] * 70 and lrs[80] == 1.0 and lrs[99] == pytest.approx(0.01)
+
+
+def test_the_last_update_of_a_run_uses_the_minimum_lr():
+    """What the trainer does: each update reads the scheduler's lr, then steps it."""
+    opt = build_optimizer(build_model(flavors["task_gpt"]), Optimizer(lr=1e-2))  # the model declares its roles
+    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=2, min_lr_ratio=0.1), total_steps=10)
+    seen = []
+    for _ in range(10):
+        seen.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert seen[-1] == pytest.approx(1e-3) and min(seen[:-1]) > 1e-3
 
 
 def test_scheduler_drives_the_optimizer_lr():

@@ -138,7 +138,7 @@ TASK_JOB = ["--data.task", "pointer_chase", "--data.task_items", "8", "--data.ta
             "--training.seq_len", "11", "--model.flavor", "study_gpt", "--elr.max_loops", "2",
             "--training.local_batch_size", "4", "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2",
             "--validation.steps", "2", "--validation.freq", "3", "--metrics.enable_tensorboard", "false",
-            "--metrics.log_freq", "1"]
+            "--metrics.log_freq", "1", "--checkpoint.enable", "false"]
 
 
 def test_trainer_on_a_task_scores_answers_only_and_reports_accuracy(tmp_path):

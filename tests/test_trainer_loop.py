@@ -48,7 +48,7 @@ def stats(k: int, norm: float) -> StepStats:
 
 def test_the_reporter_owns_the_window_flops_and_the_console_line(caplog):
     cfg = load_config(None, ["--metrics.log_freq", "2", "--training.steps", "5", "--training.seq_len", "4",
-                             "--training.local_batch_size", "1"])
+                             "--training.local_batch_size", "1", "--metrics.peak_tflops", "989"])
     metrics = Recorder()
     reporter = StepReporter(cfg, metrics, world_size=1, device=torch.device("cpu"), tokens_per_update=4)
     with caplog.at_level(logging.INFO, logger="elr"):

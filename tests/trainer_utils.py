@@ -15,8 +15,10 @@ from elr.train.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = ROOT / "train_configs" / "debug.toml"
 
-# Seconds per run on a 2-core CPU: 32-token windows, two slots of two sequences per update.
+# Seconds per run on a 2-core CPU: 32-token windows, two slots of two sequences per update. Checkpoints
+# as the defaults have them (off, every 500 steps, the newest 3), not as the quick start saves its weights.
 TINY = [
+    "--checkpoint.enable", "false", "--checkpoint.interval", "500", "--checkpoint.keep_latest_k", "3",
     "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
     "--lr_scheduler.warmup_steps", "2", "--validation.steps", "1", "--validation.freq", "0",
     "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",

@@ -87,6 +87,12 @@ class ELRHarnessModel(LM):
 
 
 if __name__ == "__main__":  # lm-eval's own command line, with the model "elr" registered
+    import sys
+
     from lm_eval.__main__ import cli_evaluate
 
+    from elr.infer.lm_eval_bos import missing_bos_warning
+
+    if warning := missing_bos_warning(sys.argv[1:]):
+        print(warning, file=sys.stderr)
     cli_evaluate()

@@ -57,6 +57,7 @@ from elr.checkpoint import split_state, step_folders, tensor_writer, write_marke
 from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir
 from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.interop import write_export
+from elr.progress import size
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class CheckpointManager:
         state is copied to host memory; the commit then happens at the next save/wait/load.
         Refuses (CheckpointError, nothing written) when the disk lacks the room the save needs."""
         self.wait()  # one save in flight at a time
+        self._save_started = time.perf_counter()
         tmp = self.folder / f"step-{step}.tmp"
         if self._rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -163,6 +165,7 @@ class CheckpointManager:
             for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k:]:
                 if made_here(self.folder / f"step-{old}"):
                     shutil.rmtree(self.folder / f"step-{old}")
+        logger.info(saved_line(self.folder / f"step-{step}", time.perf_counter() - self._save_started))
 
     def _seal(self, tmp: Path, step: int) -> None:
         """config.json, then the hashes of every file (split over the ranks), then the marker."""
@@ -422,6 +425,12 @@ class CheckpointManager:
         """SHA-256 of `names`, each rank hashing every world-th file; every rank gets them all."""
         mine = hash_files(folder, names[self._rank :: self._world])
         return {k: v for part in self._gather(mine) for k, v in part.items()}
+
+
+def saved_line(folder: Path, seconds: float) -> str:
+    """What a save says once committed: where, how big, how long (async: from the save's start)."""
+    n_bytes = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    return f"checkpoint saved: {folder} ({size(n_bytes)}, {seconds:.1f} s)"
 
 
 def _space_problem(folder: Path, step: int, needed: int, free: int) -> str | None:

@@ -52,6 +52,35 @@ def log_setup(cfg: JobConfig, model, dims, device: torch.device, n_micro: int, g
                        "learning rate never reaches optimizer.lr")
 
 
+# Dense bf16 peak TFLOP/s per device, from the vendors' datasheets; the first name found in the device's
+# name wins (so "H100 PCIe" before "H100").
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "GH200": 989.0, "H200": 989.0, "H100": 989.0,
+               "A100": 312.0, "B200": 2250.0, "MI300X": 1307.0}
+
+
+def peak_tflops(configured: float, device: torch.device) -> float | None:
+    """The peak MFU is measured against: the configured one, else the device's from PEAK_TFLOPS; None
+    for a device without a known peak (a CPU), whose MFU is not reported rather than shown as 0."""
+    if configured > 0:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def outputs_line(dump_folder: Path, step: int, steps: int, tensorboard: bool, checkpoint: Path | None,
+                 export: Path | None = None) -> str:
+    """A run's last line: what it wrote and where, so the next command (generate, evaluate, plot) can start."""
+    outputs = [str(dump_folder / "metrics.jsonl"), str(dump_folder / "config.json")]
+    if tensorboard:
+        outputs.append(f"TensorBoard {dump_folder / 'tb'}")
+    outputs.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpoint.enable is false)")
+    if export:
+        outputs.append(f"export {export}")
+    return f"{'finished' if step >= steps else 'stopped'} at step {step}/{steps}; outputs: {', '.join(outputs)}"
+
+
 class MetricsLogger:
     """Writes only on rank 0; every rank may call it. `start_step`: the step this session resumes
     from (0: a fresh run), whose later records a killed run may have left behind."""
@@ -74,6 +103,8 @@ class MetricsLogger:
 
             # one run in TensorBoard: events at or past the next step (a killed run's) are purged
             self.writer = SummaryWriter(str(dump_folder / "tb"), purge_step=start_step + 1 if start_step else 0)
+            if config is not None and not start_step:  # a resume keeps the fresh run's record
+                record_config(self.writer, config)
         if enable_wandb:
             self.wandb = _wandb_run(dump_folder, config)
 
@@ -95,6 +126,20 @@ class MetricsLogger:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def record_config(writer, config: dict) -> None:
+    """The run's config in TensorBoard: the whole of it as text (TEXT tab), and its keys as hparams
+    (HPARAMS tab, runs compared by their settings against their training and validation loss)."""
+    from torch.utils.tensorboard.summary import hparams
+
+    writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
+    flat = {f"{section}.{key}": value if isinstance(value, (int, float, str, bool)) else str(value)
+            for section, keys in config.items() if isinstance(keys, dict) for key, value in keys.items()}
+    max_loops = config.get("elr", {}).get("max_loops", 1)
+    metrics = {"loss/train": 0.0, **{f"val/loss_k{k}": 0.0 for k in range(1, max_loops + 1)}}  # names only
+    for summary in hparams(flat, metrics):
+        writer.file_writer.add_summary(summary)
 
 
 def _wandb_run(dump_folder: Path, config: dict | None):

@@ -167,18 +167,19 @@ def update_expert_biases(moes: list[MoE], rate: float) -> dict[str, float]:
 
 
 def lr_lambda(step: int, cfg: LRScheduler, total_steps: int) -> float:
-    """Multiplier of the peak lr after `step` optimizer updates (the scheduler's internal count)."""
-    warmup = cfg.warmup_steps
+    """Multiplier of the peak lr after `step` optimizer updates (the scheduler's internal count): update
+    n of a run uses step n - 1, so the last update, step total_steps - 1, is the one at the minimum."""
+    warmup, last = cfg.warmup_steps, total_steps - 1
     if step < warmup:
         return (step + 1) / (warmup + 1)
     if cfg.decay_type == "cosine":
-        progress = (step - warmup) / max(1, total_steps - warmup)
+        progress = (step - warmup) / max(1, last - warmup)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     decay_steps = max(1, round(cfg.decay_fraction * total_steps))
     decay_start = max(warmup, total_steps - decay_steps)
     if step < decay_start:
         return 1.0
-    progress = (step - decay_start) / max(1, total_steps - decay_start)
+    progress = (step - decay_start) / max(1, last - decay_start)
     return 1.0 - (1 - cfg.min_lr_ratio) * min(progress, 1.0)
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from elr.config import JobConfig
 from elr.progress import duration
-from elr.train.metrics import MetricsLogger
+from elr.train.metrics import MetricsLogger, peak_tflops
 from elr.train.stragglers import measured_wait
 
 logger = logging.getLogger("elr")
@@ -46,6 +46,7 @@ class StepReporter:
         switch rebuilds the model), whose times are gathered over the ranks at each console line."""
         self.cfg, self.metrics, self.world_size, self.device = cfg, metrics, world_size, device
         self.loop_timer = loop_timer
+        self.peak_tflops = peak_tflops(cfg.metrics.peak_tflops, device)  # None: MFU not reported (a CPU)
         self.tokens_per_update = tokens_per_update
         self.window = LogWindow()
         self.session_start = time.perf_counter()
@@ -57,7 +58,7 @@ class StepReporter:
         flops *= t.local_batch_size * t.seq_len
         self.window.add(stats, seconds, self.tokens_per_update, flops)
         scalars = stats.scalars
-        scalars.update(throughput(self.tokens_per_update, flops, seconds, self.world_size, m.peak_tflops))
+        scalars.update(throughput(self.tokens_per_update, flops, seconds, self.world_size, self.peak_tflops))
         scalars["memory/max_gib"] = memory_gib(self.device)
         line = step % m.log_freq == 0 or step == 1 or step == t.steps
         if line:  # per-loop statistics: the window's means, for every loop that ran in it
@@ -70,7 +71,7 @@ class StepReporter:
                     scalars.update({f"loops/{name}": value for name, value in waits.items()})
         self.metrics.log(step, scalars, {"loops": stats.ks.tolist(), "tokens": tokens_seen})
         if line:
-            logger.info(console_line(step, t.steps, scalars, self.window, self.world_size, m.peak_tflops,
+            logger.info(console_line(step, t.steps, scalars, self.window, self.world_size, self.peak_tflops,
                                      time.perf_counter() - self.session_start))
             self.window.reset()
 
@@ -81,18 +82,18 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak_tflops: float) -> dict[str, float]:
-    """Tokens/s for the job and per device, and MFU per device.
+def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak: float | None) -> dict[str, float]:
+    """Tokens/s for the job and per device, and MFU per device (none without a known peak).
 
     `flops` is the model's work for all `tokens` (every slot at its own k). Each device does
     flops / n_devices of it: data-parallel ranks split the tokens, tensor-parallel ranks split each
     token's FLOPs (per device = model FLOPs / tp), so MFU is the same for any layout of n_devices.
     """
-    return {
-        "throughput/tokens_per_s": tokens / seconds,
-        "throughput/tokens_per_s_per_device": tokens / seconds / n_devices,
-        "throughput/mfu_pct": 100 * flops / n_devices / seconds / (peak_tflops * 1e12),
-    }
+    scalars = {"throughput/tokens_per_s": tokens / seconds,
+               "throughput/tokens_per_s_per_device": tokens / seconds / n_devices}
+    if peak:
+        scalars["throughput/mfu_pct"] = 100 * flops / n_devices / seconds / (peak * 1e12)
+    return scalars
 
 class LogWindow:
     """Sums since the previous console line: loss and tokens per k, loop counts, gradient norms,
@@ -144,8 +145,8 @@ def wait_text(s: dict[str, float]) -> str:
     return f"wait {expected:.2f}x (draws) | " if expected > 1.0 + 1e-9 else ""
 
 
-def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, n_devices: int, peak_tflops: float,
-                 elapsed: float) -> str:
+def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, n_devices: int,
+                 peak: float | None, elapsed: float) -> str:
     """One readable line over the logging window: loss (token-weighted) per k, mean k, gradient norm,
     tokens/s and MFU are over every step since the previous line; lr is the logged step's, memory
     the peak so far; eta is the window's time per step x the steps left (validation not counted)."""
@@ -154,11 +155,11 @@ def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, 
     loss = (w[0].sum() / w[1].sum()).item()
     per_k = " ".join(f"k{k + 1} {(w[0, k] / w[1, k]).item():.4f}" for k in range(w.shape[1]) if seen[k])
     seconds = max(window.seconds, 1e-9)
-    mfu = 100 * window.flops / n_devices / seconds / (peak_tflops * 1e12)
+    mfu = f"{100 * window.flops / n_devices / seconds / (peak * 1e12):.2f}%" if peak else "n/a"
     eta = window.seconds / window.steps * (total - step)
     return (
         f"step {step:>{len(str(total))}}/{total} | loss {loss:.4f} ({per_k}) | "
         f"mean k {window.k_sum / window.k_count:.2f} | lr {s['lr']:.2e} | gnorm {window.grad_norm / window.steps:.3f} | "
-        f"{wait_text(s)}{window.tokens / seconds:,.0f} tok/s | mfu {mfu:.2f}% | mem {s['memory/max_gib']:.2f} GiB | "
+        f"{wait_text(s)}{window.tokens / seconds:,.0f} tok/s | mfu {mfu} | mem {s['memory/max_gib']:.2f} GiB | "
         f"elapsed {duration(elapsed)} | eta {duration(eta)}"
     )

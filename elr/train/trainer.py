@@ -37,7 +37,7 @@ from elr.train.data import build_task_loader, build_train_loader, job_task, micr
 from elr.train.loop_sampler import DepthSchedule, wait_factor
 from elr.train.stragglers import LoopTimer
 from elr.train.loss import IGNORE_INDEX, model_loss
-from elr.train.metrics import MetricsLogger, log_setup
+from elr.train.metrics import MetricsLogger, log_setup, outputs_line
 from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
 from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
 from elr.train.optimizer import update_expert_biases
@@ -438,12 +438,14 @@ class Trainer:
                                     else f"stopped at step {step} without saving (checkpoint.enable is false)")
                         break
                 self.checkpointer.wait()
+                export = None
                 if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
-                    self._export()
+                    export = self._export()
+                self._log_outputs(export)
         finally:
             self.metrics.close()
 
-    def _export(self) -> None:
+    def _export(self) -> Path:
         """The model weights alone, as checkpoint.export_dtype and export_format ask, after the last step."""
         c = self.cfg.checkpoint
         dtype = getattr(torch, c.export_dtype)
@@ -452,6 +454,14 @@ class Trainer:
         else:
             path = self.checkpointer.export_model(self.step, self.model, dtype)
         logger.info(f"exported model weights ({c.export_dtype}, {c.export_format}) to {path}")
+        return path
+
+    def _log_outputs(self, export: Path | None) -> None:
+        """The run's closing line: where its metrics, curves and last checkpoint are."""
+        latest = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
+        checkpoint = self.checkpointer.folder / f"step-{latest}" if latest is not None else None
+        logger.info(outputs_line(self.dump_folder, self.step, self.cfg.training.steps,
+                                 self.cfg.metrics.enable_tensorboard, checkpoint, export))
 
     def _log_validation(self, step: int) -> None:
         val = self.validate()
