@@ -25,6 +25,10 @@ folder holds checkpoints and none loads, the load is an error listing why each f
 restarts from step 0 over checkpoints it could not read. After a resume, checkpoints newer than the
 one loaded are moved aside (`set_aside_after`), so pruning, which keeps the newest k up to the step
 just saved, never deletes them and a later resume never picks them.
+
+Past 450 lines because saving, committing, loading and setting aside share one protocol (the rank-0
+decisions every rank follows, the per-step hash check made once); split, its invariants would
+span files.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ Each (data-parallel rank, microbatch) slot runs its own loop count k; the loss o
 the mean over all of its tokens, whatever depth produced them. The trainer puts the components
 together: the loop counts and phases (elr/train/loop_sampler.py), validation (validate.py), the
 gradient reductions across ranks (elr/parallel/gradients.py), checkpoints (checkpoint.py).
+
+Past 450 lines because a run's whole life sits here, in the order it happens (claim the folders,
+build and resume, the loop, the switch, save and export); what each step does is in train_step,
+and every policy it applies lives in its own module.
 """
 
 from __future__ import annotations
