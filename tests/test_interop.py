@@ -27,7 +27,7 @@ from elr.interop import hf_config, write_export
 from elr.models import ModelArgs, build_model
 from elr.models.from_config import model_args_from_config
 from elr.tokenizer import build_tokenizer
-from export_utils import reseal
+from export_utils import one_error_line, reseal, script
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -38,19 +38,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
 
 TOKENIZER = ROOT / "data" / "tokenizer" / "elr8k.tiktoken"
 PROMPTS = ["The king said", "Once upon a time there was"]
-
-
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def one_error_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) == 1, text
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -204,13 +204,18 @@ def read_config(folder: Path, marker: dict) -> dict | None:
     CheckpointManager, a conversion of a checkpoint that had none)."""
     if CONFIG not in marker["files"]:
         return None
+    return read_json_object(folder, CONFIG, "a config")
+
+
+def read_json_object(folder: Path, name: str, what: str) -> dict:
+    """A JSON object file of a verified folder; UnusableCheckpoint naming it if it is not one."""
     try:
-        config = json.loads((folder / CONFIG).read_text())
+        value = json.loads((folder / name).read_text())
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
-        raise UnusableCheckpoint(folder, f"has an unreadable {CONFIG} ({e})") from None
-    if not isinstance(config, dict):
-        raise UnusableCheckpoint(folder, f"has a {CONFIG} that is not a config")
-    return config
+        raise UnusableCheckpoint(folder, f"has an unreadable {name} ({first_line(e)})") from None
+    if not isinstance(value, dict):
+        raise UnusableCheckpoint(folder, f"has a {name} that is not {what}")
+    return value
 
 
 def step_folders(folder: Path) -> list[int]:
@@ -243,3 +248,9 @@ def latest_step(folder: str | Path) -> int | None:
     folder = Path(folder)
     return next((s for s in committed_steps(folder) if isinstance(marker_or_reason(folder, s), dict)), None)
 
+
+
+def first_line(e: BaseException) -> str:
+    """An error's type and the first line of its message, cut at 160 characters: for one-line reports."""
+    text = (str(e).strip().split("\n") or [""])[0]
+    return f"{type(e).__name__}: {text[:157] + '...' if len(text) > 160 else text}"

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
-from elr.checkpoint.format import CONFIG, FORMAT, check_keys, first_nonfinite, verify
+from elr.checkpoint.format import CONFIG, FORMAT, check_keys, first_nonfinite, first_line, read_json_object, verify
 from elr.errors import CheckpointError, UnusableCheckpoint
 
 VALUES = "values.json"
@@ -122,7 +122,7 @@ def _read_headers(folder: Path, shards: list[str]) -> Metadata:
                     storage[MetadataIndex(fqn=key, offset=torch.Size(offsets))] = _HFStorageInfo(
                         relative_path=str(folder / name), shape=torch.Size(shape), dtype=dtype)
         except Exception as e:  # whatever a damaged header raises (SafetensorError, ValueError, ...)
-            raise UnusableCheckpoint(folder, f"has an unreadable {name} ({_first_line(e)})") from None
+            raise UnusableCheckpoint(folder, f"has an unreadable {name} ({first_line(e)})") from None
     entries = {}
     for key, pieces in chunks.items():
         ndim = {len(shape) for _, shape, _ in pieces}
@@ -188,13 +188,7 @@ class Stored:
 
 
 def _read_values(folder: Path) -> dict[str, Any]:
-    try:
-        values = json.loads((folder / VALUES).read_text())
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
-        raise UnusableCheckpoint(folder, f"has an unreadable {VALUES} ({_first_line(e)})") from None
-    if not isinstance(values, dict):
-        raise UnusableCheckpoint(folder, f"has a {VALUES} that is not an object of values")
-    return values
+    return read_json_object(folder, VALUES, "an object of values")
 
 
 def _kind(value: Any) -> str:
@@ -234,8 +228,3 @@ def dcp_note(path: str | Path) -> str:
     """The one line printed where a training checkpoint is handed to inference or to another run."""
     return (f"note: {path} is a DCP checkpoint, meant for your own runs (safetensors and JSON, sharded as it was "
             "trained); to share a model, export it (scripts/export_hf.py)")
-
-
-def _first_line(e: BaseException) -> str:
-    text = (str(e).strip().split("\n") or [""])[0]
-    return f"{type(e).__name__}: {text[:157] + '...' if len(text) > 160 else text}"
