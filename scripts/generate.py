@@ -3,6 +3,7 @@
     python scripts/generate.py --checkpoint outputs/debug/checkpoint/step-150 --loops 3 \\
         --kv last_loop --prompt "Once upon a time" --max-new-tokens 64 --temperature 0
     python scripts/generate.py --checkpoint ... --loops 1,2,3 --prompt "..."   # the same prompt at each depth
+    python scripts/generate.py --checkpoint ... --budgets 1,3 --prompt "A" --prompt "B"   # a k per prompt, one batch
     python scripts/generate.py --checkpoint ... --memory 131072                # KV/state bytes per request
     python scripts/generate.py --flavor koi_4b --loops 4 --memory 131072 --dtype bfloat16
     python scripts/generate.py --checkpoint outputs/sft_debug/checkpoint/step-80 --chat --loops 3   # REPL
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", help="step-N (DCP) or step-N-model (export) folder")
     p.add_argument("--loops", type=parse_loops, default=[1], help="k, or several as 1,2,3 (default 1)")
+    p.add_argument("--budgets", type=parse_loops,
+                   help="one k per --prompt (mixed budgets in one batch; replaces --loops)")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("give at least one --prompt")
             tokenizer = load_tokenizer(run_config(args.checkpoint), args.tokenizer)
             prompts = [tokenizer.encode(text) for text in args.prompt]
+            if args.budgets is not None and len(args.budgets) != len(prompts):
+                raise ValueError(f"--budgets gives {len(args.budgets)} loop counts for {len(prompts)} prompts")
             longest = max(len(t) for t in prompts) + args.max_new_tokens
         model, _ = load_model(args.checkpoint, args.device, dtype,
                               max_seq_len=None if args.memory is not None else longest)
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.route_replay:
         model.route_replay = True
 
-    for k in args.loops:
+    for k in [args.budgets] if args.budgets is not None else args.loops:
         generator = torch.Generator(args.device).manual_seed(args.seed)
         start = time.perf_counter()
         try:
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         elapsed = time.perf_counter() - start
         n_tokens = sum(len(o) for o in outputs)
+        k = ",".join(map(str, k)) if isinstance(k, list) else k
         print(f"--- k={k} kv={args.kv}: {n_tokens} tokens in {elapsed:.2f} s, {n_tokens / elapsed:.1f} tokens/s")
         for out in outputs:
             print(tokenizer.decode(out).replace("\n", " "))

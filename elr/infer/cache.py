@@ -15,6 +15,11 @@ recurrent and short-conv state for GDP). Two modes:
   rule): every loop of a chunk starts from the state the previous chunk's final loop left. Smaller
   by (k - 1) GDP states; what it costs in loss: README, "Using a trained model".
 
+Mixed budgets (`loops` a LongTensor [B], one k per row): the cache holds entries for the largest
+k, and while the recurrent block runs loops past a row's budget it says so (`set_rows`): the entries
+then keep that row's columns as they were, so its shared entry holds its own last loop, as it would
+alone. A cache may also run forwards at fewer loops than it was built for (drafting, exits).
+
 Within one chunk (a prefill) both modes compute the exact full-sequence forward; they differ only
 in what later chunks read. Batches of prompts of different lengths are left-padded: row b's first
 `pad[b]` columns are padding, hidden from attention and kept out of GDP states, and its positions
@@ -43,7 +48,8 @@ class InferenceCache:
     """Everything one batch of requests keeps between forward calls, for one loop count k.
 
     pad: [B] left-padding columns per row (None: no padding); capacity: the most tokens a row will
-    hold (prompt columns plus generated tokens); dtype: KV and state storage (default: the model's).
+    hold (prompt columns plus generated tokens); loops: k, or the most any forward will run (per-row
+    budgets); dtype: KV and state storage (default: the model's).
     """
 
     def __init__(self, model, batch: int, capacity: int, loops: int, mode: str = "per_loop",
@@ -59,6 +65,7 @@ class InferenceCache:
         self.length = 0  # columns already cached
         self.chunk = 0  # columns in the forward now running
         self.valid = self.attn_mask = None
+        self.rows = None  # [B] bool: the rows whose results the running loop stores (None: all)
         recurrent = set(model.recurrent.layers)
         self.entries: dict[tuple[torch.nn.Module, int], object] = {}  # (layer, loop) -> its kind's entry
         for layer in model.layers():
@@ -76,10 +83,14 @@ class InferenceCache:
             return None
         return self.entries[layer, loop if (layer, loop) in self.entries else 1]
 
-    def begin(self, chunk: int, loops: int) -> torch.Tensor:
-        """Start a forward over `chunk` new columns; returns each row's positions [B, chunk]."""
-        if loops != self.loops:
-            raise ValueError(f"this cache was built for k={self.loops}, not k={loops}")
+    def begin(self, chunk: int, loops) -> torch.Tensor:
+        """Start a forward over `chunk` new columns at `loops` (k or per-row budgets [B]); returns each
+        row's positions [B, chunk]."""
+        most = int(loops.max()) if torch.is_tensor(loops) else loops
+        if most > self.loops:
+            raise ValueError(f"this cache was built for at most k={self.loops}, not k={most}")
+        if torch.is_tensor(loops) and loops.shape != (self.batch,):
+            raise ValueError(f"per-row loop counts need shape ({self.batch},), not {tuple(loops.shape)}")
         if self.length + chunk > self.capacity:
             raise ValueError(f"{self.length + chunk} columns exceed the cache capacity {self.capacity}")
         device = self.pad.device
@@ -92,6 +103,11 @@ class InferenceCache:
         # A padding column sees only itself, so no softmax row is empty; real columns never see it.
         self.attn_mask = (causal[None] & (real[:, None] | (keys[None, :] == columns[:, None])[None]))[:, None]
         return positions.clamp(min=0)
+
+    def set_rows(self, rows: torch.Tensor | None) -> None:
+        """The recurrent block's running loop counts only for `rows` ([B] bool; None: every row): the
+        entries keep the other rows' columns and states as they are."""
+        self.rows = rows
 
     def advance(self) -> None:
         """The forward is done: commit what the entries held back (GDP states) and count its columns

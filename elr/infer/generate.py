@@ -59,17 +59,29 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return tokens.to(device), pad.to(device)
 
 
+def row_budgets(loops: int | list[int], batch: int, device) -> int | torch.Tensor:
+    """k for every row (an int), or one k per prompt (a list) as the model's per-row LongTensor [B]."""
+    if isinstance(loops, int):
+        return loops
+    if len(loops) != batch:
+        raise ValueError(f"{len(loops)} loop counts for {batch} prompts; give one per prompt or one for all")
+    return torch.tensor(loops, dtype=torch.long, device=device)
+
+
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], loops: int, max_new_tokens: int, eot_id: int,
+def generate(model, prompts: list[list[int]], loops: int | list[int], max_new_tokens: int, eot_id: int,
              kv_mode: str = "per_loop", sampling: Sampling = Sampling(),
              generator: torch.Generator | None = None,
              stop: Callable[[list[list[int]]], list[bool]] | None = None) -> list[list[int]]:
     """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
-    (without the end-of-text token). `stop`, given the new tokens so far, says which rows are done
-    (e.g. a stop string was generated); their tokens so far are kept."""
+    (without the end-of-text token). `loops`: k for all, or one k per prompt (mixed budgets in one
+    batch, each row decoded as it would be alone). `stop`, given the new tokens so far, says which
+    rows are done (e.g. a stop string was generated); their tokens so far are kept."""
     device = model.output.weight.device
     tokens, pad = left_pad(prompts, eot_id, device)
-    cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, loops, kv_mode, pad)
+    loops = row_budgets(loops, len(prompts), device)
+    most = int(loops.max()) if torch.is_tensor(loops) else loops
+    cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, most, kv_mode, pad)
     logits = model(tokens, loops, cache)[:, -1]
     out = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)

@@ -101,6 +101,11 @@ class AttentionKV:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write this chunk's k, v [B, H_kv, T, D] (overwriting an earlier loop's), return all so far."""
         start, end = self.cache.length, self.cache.length + k.shape[2]
+        rows = self.cache.rows  # mixed budgets: rows past their budget keep their own last loop's entry
+        if rows is not None:
+            keep = ~rows[:, None, None, None]
+            k = torch.where(keep, self.k[:, :, start:end].to(k.dtype), k)
+            v = torch.where(keep, self.v[:, :, start:end].to(v.dtype), v)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end].to(k.dtype), self.v[:, :, :end].to(v.dtype), self.cache.attn_mask

@@ -162,7 +162,14 @@ class GDPState:
 
     def write(self, state: torch.Tensor, conv_states: tuple[torch.Tensor, ...]) -> None:
         """Hold the chunk's final state; it replaces the stored one when the whole forward ends, so
-        in last_loop mode every loop of the chunk starts from the previous chunk's final loop."""
+        in last_loop mode every loop of the chunk starts from the previous chunk's final loop. Rows
+        the cache marks as past their budget (`cache.rows`) keep what they held."""
+        rows = self.cache.rows
+        if rows is not None:
+            held = self.pending or (self.state, self.conv_states)
+            state = torch.where(rows[:, None, None, None], state, held[0].to(state.dtype))
+            conv_states = tuple(torch.where(rows[:, None, None], new, old.to(new.dtype))
+                                for new, old in zip(conv_states, held[1]))
         self.pending = (state, conv_states)
 
     def commit(self) -> None:

@@ -67,9 +67,10 @@ class ELRModel(nn.Module):
         cutoff = 3 * a.dim ** -0.5
         nn.init.trunc_normal_(self.output.weight, std=a.dim ** -0.5, a=-cutoff, b=cutoff)
 
-    def forward(self, tokens: torch.Tensor, loops: int = 1, cache=None, head: bool = True,
+    def forward(self, tokens: torch.Tensor, loops: int | torch.Tensor = 1, cache=None, head: bool = True,
                 every_loop: bool = False) -> torch.Tensor:
-        """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times.
+        """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times: an int,
+        or a LongTensor [B] of per-row budgets (each row gets what it gets alone, RecurrentBlock).
 
         head=False returns the normed final hidden state [B, T, dim] instead, for a loss that applies
         `self.output` itself a chunk of tokens at a time (elr/train/loss.py). every_loop=True (training,
@@ -80,6 +81,8 @@ class ELRModel(nn.Module):
         row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
         Under context parallelism (`context_parallel`) `tokens` are this rank's slice of each sequence.
         """
+        if torch.is_tensor(loops) and loops.shape != tokens.shape[:1]:
+            raise ValueError(f"per-row loop counts need shape ({tokens.shape[0]},), not {tuple(loops.shape)}")
         if cache is None:
             T, start = tokens.shape[1], 0
             if self.context_parallel is not None:

@@ -115,9 +115,10 @@ class LoopConditioning(nn.Module):
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
 
-    def forward(self, loop: int | None, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...] | None]:
+    def forward(self, loop: int | None, loops, rows: int = 0) -> list[tuple[torch.Tensor, ...] | None]:
         """Per recurrent layer (scale, shift, gate), (scale, shift) without the gate, or None, for
-        loop `loop` of a `loops`-loop forward; loop None: per output-block layer (`exit`)."""
+        loop `loop` of a `loops`-loop forward; loop None: per output-block layer (`exit`). `loops` may
+        be a LongTensor of budgets, [B] (one per row) or [B, T] (one per token): each gets its own."""
         if loop is None:
             return self._exit_films(loops, rows)
         if not (self.first_loop if loop == 1 else self.later_loops):
@@ -142,9 +143,11 @@ class LoopConditioning(nn.Module):
         return [tuple(t.repeat_interleave(rows, 0)[:, None] for t in film) for film in per_exit]
 
     def _films(self, heads: nn.ModuleList, c: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """c: [cond_dim], or per row [B, cond_dim] (FiLM [B, 1, dim]) or per token [B, T, cond_dim]."""
         if self.silu:
             c = F.silu(c)
-        return [tuple(head(c).chunk(3 if self.gate else 2, dim=-1)) for head in heads]
+        films = [tuple(head(c).chunk(3 if self.gate else 2, dim=-1)) for head in heads]
+        return [tuple(t[:, None] for t in film) for film in films] if c.ndim == 2 else films
 
 
 class RecurrentBlock(nn.Module):
@@ -182,22 +185,33 @@ class RecurrentBlock(nn.Module):
         c = self.conditioning
         return c is None or not c.budget or not (c.first_loop or c.later_loops)
 
-    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None,
+    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops, cache=None,
                 every_loop: bool = False) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
         """(s_k, the output block's FiLM for budget k or None without exit heads); with `every_loop`,
         ([s_1, ..., s_k], each exit's FiLM) (needs a prefix-consistent block). `cache` (inference
-        only) hands each layer its cache entry for loop i (keys and values, or a state)."""
-        if loops < 1 or (loops > self.max_loops and self.conditioning is not None):
-            raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model's conditioning "
-                             "embeddings cover (an unconditioned model runs any k >= 1; beyond its max_loops it "
-                             "extrapolates)")
+        only) hands each layer its cache entry for loop i (keys and values, or a state).
+
+        `loops` is k, or a LongTensor [B] of budgets, one per row (mixed budgets in one batch): the
+        forward runs the largest; a row whose budget is spent passes through the later loops unchanged
+        (its state is kept, the cache is told not to store its results), so it gets exactly what it
+        gets alone, FiLM and exit FiLM of its own budget included."""
+        budgets = loops if torch.is_tensor(loops) else None
+        least, most = (int(budgets.min()), int(budgets.max())) if budgets is not None else (loops, loops)
+        if least < 1 or (most > self.max_loops and self.conditioning is not None):
+            raise ValueError(f"loops={most if least >= 1 else least} is outside 1..{self.max_loops}, the loop counts this "
+                             "model's conditioning embeddings cover (an unconditioned model runs any k >= 1; beyond its "
+                             "max_loops it extrapolates)")
         routes = [Route() if self.route_replay and "route" in layer.inputs else None for layer in self.layers]
         no_film = [None] * len(self.layers)
-        if every_loop and not self.prefix_consistent:
-            raise ValueError("every_loop needs loop conditioning without the budget embedding (conditioning_budget = False)")
+        if every_loop and (not self.prefix_consistent or budgets is not None):
+            raise ValueError("every_loop needs one loop count and loop conditioning without the budget embedding "
+                             "(conditioning_budget = False)")
         self._recorded = []
         s, states = h_in, []
-        for i in range(1, loops + 1):
+        for i in range(1, most + 1):
+            running = budgets >= i if budgets is not None and i > least else None  # rows still looping (None: all)
+            if cache is not None:
+                cache.set_rows(running)
             s_in = s + h_in if self.recurrent_input == "state_plus_input" and i > 1 else s
             films = self.conditioning(i, loops) if self.conditioning is not None else no_film
             r = s_in
@@ -206,10 +220,14 @@ class RecurrentBlock(nn.Module):
                 r = layer(r, rope, film=film, route=route, cache=entry)
             a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
             s_next = self._update(s, r, a)
+            if running is not None:
+                s_next = torch.where(running[:, None, None], s_next, s)
             if self.record_statistics:
                 self._recorded.append(self._record(s, s_next, a, films))
             s = s_next
             states.append(s)
+        if cache is not None:
+            cache.set_rows(None)
         c = self.conditioning
         exit_films = c.exit(loops, h_in.shape[0] if every_loop else 0) if c is not None and c.exit_heads else None
         return (states if every_loop else s), exit_films
