@@ -4,6 +4,7 @@
         --kv last_loop --prompt "Once upon a time" --max-new-tokens 64 --temperature 0
     python scripts/generate.py --checkpoint ... --loops 1,2,3 --prompt "..."   # the same prompt at each depth
     python scripts/generate.py --checkpoint ... --budgets 1,3 --prompt "A" --prompt "B"   # a k per prompt, one batch
+    python scripts/generate.py --checkpoint ... --loops 3 --draft-loops 1 --prompt "..."   # self-speculative
     python scripts/generate.py --checkpoint ... --memory 131072                # KV/state bytes per request
     python scripts/generate.py --flavor koi_4b --loops 4 --memory 131072 --dtype bfloat16
     python scripts/generate.py --checkpoint outputs/sft_debug/checkpoint/step-80 --chat --loops 3   # REPL
@@ -28,6 +29,7 @@ from elr.infer.cache import MODES
 from elr.infer.generate import Sampling, generate
 from elr.infer.load import load_model, load_tokenizer, run_config
 from elr.infer.memory import memory_table
+from elr.infer.speculative import speculative_generate
 from elr.models import flavors
 
 
@@ -44,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loops", type=parse_loops, default=[1], help="k, or several as 1,2,3 (default 1)")
     p.add_argument("--budgets", type=parse_loops,
                    help="one k per --prompt (mixed budgets in one batch; replaces --loops)")
+    p.add_argument("--draft-loops", type=int, metavar="J",
+                   help="self-speculative greedy decoding: draft at k=J, verify at each --loops k "
+                        "(elr/infer/speculative.py)")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="N",
+                   help="with --draft-loops: tokens drafted per verifying forward (default 4)")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
@@ -76,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be at least 1")
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        if args.draft_loops is not None and (args.temperature > 0 or args.budgets is not None):
+            raise ValueError("--draft-loops decodes greedily at one k: drop --temperature and --budgets")
         tokenizer = None
         if args.memory is None:
             if not args.prompt:
@@ -99,15 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     for k in [args.budgets] if args.budgets is not None else args.loops:
         generator = torch.Generator(args.device).manual_seed(args.seed)
         start = time.perf_counter()
+        draft = ""
         try:
-            outputs = generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id, args.kv, sampling, generator)
+            if args.draft_loops is not None:
+                outputs, stats = speculative_generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id,
+                                                      args.kv, args.draft_loops, args.draft_tokens)
+                draft = f" draft k={args.draft_loops}: {stats.acceptance:.0%} of {stats.drafted} drafts accepted,"
+            else:
+                outputs = generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id, args.kv, sampling,
+                                   generator)
         except (UserError, ValueError) as e:
             print(f"generate: error: {e}", file=sys.stderr)
             return 2
         elapsed = time.perf_counter() - start
         n_tokens = sum(len(o) for o in outputs)
         k = ",".join(map(str, k)) if isinstance(k, list) else k
-        print(f"--- k={k} kv={args.kv}: {n_tokens} tokens in {elapsed:.2f} s, {n_tokens / elapsed:.1f} tokens/s")
+        rate = f"{n_tokens} tokens in {elapsed:.2f} s, {n_tokens / elapsed:.1f} tokens/s"
+        print(f"--- k={k} kv={args.kv}:{draft} {rate}")
         for out in outputs:
             print(tokenizer.decode(out).replace("\n", " "))
     return 0

@@ -7,7 +7,10 @@ import torch
 
 from elr.infer.cache import InferenceCache
 from elr.infer.generate import generate, left_pad
+from elr.infer.speculative import SpeculationStats, speculative_generate
+from elr.models import ELRModel, flavors
 from test_infer import ROWS_PROMPTS, small_model
+from trainer_utils import model_args
 
 VARIANTS = [{}, {"recurrent_input": "state_plus_input", "update": "residual", "moe_route_replay": True},
             {"conditioning_exit": True}]
@@ -66,3 +69,49 @@ def test_generate_takes_a_budget_per_prompt(mode):
         generate(model, prompts, [1, 2], max_new_tokens=2, eot_id=63)
     with pytest.raises(ValueError, match="outside 1..3"):
         generate(model, prompts, [1, 2, 4], max_new_tokens=2, eot_id=63)
+
+
+def study_model(seed: int = 0) -> ELRModel:
+    """study_gpt (attention only: the cache rewinds by its length) with conditioning, nudged off init."""
+    args = model_args(flavors["study_gpt"], max_seq_len=96, max_loops=3, update="adaptive_delta",
+                      conditioning=True, cond_dim=16)
+    torch.manual_seed(seed)
+    model = ELRModel(args)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("build,mode", [(small_model, "per_loop"), (study_model, "per_loop"),
+                                        (lambda: small_model(layer_pattern="GF" + "GEGF" + "AF"), "last_loop_kv")])
+def test_self_speculative_greedy_equals_plain_decoding(build, mode):
+    """Drafted at k=1 (and k=2), verified at k=3: the plain k=3 greedy text, token for token. The debug
+    model has GDP layers (rejections rewind a snapshot and re-feed); study_gpt has none (rewind by
+    length); with no attention in the recurrent block last_loop_kv decodes as per_loop does."""
+    model = build()
+    prompts = [[5, 9, 2, 33, 7], [8, 60], [19, 3, 27, 50, 6, 9, 14]]
+    want = [generate(model, [p], 3, max_new_tokens=12, eot_id=-1, kv_mode=mode)[0] for p in prompts]
+    total = SpeculationStats()
+    for draft_loops, draft_tokens in [(1, 3), (2, 4), (1, 1)]:
+        got, stats = speculative_generate(model, prompts, 3, 12, -1, mode, draft_loops, draft_tokens)
+        assert got == want, (draft_loops, draft_tokens)
+        total.add(stats)
+    assert 0 < total.accepted < total.drafted  # both the accepting and the rejecting path ran
+    got, stats = speculative_generate(model, prompts, 3, 12, -1, mode, draft_loops=3, draft_tokens=4)
+    assert got == want and stats.accepted == stats.drafted and stats.rounds < 3 * 12  # drafting at K: all kept
+
+
+def test_self_speculative_stops_at_end_of_text_and_checks_its_options():
+    model = small_model()
+    prompt = [5, 9, 2, 33, 7]
+    plain = generate(model, [prompt], 3, max_new_tokens=10, eot_id=-1)[0]
+    eot = plain[4]  # stop at the fifth token
+    want = generate(model, [prompt], 3, max_new_tokens=10, eot_id=eot)[0]
+    assert len(want) < 10
+    assert speculative_generate(model, [prompt], 3, 10, eot, draft_loops=1, draft_tokens=3)[0] == [want]
+    with pytest.raises(ValueError, match="draft loops must lie in 1..3"):
+        speculative_generate(model, [prompt], 3, 10, eot, draft_loops=4)
+    with pytest.raises(ValueError, match="draft tokens must be at least 1"):
+        speculative_generate(model, [prompt], 3, 10, eot, draft_tokens=0)

@@ -70,6 +70,29 @@ def test_generate_script_prints_the_generated_text_last(trained, capsys):
     assert lines[-1] == tokenizer.decode(out).replace("\n", " ")
 
 
+def test_generate_script_budgets_per_prompt_and_self_speculative(trained, capsys):
+    checkpoint = trained / "step-2"
+    model, cfg = load_model(checkpoint)
+    tokenizer = load_tokenizer(cfg)
+    common = ["--checkpoint", str(checkpoint), "--prompt", "The king", "--max-new-tokens", "5"]
+    assert script("generate").main([*common, "--prompt", "A cat", "--budgets", "3,1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("--- k=3,1")
+
+    def alone(text, k):
+        return tokenizer.decode(generate(model, [tokenizer.encode(text)], k, 5, tokenizer.eot_id)[0]).replace("\n", " ")
+
+    assert lines[1:] == [alone("The king", 3), alone("A cat", 1)]
+    assert script("generate").main([*common, "--loops", "3", "--draft-loops", "1", "--draft-tokens", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "draft k=1" in lines[0] and "accepted" in lines[0]
+    assert lines[-1] == alone("The king", 3)
+    assert script("generate").main([*common, "--budgets", "1,2"]) == 2
+    assert "--budgets gives 2 loop counts for 1 prompts" in capsys.readouterr().err
+    assert script("generate").main([*common, "--draft-loops", "1", "--temperature", "0.7"]) == 2
+    assert "--draft-loops decodes greedily" in capsys.readouterr().err
+
+
 def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys):
     base = tmp_path / "base"
     run(base, 1, "--checkpoint.enable", "true", "--elr.enabled", "false", "--elr.max_loops", "1",

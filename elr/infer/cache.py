@@ -117,6 +117,20 @@ class InferenceCache:
         self.length += self.chunk
         self.chunk = 0
 
+    def snapshot(self) -> tuple[int, dict]:
+        """What `restore` needs to rewind to the columns cached now (self-speculative decoding: drafts
+        and rejected tokens are taken back). Attention needs only the length; GDP states are copied."""
+        return self.length, {key: entry.snapshot() for key, entry in self.entries.items()}
+
+    def restore(self, saved: tuple[int, dict]) -> None:
+        self.length, states = saved
+        for key, entry in self.entries.items():
+            entry.restore(states[key])
+
+    def rewind_by_length(self) -> bool:
+        """Whether setting `length` back is a whole rewind (no entry folds columns into a state)."""
+        return all(entry.snapshot() is None for entry in self.entries.values())
+
     def nbytes(self) -> dict[str, int]:
         """Measured bytes of the stored tensors, by the name of each kind's state ("attention_kv", ...)."""
         sizes = dict.fromkeys((kind.inference_state.name for kind in LAYER_KINDS.values() if kind.inference_state), 0)

@@ -113,6 +113,12 @@ class AttentionKV:
     def commit(self) -> None:
         """Nothing is held back: `update` wrote the chunk's rows."""
 
+    def snapshot(self) -> None:
+        """Nothing to save for a rewind: columns past the cache's length are never read."""
+
+    def restore(self, saved: None) -> None:
+        """Rewinding the cache's length is the whole rewind."""
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]
 

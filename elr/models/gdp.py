@@ -180,6 +180,15 @@ class GDPState:
                 dst.copy_(src)
             self.pending = None
 
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of the committed state: it folds in every column, so a rewind needs them."""
+        return [t.clone() for t in self.tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for dst, src in zip(self.tensors(), saved):
+            dst.copy_(src)
+        self.pending = None
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.state, *self.conv_states]
 

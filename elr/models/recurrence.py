@@ -126,7 +126,7 @@ class LoopConditioning(nn.Module):
         c = self.loop_embed.weight[loop - 1]
         if self.budget:
             c = c + self.budget_embed.weight[loops - 1]
-        return self._films(self.heads, c)
+        return self._films(self.heads, c, per_row=True)
 
     def exit(self, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...]]:
         """Per output-block layer, FiLM for the state after `loops` loops (needs exit heads). With
@@ -138,16 +138,16 @@ class LoopConditioning(nn.Module):
 
     def _exit_films(self, loops: int, rows: int) -> list[tuple[torch.Tensor, ...]]:
         if not rows:
-            return self._films(self.exit_heads, self.budget_embed.weight[loops - 1])
+            return self._films(self.exit_heads, self.budget_embed.weight[loops - 1], per_row=True)
         per_exit = self._films(self.exit_heads, self.budget_embed.weight[:loops])  # each [loops, dim]
         return [tuple(t.repeat_interleave(rows, 0)[:, None] for t in film) for film in per_exit]
 
-    def _films(self, heads: nn.ModuleList, c: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """c: [cond_dim], or per row [B, cond_dim] (FiLM [B, 1, dim]) or per token [B, T, cond_dim]."""
+    def _films(self, heads: nn.ModuleList, c: torch.Tensor, per_row: bool = False) -> list[tuple[torch.Tensor, ...]]:
+        """c: [..., cond_dim]; `per_row` (c is [B, cond_dim], one budget per row): FiLM [B, 1, dim]."""
         if self.silu:
             c = F.silu(c)
         films = [tuple(head(c).chunk(3 if self.gate else 2, dim=-1)) for head in heads]
-        return [tuple(t[:, None] for t in film) for film in films] if c.ndim == 2 else films
+        return [tuple(t[:, None] for t in film) for film in films] if per_row and c.ndim == 2 else films
 
 
 class RecurrentBlock(nn.Module):
@@ -198,9 +198,9 @@ class RecurrentBlock(nn.Module):
         budgets = loops if torch.is_tensor(loops) else None
         least, most = (int(budgets.min()), int(budgets.max())) if budgets is not None else (loops, loops)
         if least < 1 or (most > self.max_loops and self.conditioning is not None):
-            raise ValueError(f"loops={most if least >= 1 else least} is outside 1..{self.max_loops}, the loop counts this "
-                             "model's conditioning embeddings cover (an unconditioned model runs any k >= 1; beyond its "
-                             "max_loops it extrapolates)")
+            raise ValueError(f"loops={most if least >= 1 else least} is outside 1..{self.max_loops}, the loop counts "
+                             "this model's conditioning embeddings cover (an unconditioned model runs any k >= 1; "
+                             "beyond its max_loops it extrapolates)")
         routes = [Route() if self.route_replay and "route" in layer.inputs else None for layer in self.layers]
         no_film = [None] * len(self.layers)
         if every_loop and (not self.prefix_consistent or budgets is not None):
