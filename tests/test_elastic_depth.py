@@ -9,6 +9,7 @@ from elr.infer.cache import InferenceCache
 from elr.infer.generate import generate, left_pad
 from elr.infer.speculative import SpeculationStats, speculative_generate
 from elr.models import ELRModel, flavors
+from elr.models.early_exit import ExitRule
 from test_infer import ROWS_PROMPTS, small_model
 from trainer_utils import model_args
 
@@ -115,3 +116,72 @@ def test_self_speculative_stops_at_end_of_text_and_checks_its_options():
         speculative_generate(model, [prompt], 3, 10, eot, draft_loops=4)
     with pytest.raises(ValueError, match="draft tokens must be at least 1"):
         speculative_generate(model, [prompt], 3, 10, eot, draft_tokens=0)
+
+
+def prefix_model(**overrides) -> ELRModel:
+    """No budget embedding (loop i is the same at every k) and exit heads: an exit at loop j reads the
+    state a k = j forward reads, with the exit FiLM of budget j."""
+    return small_model(conditioning_budget=False, conditioning_exit=True, **overrides)
+
+
+def test_exit_rules_and_their_spelling():
+    s_prev, s = torch.ones(1, 2, 4), torch.ones(1, 2, 4)
+    s[0, 1] *= 1.5  # token 1 moved by half its norm
+    assert ExitRule("state", 0.1).exits(s_prev, s, None, None).tolist() == [[True, False]]
+    logp = torch.tensor([[[0.0, -9.0], [0.0, -9.0]]]).log_softmax(-1)
+    moved = torch.tensor([[[0.0, -9.0], [-9.0, 0.0]]]).log_softmax(-1)
+    assert not ExitRule("kl", 0.1).exits(s_prev, s, None, logp).any()  # never after the first loop
+    assert ExitRule("kl", 0.1).exits(s_prev, s, logp, moved).tolist() == [[True, False]]
+    assert ExitRule.parse("kl:0.01") == ExitRule("kl", 0.01) and str(ExitRule("state", 0.05)) == "state:0.05"
+    for bad, message in [("entropy:1", "unknown exit rule 'entropy'"), ("state:0", "must be > 0"),
+                         ("state", "write RULE:THRESHOLD")]:
+        with pytest.raises(ValueError, match=message):
+            ExitRule.parse(bad)
+
+
+@torch.no_grad()
+def test_exit_thresholds_at_the_extremes_are_fixed_depths():
+    """Nothing exits under a tiny threshold (the cap's forward); everything exits at the first loop
+    the rule may (state: 1, kl: 2) under a huge one, which is the fixed-k forward there."""
+    model = prefix_model()
+    tokens = torch.tensor([[5, 9, 2, 33, 7, 1], [8, 8, 60, 2, 11, 4]])
+    for rule, k in [(ExitRule("state", 1e-12), 3), (ExitRule("kl", 1e-12), 3), (ExitRule("state", 1e9), 1),
+                    (ExitRule("kl", 1e9), 2)]:
+        got = model(tokens, 3, exit_rule=rule)
+        assert torch.equal(model.loops_used(), torch.full_like(tokens, k)), rule
+        torch.testing.assert_close(got, model(tokens, k), atol=1e-5, rtol=1e-5)
+    model(tokens, 3)
+    assert model.loops_used() is None
+
+
+def adaptive_decode(model, prompt, steps, mode, rule=None, loops_per_step=None):
+    """Prefill at k=3, then feed `steps` tokens one at a time (teacher forced: prompt continues with
+    fixed ids) by the exit rule or at the given loop counts; (logits per step, loops per step)."""
+    cache = InferenceCache(model, 1, len(prompt) + steps, 3, mode)
+    model(torch.tensor([prompt]), 3, cache)
+    logits, used = [], []
+    for t in range(steps):
+        token = torch.tensor([[(7 * t + 3) % 60]])
+        if rule is not None:
+            logits.append(model(token, 3, cache, exit_rule=rule)[0, -1])
+            used.append(int(model.loops_used()[0, 0]))
+        else:
+            logits.append(model(token, loops_per_step[t], cache)[0, -1])
+    return torch.stack(logits), used, cache
+
+
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv", "last_loop"])
+@pytest.mark.parametrize("rule", [ExitRule("state", 0.45), ExitRule("kl", 0.05)])
+def test_adaptive_decoding_is_decoding_each_token_at_the_loops_it_ran(mode, rule):
+    """A token that exited at loop j is, for itself and for the tokens after it, a token decoded at
+    k = j: its shared entries hold its own last loop; per-loop attention entries past j hold copies."""
+    model = prefix_model()
+    got, used, cache = adaptive_decode(model, [5, 9, 2, 33, 7], 10, mode, rule)
+    assert len(set(used)) > 1, used  # the thresholds are picked so that exits differ
+    want, _, _ = adaptive_decode(model, [5, 9, 2, 33, 7], 10, mode, loops_per_step=used)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if mode == "per_loop" and min(used) < 3:
+        attention = next(layer for layer in model.recurrent.layers if layer.kind == "A")
+        column = 5 + used.index(min(used))
+        last, top = cache.entry(attention, min(used)), cache.entry(attention, 3)
+        assert torch.equal(top.k[:, :, column], last.k[:, :, column])

@@ -97,6 +97,7 @@ class InferenceCache:
         columns = torch.arange(self.length, self.length + chunk, device=device)
         positions = columns[None, :] - self.pad[:, None]
         self.chunk, self.valid = chunk, positions >= 0
+        self.row_loops = torch.zeros(self.batch, dtype=torch.long, device=device)  # loops each row runs (set_rows)
         keys = torch.arange(self.length + chunk, device=device)
         causal = keys[None, :] <= columns[:, None]  # [T, S]
         real = keys[None, :] >= self.pad[:, None]  # [B, S]
@@ -104,16 +105,35 @@ class InferenceCache:
         self.attn_mask = (causal[None] & (real[:, None] | (keys[None, :] == columns[:, None])[None]))[:, None]
         return positions.clamp(min=0)
 
-    def set_rows(self, rows: torch.Tensor | None) -> None:
-        """The recurrent block's running loop counts only for `rows` ([B] bool; None: every row): the
+    def set_rows(self, rows: torch.Tensor | None, loop: int | None = None) -> None:
+        """The recurrent block's running `loop` counts only for `rows` ([B] bool; None: every row): the
         entries keep the other rows' columns and states as they are."""
         self.rows = rows
+        if loop is not None:
+            self.row_loops = torch.where(rows, loop, self.row_loops) if rows is not None else self.row_loops.fill_(loop)
+
+    def _fill_skipped_loops(self) -> None:
+        """Per-loop attention entries at the loops a row did not run (past its budget or its exit) take
+        its columns from the loop before, so they hold its own last loop's keys and values, what later
+        tokens running those loops then read (GDP states at those loops are left as they were: the
+        token is skipped there)."""
+        short = self.row_loops < self.loops
+        if not bool(short.any()):
+            return
+        columns = slice(self.length, self.length + self.chunk)
+        for (layer, loop), entry in self.entries.items():  # a layer's loops in order, so copies chain
+            if loop == 1 or LAYER_KINDS[layer.kind].inference_state.name != "attention_kv":
+                continue
+            skipped = (self.row_loops < loop)[:, None, None, None]
+            for dst, src in zip(entry.tensors(), self.entries[layer, loop - 1].tensors()):  # k, v [B, H, S, D]
+                dst[:, :, columns] = torch.where(skipped, src[:, :, columns], dst[:, :, columns])
 
     def advance(self) -> None:
         """The forward is done: commit what the entries held back (GDP states) and count its columns
         as cached."""
         for entry in self.entries.values():
             entry.commit()
+        self._fill_skipped_loops()
         self.length += self.chunk
         self.chunk = 0
 

@@ -174,6 +174,7 @@ class RecurrentBlock(nn.Module):
         # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
         self.record_statistics = False
         self._recorded: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.loops_used: torch.Tensor | None = None  # [B, T]: loops each token ran, after an exit-rule forward
         # The ranks each sequence is split over (TP / CP): a hook set by elr/parallel/parallelize.py,
         # over which `loop_statistics` sums, so the statistics describe whole sequences.
         self.sequence_shards = None
@@ -185,8 +186,8 @@ class RecurrentBlock(nn.Module):
         c = self.conditioning
         return c is None or not c.budget or not (c.first_loop or c.later_loops)
 
-    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops, cache=None,
-                every_loop: bool = False) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
+    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops, cache=None, every_loop: bool = False,
+                exit_rule=None, readout=None) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
         """(s_k, the output block's FiLM for budget k or None without exit heads); with `every_loop`,
         ([s_1, ..., s_k], each exit's FiLM) (needs a prefix-consistent block). `cache` (inference
         only) hands each layer its cache entry for loop i (keys and values, or a state).
@@ -194,7 +195,12 @@ class RecurrentBlock(nn.Module):
         `loops` is k, or a LongTensor [B] of budgets, one per row (mixed budgets in one batch): the
         forward runs the largest; a row whose budget is spent passes through the later loops unchanged
         (its state is kept, the cache is told not to store its results), so it gets exactly what it
-        gets alone, FiLM and exit FiLM of its own budget included."""
+        gets alone, FiLM and exit FiLM of its own budget included.
+
+        `exit_rule` (adaptive depth, elr/models/early_exit.py; `loops` is then the cap): each token
+        stops after the loop the rule lets it go, and passes the later loops unchanged in the same way;
+        `readout(s, exit_films)` gives the logits of a state, for rules that compare them. The loops
+        each token ran are left in `loops_used` [B, T]. Through a cache it runs one token at a time."""
         budgets = loops if torch.is_tensor(loops) else None
         least, most = (int(budgets.min()), int(budgets.max())) if budgets is not None else (loops, loops)
         if least < 1 or (most > self.max_loops and self.conditioning is not None):
@@ -206,12 +212,21 @@ class RecurrentBlock(nn.Module):
         if every_loop and (not self.prefix_consistent or budgets is not None):
             raise ValueError("every_loop needs one loop count and loop conditioning without the budget embedding "
                              "(conditioning_budget = False)")
+        exited = logp = self.loops_used = None
+        if exit_rule is not None:
+            if budgets is not None or every_loop or (cache is not None and h_in.shape[1] != 1):
+                raise ValueError("an exit rule takes one loop count (its cap), and decodes one token at a time "
+                                 "through a cache (prefill at a fixed k)")
+            exited = torch.zeros(h_in.shape[:2], dtype=torch.bool, device=h_in.device)
+            self.loops_used = torch.full_like(exited, most, dtype=torch.long)
         self._recorded = []
         s, states = h_in, []
         for i in range(1, most + 1):
             running = budgets >= i if budgets is not None and i > least else None  # rows still looping (None: all)
+            if exited is not None and i > 1:
+                running = ~exited  # tokens still looping
             if cache is not None:
-                cache.set_rows(running)
+                cache.set_rows(running if running is None or running.ndim == 1 else running[:, 0], loop=i)
             s_in = s + h_in if self.recurrent_input == "state_plus_input" and i > 1 else s
             films = self.conditioning(i, loops) if self.conditioning is not None else no_film
             r = s_in
@@ -221,16 +236,30 @@ class RecurrentBlock(nn.Module):
             a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
             s_next = self._update(s, r, a)
             if running is not None:
-                s_next = torch.where(running[:, None, None], s_next, s)
+                s_next = torch.where(running.view(*running.shape, *[1] * (s.ndim - running.ndim)), s_next, s)
             if self.record_statistics:
                 self._recorded.append(self._record(s, s_next, a, films))
+            if exited is not None and i < most:
+                logp_next = (readout(s_next, self.exit_films(i)).float().log_softmax(-1)
+                             if exit_rule.needs_logits else None)
+                stop = exit_rule.exits(s, s_next, logp, logp_next) & ~exited
+                self.loops_used.masked_fill_(stop, i)
+                exited, logp = exited | stop, logp_next
             s = s_next
             states.append(s)
+            if exited is not None and bool(exited.all()):
+                break
         if cache is not None:
             cache.set_rows(None)
-        c = self.conditioning
-        exit_films = c.exit(loops, h_in.shape[0] if every_loop else 0) if c is not None and c.exit_heads else None
+        budget = self.loops_used if exited is not None else loops
+        exit_films = self.exit_films(budget, h_in.shape[0] if every_loop else 0)
         return (states if every_loop else s), exit_films
+
+    def exit_films(self, loops, rows: int = 0) -> list | None:
+        """The output block's FiLM for the state after `loops` loops (an int, or per row or token), or
+        None without exit heads."""
+        c = self.conditioning
+        return c.exit(loops, rows) if c is not None and c.exit_heads else None
 
     def _update(self, s, r, a):
         if self.update == "adaptive_delta":
