@@ -5,6 +5,7 @@
     python scripts/generate.py --checkpoint ... --loops 1,2,3 --prompt "..."   # the same prompt at each depth
     python scripts/generate.py --checkpoint ... --budgets 1,3 --prompt "A" --prompt "B"   # a k per prompt, one batch
     python scripts/generate.py --checkpoint ... --loops 3 --draft-loops 1 --prompt "..."   # self-speculative
+    python scripts/generate.py --checkpoint ... --loops 4 --exit kl:0.01 --prompt "..."   # adaptive depth, cap 4
     python scripts/generate.py --checkpoint ... --memory 131072                # KV/state bytes per request
     python scripts/generate.py --flavor koi_4b --loops 4 --memory 131072 --dtype bfloat16
     python scripts/generate.py --checkpoint outputs/sft_debug/checkpoint/step-80 --chat --loops 3   # REPL
@@ -22,15 +23,16 @@ import time
 
 import torch
 
-from elr.cli import HelpFormatter
+from elr.cli import HelpFormatter, argument_type
 from elr.errors import UserError
 from elr.infer import chat
 from elr.infer.cache import MODES
-from elr.infer.generate import Sampling, generate
+from elr.infer.generate import AdaptiveDepth, Sampling, generate
 from elr.infer.load import load_model, load_tokenizer, run_config
 from elr.infer.memory import memory_table
 from elr.infer.speculative import speculative_generate
 from elr.models import flavors
+from elr.models.early_exit import ExitRule
 
 
 def parse_loops(text: str) -> list[int]:
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(elr/infer/speculative.py)")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="N",
                    help="with --draft-loops: tokens drafted per verifying forward (default 4)")
+    p.add_argument("--exit", type=argument_type(ExitRule.parse), metavar="RULE:THRESHOLD",
+                   help="adaptive depth: each new token stops looping when the rule says (state:T, kl:T), "
+                        "capped at each --loops k; in --chat, the rule of /loops auto")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
@@ -83,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be at least 1")
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
-        if args.draft_loops is not None and (args.temperature > 0 or args.budgets is not None):
-            raise ValueError("--draft-loops decodes greedily at one k: drop --temperature and --budgets")
+        if args.draft_loops is not None and (args.temperature > 0 or args.budgets is not None or args.exit):
+            raise ValueError("--draft-loops decodes greedily at one k: drop --temperature, --budgets and --exit")
+        if args.exit is not None and args.budgets is not None:
+            raise ValueError("--exit caps every prompt at one k: use --loops, not --budgets")
         tokenizer = None
         if args.memory is None:
             if not args.prompt:
@@ -108,15 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     for k in [args.budgets] if args.budgets is not None else args.loops:
         generator = torch.Generator(args.device).manual_seed(args.seed)
         start = time.perf_counter()
-        draft = ""
+        note = ""
         try:
             if args.draft_loops is not None:
                 outputs, stats = speculative_generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id,
                                                       args.kv, args.draft_loops, args.draft_tokens)
-                draft = f" draft k={args.draft_loops}: {stats.acceptance:.0%} of {stats.drafted} drafts accepted,"
+                note = f" draft k={args.draft_loops}: {stats.acceptance:.0%} of {stats.drafted} drafts accepted,"
             else:
+                depth = AdaptiveDepth(args.exit) if args.exit is not None else None
                 outputs = generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id, args.kv, sampling,
-                                   generator)
+                                   generator, adaptive=depth)
+                if depth is not None:
+                    note = f" exit {args.exit}: {depth.mean_loops:.2f} loops per new token,"
         except (UserError, ValueError) as e:
             print(f"generate: error: {e}", file=sys.stderr)
             return 2
@@ -124,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         n_tokens = sum(len(o) for o in outputs)
         k = ",".join(map(str, k)) if isinstance(k, list) else k
         rate = f"{n_tokens} tokens in {elapsed:.2f} s, {n_tokens / elapsed:.1f} tokens/s"
-        print(f"--- k={k} kv={args.kv}:{draft} {rate}")
+        print(f"--- k={k} kv={args.kv}:{note} {rate}")
         for out in outputs:
             print(tokenizer.decode(out).replace("\n", " "))
     return 0
@@ -142,7 +152,7 @@ def chat_main(args) -> int:
         generator = torch.Generator(args.device).manual_seed(args.seed)
         if messages is None:
             chat.repl(model, tokenizer, args.loops[0], args.max_new_tokens, sys.stdin, sys.stdout, args.kv, sampling,
-                      generator)
+                      generator, args.exit or chat.DEFAULT_EXIT)
         for k in args.loops if messages is not None else []:
             print(f"--- k={k}\n" + chat.reply(model, tokenizer, messages, k, args.max_new_tokens, args.kv, sampling,
                                               generator))

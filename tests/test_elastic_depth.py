@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from elr.infer.cache import InferenceCache
-from elr.infer.generate import generate, left_pad
+from elr.infer.evaluate import decoded_loss, validation_loss
+from elr.infer.generate import AdaptiveDepth, generate, left_pad
 from elr.infer.speculative import SpeculationStats, speculative_generate
 from elr.models import ELRModel, flavors
 from elr.models.early_exit import ExitRule
@@ -185,3 +187,33 @@ def test_adaptive_decoding_is_decoding_each_token_at_the_loops_it_ran(mode, rule
         column = 5 + used.index(min(used))
         last, top = cache.entry(attention, min(used)), cache.entry(attention, 3)
         assert torch.equal(top.k[:, :, column], last.k[:, :, column])
+
+
+@torch.no_grad()
+def test_adaptive_generation_and_scoring_count_the_loops_they_ran():
+    """At the extremes the decoder and the scorers are the fixed-k ones and count k loops a token; in
+    between the mean lies between; generation at a middle threshold is greedy decoding whose every
+    new token ran the loops it reports."""
+    model = prefix_model()
+    prompts = [[5, 9, 2, 33, 7], [8, 60]]
+    never, always = AdaptiveDepth(ExitRule("state", 1e-12)), AdaptiveDepth(ExitRule("state", 1e9))
+    assert generate(model, prompts, 3, 6, eot_id=63, adaptive=never) == generate(model, prompts, 3, 6, eot_id=63)
+    assert never.mean_loops == 3 and never.tokens == 2 * 5  # the prompt is read at the cap, not counted
+    generate(model, prompts, 3, 6, eot_id=63, adaptive=always)
+    assert always.mean_loops == 1
+    middle = AdaptiveDepth(ExitRule("state", 0.45))
+    generate(model, prompts, 3, 6, eot_id=63, adaptive=middle)
+    assert 1 < middle.mean_loops < 3
+    with pytest.raises(ValueError, match="give one loop count"):
+        generate(model, prompts, [1, 3], 6, eot_id=63, adaptive=middle)
+
+    tokens = np.arange(400) % 61
+    fixed = {k: validation_loss(model, tokens, 16, k, batches=2, batch_size=4) for k in (1, 3)}
+    for rule, k in [(ExitRule("kl", 1e-12), 3), (ExitRule("state", 1e9), 1)]:
+        depth = AdaptiveDepth(rule)
+        assert validation_loss(model, tokens, 16, 3, 2, 4, depth) == pytest.approx(fixed[k], rel=1e-5)
+        assert depth.mean_loops == k and depth.tokens == 2 * 4 * 16
+        depth = AdaptiveDepth(rule)  # decoded: the first half read at the cap, the second at the rule's depth
+        got = decoded_loss(model, tokens, 16, 3, "last_loop_kv", 3, depth)
+        assert depth.mean_loops == k and depth.tokens == 3 * 8
+        assert (got == pytest.approx(decoded_loss(model, tokens, 16, 3, "last_loop_kv", windows=3), rel=1e-5)) == (k == 3)
