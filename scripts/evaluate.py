@@ -77,8 +77,13 @@ def evaluate(checkpoint: str, loops: list[int] | None, args,
                 rows.setdefault(f"{task.name}/acc_d{difficulty}", {})[k] = value
             print(f"k={k}: accuracy " + " ".join(f"{a:.3f}" for a in accuracy), file=sys.stderr)
         for rule in exits:
-            score(rule, f"{task.name}/acc", lambda depth: statistics.fmean(task_accuracy(
-                model, task, cfg["training"]["seed"], args.task_examples, max(loops), adaptive=depth)))
+            depth = AdaptiveDepth(rule)
+            accuracy = task_accuracy(model, task, cfg["training"]["seed"], args.task_examples, max(loops),
+                                     adaptive=depth)
+            for metric, value in [("acc", statistics.fmean(accuracy)),
+                                  *((f"acc_d{d}", a) for d, a in enumerate(accuracy, 1))]:
+                adaptive[str(rule)][f"{task.name}/{metric}"] = value
+                adaptive[str(rule)][f"{task.name}/{metric}/mean_loops"] = depth.mean_loops
         return cfg, rows, adaptive
     tokenizer = load_tokenizer(cfg, args.tokenizer)
     data = args.data or cfg["data"]["path"]

@@ -144,6 +144,9 @@ def test_evaluate_and_generate_scripts_with_exit_rules(trained, tmp_path, capsys
     assert never["tiny/acc"] == result["rows"]["tiny/acc"]["2"]
     assert never["val_loss/mean_loops"] == 2 and never["tiny/acc/mean_loops"] == 2
     assert always["val_loss/mean_loops"] == 2  # kl compares two loops: at a cap of 2 nothing exits earlier
+    pytest.importorskip("matplotlib")
+    assert script("plot_loops").main([str(out), "--out-dir", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "eval_vs_mean_loops.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         script("evaluate").main(argv[:-2] + ["entropy:1"])
     assert "argument --exit: exit rule 'entropy:1': unknown exit rule 'entropy'" in capsys.readouterr().err
