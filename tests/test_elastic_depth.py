@@ -216,4 +216,5 @@ def test_adaptive_generation_and_scoring_count_the_loops_they_ran():
         depth = AdaptiveDepth(rule)  # decoded: the first half read at the cap, the second at the rule's depth
         got = decoded_loss(model, tokens, 16, 3, "last_loop_kv", 3, depth)
         assert depth.mean_loops == k and depth.tokens == 3 * 8
-        assert (got == pytest.approx(decoded_loss(model, tokens, 16, 3, "last_loop_kv", windows=3), rel=1e-5)) == (k == 3)
+        at_the_cap = decoded_loss(model, tokens, 16, 3, "last_loop_kv", windows=3)
+        assert (got == pytest.approx(at_the_cap, rel=1e-5)) == (k == 3)

@@ -140,7 +140,8 @@ def test_evaluate_and_generate_scripts_with_exit_rules(trained, tmp_path, capsys
     result = json.loads(out.read_text())
     never, always = result["adaptive"]["state:1e-12"], result["adaptive"]["kl:1e+09"]
     assert never["val_loss"] == pytest.approx(result["rows"]["val_loss"]["2"], rel=1e-5)
-    assert never["val_loss_decoded/per_loop"] == pytest.approx(result["rows"]["val_loss_decoded/per_loop"]["2"], rel=1e-5)
+    decoded = result["rows"]["val_loss_decoded/per_loop"]["2"]
+    assert never["val_loss_decoded/per_loop"] == pytest.approx(decoded, rel=1e-5)
     assert never["tiny/acc"] == result["rows"]["tiny/acc"]["2"]
     assert never["val_loss/mean_loops"] == 2 and never["tiny/acc/mean_loops"] == 2
     assert always["val_loss/mean_loops"] == 2  # kl compares two loops: at a cap of 2 nothing exits earlier
