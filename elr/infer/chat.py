@@ -89,5 +89,5 @@ def repl(model, tokenizer, loops: int, max_new_tokens: int, stdin: TextIO, stdou
                 continue
             messages.append({"role": "user", "content": text})
             messages.append({"role": "assistant", "content": answer})
-            k = f"auto, {depth.mean_loops:.2f} loops per token" if auto else loops
+            k = loops if not auto else f"auto, {depth.mean_loops:.2f} loops per token" if depth.tokens else "auto"
             print(f"assistant (k={k}): {answer}", file=stdout, flush=True)

@@ -103,7 +103,8 @@ class ELRModel(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
             h = layer(h, rope, cache=entry(layer))
-        def readout(h, exit_films, head=True):
+
+        def readout(h, exit_films, head=True):  # the output block, norm and head (the KL exit rule reads every loop)
             for layer, film in zip(self.output_layers, exit_films or [None] * len(self.output_layers)):
                 h = layer(h, rope, film=film, cache=entry(layer))
             h = self.norm(h)
