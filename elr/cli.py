@@ -70,6 +70,18 @@ def _entry(command: str):
     return main
 
 
+def argument_type(parse):
+    """An argparse `type` from a parser that raises ValueError: its message becomes argparse's error
+    (argparse shows its own generic one for a ValueError)."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
+
+
 # one function per command, named as pyproject's [project.scripts] refers to it (elr.cli:prepare_data)
 for _command in COMMANDS:
     globals()[_command.removeprefix("elr-").replace("-", "_")] = _entry(_command)
+

@@ -5,6 +5,7 @@
     python scripts/bench.py model --flavor debug --seq-len 128 --batch 16 --json bench.json
     python scripts/bench.py replay --flavor study_moe --seq-len 128 --batch 8 --max-loops 4
     python scripts/bench.py sampling --ranks 2 4       # gloo, one thread a rank: what waiting costs
+    python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """
@@ -320,6 +321,60 @@ def bench_sampling(args):
             f"{m} {per_work[m] / per_work['synchronized']:.2f}x" for m in SAMPLING_MODES[1:]))
 
 
+def bench_speculative(args):
+    """Greedy decoding at k = --max-loops: plain, against self-speculative drafting at k = --draft-loops
+    (elr/infer/speculative.py), on a checkpoint (or a freshly initialised --flavor: acceptance then
+    means little). Prompts are windows of the run's validation tokens when it has them (else random
+    ids); one prompt at a time, timed interleaved."""
+    from elr.infer.generate import generate
+    from elr.infer.speculative import speculative_generate
+
+    model, prompts, eot = _decoding_model_and_prompts(args)
+    K, j, n = args.max_loops, args.draft_loops, args.draft_tokens
+    new = args.new_tokens
+    plain = [generate(model, [p], K, new, eot, args.kv)[0] for p in prompts]
+    drafted, stats = speculative_generate(model, prompts, K, new, eot, args.kv, j, n)
+    same = sum(a == b for a, b in zip(plain, drafted))
+    tokens = sum(len(o) for o in plain)
+    t_plain, t_spec = interleaved_medians([
+        lambda: [generate(model, [p], K, new, eot, args.kv) for p in prompts],
+        lambda: speculative_generate(model, prompts, K, new, eot, args.kv, j, n)], repeats=args.repeats)
+    print(f"greedy decoding at k={K}, kv={args.kv}, {len(prompts)} prompts x up to {new} new tokens, "
+          f"median of {args.repeats}")
+    print_table(["decoding", "tokens/s", "acceptance", "verifying forwards"], [
+        ["plain", f"{tokens / t_plain:.1f}", "-", tokens],
+        [f"draft k={j}, {n} tokens", f"{tokens / t_spec:.1f}", f"{stats.acceptance:.1%}", stats.rounds]])
+    print(f"headline: self-speculative / plain tokens/s = {t_plain / t_spec:.2f}x; {same}/{len(prompts)} "
+          "outputs identical to plain decoding")
+
+
+def _decoding_model_and_prompts(args):
+    """(model, prompts, end-of-text id) for the decoding benchmarks: a checkpoint and windows of its
+    validation tokens, or a fresh --flavor and random prompts."""
+    if args.checkpoint:
+        from elr.infer.evaluate import read_tokens
+        from elr.infer.load import load_model, load_tokenizer
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, cfg = load_model(args.checkpoint, device)
+        eot = load_tokenizer(cfg).eot_id
+        val = Path(cfg["data"]["path"]) / "val.bin"
+        if not cfg["data"].get("task") and val.is_file():
+            tokens = read_tokens(val)
+            return model, [tokens[i * 997:i * 997 + args.seq_len].astype("int64").tolist()
+                           for i in range(args.batch)], eot
+    else:
+        from elr.models import build_model, flavors
+
+        model = build_model(flavors[args.flavor].with_recurrence(max_loops=args.max_loops, conditioning=True,
+                                                                 update="adaptive_delta"))
+        model.init_weights()
+        eot = -1
+    torch.manual_seed(0)
+    vocab = model.tok_embeddings.num_embeddings
+    return model.eval(), torch.randint(0, vocab, (args.batch, args.seq_len)).tolist(), eot
+
+
 def free_port() -> int:
     import socket
 
@@ -380,7 +435,8 @@ def _sampling_rank(rank, world, port, args, results):
     dist.destroy_process_group()
 
 
-BENCHMARKS = {"gdp": bench_gdp, "model": bench_model, "replay": bench_replay, "sampling": bench_sampling}
+BENCHMARKS = {"gdp": bench_gdp, "model": bench_model, "replay": bench_replay, "sampling": bench_sampling,
+              "speculative": bench_speculative}
 
 
 def main():
@@ -396,6 +452,11 @@ def main():
     parser.add_argument("--max-loops", type=int, default=3, help="model: time ELR at k = 1..this")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="sampling: gloo world sizes to time")
     parser.add_argument("--micro", type=int, default=4, help="sampling: microbatches per rank per update")
+    parser.add_argument("--checkpoint", help="speculative: a checkpoint to decode with (default: a fresh --flavor)")
+    parser.add_argument("--draft-loops", type=int, default=1, help="speculative: the drafting k")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="speculative: tokens drafted per round")
+    parser.add_argument("--new-tokens", type=int, default=64, help="speculative: tokens generated per prompt")
+    parser.add_argument("--kv", default="per_loop", help="speculative: KV cache mode")
     parser.add_argument("--json", help="model: also write the results to this JSON file (to compare commits)")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)

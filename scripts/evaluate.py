@@ -11,25 +11,33 @@ to first token of a fixed prompt and per-token decode, each also relative to k=1
 table and writes it, with the JSON, next to --out; scripts/plot_loops.py draws figures from the JSON.
 A run trained on a depth task (data.task) is scored instead on its task's validation examples: answer
 accuracy at each difficulty and k (an unconditioned model also beyond its K: --loops 1,2,...,8).
+
+Adaptive depth (`--exit state:0.05 kl:0.01 ...`, elr/models/early_exit.py): each rule, capped at the
+largest k, scores the same metrics (validation loss, decoded loss per KV mode, task accuracy) with the
+mean loops its tokens ran beside each; a second table ("exit rule" columns) and the JSON's "adaptive"
+hold them, to read against the fixed-k columns at the same mean loops.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from elr.cli import HelpFormatter
+from elr.cli import HelpFormatter, argument_type
 from elr.progress import Progress
 from elr.errors import UserError
 from elr.infer.cache import MODES
 from elr.chat_data import is_chat_folder
+from elr.infer.generate import AdaptiveDepth
 from elr.infer.evaluate import (chat_validation_loss, decoded_loss, load_task, measure_latency, read_tokens,
                                 score_multiple_choice, task_accuracy, validation_loss)
 from elr.infer.load import load_model, load_tokenizer
+from elr.models.early_exit import ExitRule
 from elr.tasks import build_task
 
 LATENCY_TEXT = "The old king walked slowly through the quiet garden, thinking of the years behind him. "
@@ -42,13 +50,23 @@ def parse_loops(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--loops takes loop counts like 1,2,3, not {text!r}") from None
 
 
-def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict[str, dict[int, float]]]:
-    """Run config and {metric: {k: value}} for one checkpoint (loops None: every k in 1..K)."""
+def evaluate(checkpoint: str, loops: list[int] | None, args,
+             exits: list[ExitRule] = ()) -> tuple[dict, dict[str, dict[int, float]], dict[str, dict[str, float]]]:
+    """Run config, {metric: {k: value}} for one checkpoint (loops None: every k in 1..K) and, per exit
+    rule capped at the largest k, {rule: {metric: value, metric/mean_loops: loops}}."""
     model, cfg = load_model(checkpoint, args.device, getattr(torch, args.dtype))
     if args.route_replay:
         model.route_replay = True
     loops = loops or list(range(1, model.args.recurrence.max_loops + 1))
     rows: dict[str, dict[int, float]] = {}
+    adaptive: dict[str, dict[str, float]] = {str(rule): {} for rule in exits}
+
+    def score(rule: ExitRule, metric: str, run) -> None:
+        """One metric under an exit rule: run(AdaptiveDepth) gives its value; the mean loops go beside it."""
+        depth = AdaptiveDepth(rule)
+        adaptive[str(rule)][metric] = run(depth)
+        adaptive[str(rule)][f"{metric}/mean_loops"] = depth.mean_loops
+
     if cfg["data"].get("task"):  # a depth-task run: answer accuracy per difficulty, nothing text-based
         d = cfg["data"]
         task = build_task(d["task"], d["task_items"], d["task_max_difficulty"])
@@ -58,7 +76,15 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
             for difficulty, value in enumerate(accuracy, 1):
                 rows.setdefault(f"{task.name}/acc_d{difficulty}", {})[k] = value
             print(f"k={k}: accuracy " + " ".join(f"{a:.3f}" for a in accuracy), file=sys.stderr)
-        return cfg, rows
+        for rule in exits:
+            depth = AdaptiveDepth(rule)
+            accuracy = task_accuracy(model, task, cfg["training"]["seed"], args.task_examples, max(loops),
+                                     adaptive=depth)
+            for metric, value in [("acc", statistics.fmean(accuracy)),
+                                  *((f"acc_d{d}", a) for d, a in enumerate(accuracy, 1))]:
+                adaptive[str(rule)][f"{task.name}/{metric}"] = value
+                adaptive[str(rule)][f"{task.name}/{metric}/mean_loops"] = depth.mean_loops
+        return cfg, rows, adaptive
     tokenizer = load_tokenizer(cfg, args.tokenizer)
     data = args.data or cfg["data"]["path"]
     val_path = Path(data) / "val.bin"
@@ -93,7 +119,19 @@ def evaluate(checkpoint: str, loops: list[int] | None, args) -> tuple[dict, dict
         print(f"k={k}: " + ", ".join(f"{m} {v[k]:.4g}" for m, v in rows.items()), file=sys.stderr)
         progress.update()
     progress.close()
-    return cfg, rows
+    seq_len = cfg["training"]["seq_len"]
+    for rule in exits:
+        if args.val_batches and not chat:
+            score(rule, "val_loss", lambda depth: validation_loss(
+                model, tokens, seq_len, max(loops), args.val_batches, args.batch_size, depth))
+        for mode in MODES if tokens is not None and args.decoded_windows else ():
+            score(rule, f"val_loss_decoded/{mode}", lambda depth: decoded_loss(
+                model, tokens, seq_len, max(loops), mode, args.decoded_windows, depth))
+        for name, items in tasks.items():
+            score(rule, f"{name}/acc", lambda depth: score_multiple_choice(
+                model, tokenizer, items, max(loops), args.batch_size, adaptive=depth)["acc"])
+        print(f"exit {rule}: " + ", ".join(f"{m} {v:.4g}" for m, v in adaptive[str(rule)].items()), file=sys.stderr)
+    return cfg, rows, adaptive
 
 
 def with_relative_latency(rows: dict[str, dict[int, float]], reference: dict[str, dict[int, float]]) -> None:
@@ -112,6 +150,17 @@ def markdown(loops: list[int], rows: dict, baseline: dict | None) -> str:
         if baseline:
             cells.append(f"{baseline[metric][1]:.4g}" if metric in baseline else "")
         lines.append(f"| {metric} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def adaptive_markdown(adaptive: dict[str, dict[str, float]], cap: int) -> str:
+    rules = list(adaptive)
+    metrics = list(dict.fromkeys(m for values in adaptive.values() for m in values))
+    lines = ["| metric | " + " | ".join(f"exit {r} (cap k={cap})" for r in rules) + " |",
+             "|---" * (len(rules) + 1) + "|"]
+    for metric in metrics:
+        lines.append(f"| {metric} | " + " | ".join(f"{adaptive[r][metric]:.4g}" if metric in adaptive[r] else ""
+                                                   for r in rules) + " |")
     return "\n".join(lines)
 
 
@@ -136,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
     p.add_argument("--latency-prompt-tokens", type=int, default=64, help="prompt length of the decode-latency measurement")
     p.add_argument("--latency-new-tokens", type=int, default=16, help="decode steps timed (0: skip latency)")
+    p.add_argument("--exit", nargs="*", type=argument_type(ExitRule.parse), default=[], metavar="RULE:T",
+                   help="adaptive depth: also score under each exit rule (state:T, kl:T), capped at the largest k")
     p.add_argument("--baseline", help="checkpoint of a non-recurrent baseline, evaluated at k=1")
     p.add_argument("--route-replay", action="store_true", help="force MoE route replay on at inference")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)")
@@ -145,21 +196,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     try:
-        _, rows = evaluate(args.checkpoint, args.loops, args)
+        _, rows, adaptive = evaluate(args.checkpoint, args.loops, args, args.exit)
         loops = sorted(next(iter(rows.values()))) if rows else (args.loops or [])
         baseline = None
         if args.baseline:
-            _, baseline = evaluate(args.baseline, [1], args)
+            _, baseline, _ = evaluate(args.baseline, [1], args)
             with_relative_latency(baseline, rows)
         with_relative_latency(rows, rows)
     except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
     table = markdown(loops, rows, baseline)
+    if adaptive:
+        table += "\n\n" + adaptive_markdown(adaptive, max(loops))
     print(table)
     if args.out:
         result = {"checkpoint": args.checkpoint, "kv": args.kv, "loops": loops, "rows": rows,
-                  "baseline": {"checkpoint": args.baseline, "rows": baseline} if baseline else None}
+                  "baseline": {"checkpoint": args.baseline, "rows": baseline} if baseline else None,
+                  "adaptive": adaptive}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
         args.out.with_suffix(".md").write_text(table + "\n")

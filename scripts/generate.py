@@ -3,6 +3,9 @@
     python scripts/generate.py --checkpoint outputs/debug/checkpoint/step-150 --loops 3 \\
         --kv last_loop --prompt "Once upon a time" --max-new-tokens 64 --temperature 0
     python scripts/generate.py --checkpoint ... --loops 1,2,3 --prompt "..."   # the same prompt at each depth
+    python scripts/generate.py --checkpoint ... --budgets 1,3 --prompt "A" --prompt "B"   # a k per prompt, one batch
+    python scripts/generate.py --checkpoint ... --loops 3 --draft-loops 1 --prompt "..."   # self-speculative
+    python scripts/generate.py --checkpoint ... --loops 4 --exit kl:0.01 --prompt "..."   # adaptive depth, cap 4
     python scripts/generate.py --checkpoint ... --memory 131072                # KV/state bytes per request
     python scripts/generate.py --flavor koi_4b --loops 4 --memory 131072 --dtype bfloat16
     python scripts/generate.py --checkpoint outputs/sft_debug/checkpoint/step-80 --chat --loops 3   # REPL
@@ -22,14 +25,16 @@ import time
 
 import torch
 
-from elr.cli import HelpFormatter
+from elr.cli import HelpFormatter, argument_type
 from elr.errors import UserError
 from elr.infer import chat
 from elr.infer.cache import MODES
-from elr.infer.generate import Sampling, generate
+from elr.infer.generate import AdaptiveDepth, Sampling, generate
 from elr.infer.load import load_model, load_tokenizer, run_config
 from elr.infer.memory import memory_table
+from elr.infer.speculative import speculative_generate
 from elr.models import flavors
+from elr.models.early_exit import ExitRule
 
 
 def parse_loops(text: str) -> list[int]:
@@ -43,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", help="step-N (DCP) or step-N-model (export) folder")
     p.add_argument("--loops", type=parse_loops, default=[1], help="k, or several as 1,2,3 (default 1)")
+    p.add_argument("--budgets", type=parse_loops,
+                   help="one k per --prompt (mixed budgets in one batch; replaces --loops)")
+    p.add_argument("--draft-loops", type=int, metavar="J",
+                   help="self-speculative greedy decoding: draft at k=J, verify at each --loops k "
+                        "(elr/infer/speculative.py)")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="N",
+                   help="with --draft-loops: tokens drafted per verifying forward (default 4)")
+    p.add_argument("--exit", type=argument_type(ExitRule.parse), metavar="RULE:THRESHOLD",
+                   help="adaptive depth: each new token stops looping when the rule says (state:T, kl:T), "
+                        "capped at each --loops k; in --chat, the rule of /loops auto")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
@@ -75,12 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be at least 1")
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        if args.draft_loops is not None and (args.temperature > 0 or args.budgets is not None or args.exit):
+            raise ValueError("--draft-loops decodes greedily at one k: drop --temperature, --budgets and --exit")
+        if args.exit is not None and args.budgets is not None:
+            raise ValueError("--exit caps every prompt at one k: use --loops, not --budgets")
         tokenizer = None
         if args.memory is None:
             if not args.prompt:
                 raise ValueError("give at least one --prompt")
             tokenizer = load_tokenizer(run_config(args.checkpoint), args.tokenizer)
             prompts = [[tokenizer.eot_id] + tokenizer.encode(text) for text in args.prompt]  # as documents begin
+            if args.budgets is not None and len(args.budgets) != len(prompts):
+                raise ValueError(f"--budgets gives {len(args.budgets)} loop counts for {len(prompts)} prompts")
             longest = max(len(t) for t in prompts) + args.max_new_tokens
         model, _ = load_model(args.checkpoint, args.device, dtype,
                               max_seq_len=None if args.memory is not None else longest)
@@ -93,17 +114,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.route_replay:
         model.route_replay = True
 
-    for k in args.loops:
+    for k in [args.budgets] if args.budgets is not None else args.loops:
         generator = torch.Generator(args.device).manual_seed(args.seed)
         start = time.perf_counter()
+        note = ""
         try:
-            outputs = generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id, args.kv, sampling, generator)
+            if args.draft_loops is not None:
+                outputs, stats = speculative_generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id,
+                                                      args.kv, args.draft_loops, args.draft_tokens)
+                note = f" draft k={args.draft_loops}: {stats.acceptance:.0%} of {stats.drafted} drafts accepted,"
+            else:
+                depth = AdaptiveDepth(args.exit) if args.exit is not None else None
+                outputs = generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id, args.kv, sampling,
+                                   generator, adaptive=depth)
+                if depth is not None:
+                    note = f" exit {args.exit}: {depth.mean_loops:.2f} loops per new token,"
         except (UserError, ValueError) as e:
             print(f"generate: error: {e}", file=sys.stderr)
             return 2
         elapsed = time.perf_counter() - start
         n_tokens = sum(len(o) for o in outputs)
-        print(f"--- k={k} kv={args.kv}: {n_tokens} tokens in {elapsed:.2f} s, {n_tokens / elapsed:.1f} tokens/s")
+        k = ",".join(map(str, k)) if isinstance(k, list) else k
+        rate = f"{n_tokens} tokens in {elapsed:.2f} s, {n_tokens / elapsed:.1f} tokens/s"
+        print(f"--- k={k} kv={args.kv}:{note} {rate}")
         for out in outputs:
             print(tokenizer.decode(out).replace("\n", " "))
     return 0
@@ -121,7 +154,7 @@ def chat_main(args) -> int:
         generator = torch.Generator(args.device).manual_seed(args.seed)
         if messages is None:
             chat.repl(model, tokenizer, args.loops[0], args.max_new_tokens, sys.stdin, sys.stdout, args.kv, sampling,
-                      generator)
+                      generator, args.exit or chat.DEFAULT_EXIT)
         for k in args.loops if messages is not None else []:
             print(f"--- k={k}\n" + chat.reply(model, tokenizer, messages, k, args.max_new_tokens, args.kv, sampling,
                                               generator))

@@ -10,7 +10,9 @@ steps where some slot ran that k), the validation loss of each k, and each loop'
 
 Writes `<name>_vs_k.png` (one panel per metric, the baseline as a dashed line; like the paper's
 Figure 2) and `<name>_vs_latency.png` (each metric against decode time relative to k=1; like its
-Figure 7). Needs matplotlib (`pip install -e ".[plot]"`).
+Figure 7). With adaptive-depth results (`evaluate.py --exit ...`) also `<name>_vs_mean_loops.png`: each
+metric the rules scored against the mean loops their tokens ran, beside the fixed-k curve (k loops a
+token). Needs matplotlib (`pip install -e ".[plot]"`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,21 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
             ax.set(title=metric, xlabel="decode time per token, relative to k=1")
             ax.legend()
         save(fig, axes, out_dir / f"{name}_vs_latency.png")
+
+    adaptive = result.get("adaptive") or {}
+    scored = [m for m in metrics if any(m in values for values in adaptive.values())]
+    if scored:
+        metrics[:] = scored  # `save` blanks the panels past them
+        fig, axes = grid()
+        for ax, metric in zip(axes.flat, scored):
+            ax.plot(loops, [rows[metric][str(k)] for k in loops], marker="o", label="fixed k")
+            points = [(v[f"{metric}/mean_loops"], v[metric], rule) for rule, v in adaptive.items() if metric in v]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="^", linestyle="none", label="exit rule")
+            for x, y, rule in points:
+                ax.annotate(rule, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.set(title=metric, xlabel="mean loops per token")
+            ax.legend()
+        save(fig, axes, out_dir / f"{name}_vs_mean_loops.png")
     return written
 
 

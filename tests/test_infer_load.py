@@ -71,6 +71,29 @@ def test_generate_script_prints_the_generated_text_last(trained, capsys):
     assert lines[-1] == tokenizer.decode(out).replace("\n", " ")
 
 
+def test_generate_script_budgets_per_prompt_and_self_speculative(trained, capsys):
+    checkpoint = trained / "step-2"
+    model, cfg = load_model(checkpoint)
+    tokenizer = load_tokenizer(cfg)
+    common = ["--checkpoint", str(checkpoint), "--prompt", "The king", "--max-new-tokens", "5"]
+    assert script("generate").main([*common, "--prompt", "A cat", "--budgets", "3,1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("--- k=3,1")
+
+    def alone(text, k):
+        return tokenizer.decode(generate(model, [tokenizer.encode(text)], k, 5, tokenizer.eot_id)[0]).replace("\n", " ")
+
+    assert lines[1:] == [alone("The king", 3), alone("A cat", 1)]
+    assert script("generate").main([*common, "--loops", "3", "--draft-loops", "1", "--draft-tokens", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "draft k=1" in lines[0] and "accepted" in lines[0]
+    assert lines[-1] == alone("The king", 3)
+    assert script("generate").main([*common, "--budgets", "1,2"]) == 2
+    assert "--budgets gives 2 loop counts for 1 prompts" in capsys.readouterr().err
+    assert script("generate").main([*common, "--draft-loops", "1", "--temperature", "0.7"]) == 2
+    assert "--draft-loops decodes greedily" in capsys.readouterr().err
+
+
 def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys):
     base = tmp_path / "base"
     run(base, 1, "--checkpoint.enable", "true", "--elr.enabled", "false", "--elr.max_loops", "1",
@@ -100,6 +123,40 @@ def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys
     assert script("plot_loops").main([str(out), "--out-dir", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "result_vs_k.png").stat().st_size > 0
     assert (tmp_path / "fig" / "result_vs_latency.png").stat().st_size > 0
+
+
+def test_evaluate_and_generate_scripts_with_exit_rules(trained, tmp_path, capsys):
+    """--exit scores each rule capped at the largest k, the mean loops beside each metric: a rule
+    nothing passes is the cap's fixed-k evaluation, one everything passes runs one loop a token."""
+    checkpoint = str(trained / "step-2")
+    task = tmp_path / "tiny.jsonl"
+    task.write_text('{"question": "Snow is", "choices": ["cold", "hot"], "answer": 0}\n')
+    out = tmp_path / "eval.json"
+    argv = ["--checkpoint", checkpoint, "--loops", "1,2", "--val-batches", "1", "--decoded-windows", "1",
+            "--tasks", str(task), "--batch-size", "2", "--latency-new-tokens", "0", "--out", str(out),
+            "--exit", "state:1e-12", "kl:1e9"]
+    assert script("evaluate").main(argv) == 0
+    table = capsys.readouterr().out
+    assert "| metric | exit state:1e-12 (cap k=2) | exit kl:1e+09 (cap k=2) |" in table
+    result = json.loads(out.read_text())
+    never, always = result["adaptive"]["state:1e-12"], result["adaptive"]["kl:1e+09"]
+    assert never["val_loss"] == pytest.approx(result["rows"]["val_loss"]["2"], rel=1e-5)
+    decoded = result["rows"]["val_loss_decoded/per_loop"]["2"]
+    assert never["val_loss_decoded/per_loop"] == pytest.approx(decoded, rel=1e-5)
+    assert never["tiny/acc"] == result["rows"]["tiny/acc"]["2"]
+    assert never["val_loss/mean_loops"] == 2 and never["tiny/acc/mean_loops"] == 2
+    assert always["val_loss/mean_loops"] == 2  # kl compares two loops: at a cap of 2 nothing exits earlier
+    pytest.importorskip("matplotlib")
+    assert script("plot_loops").main([str(out), "--out-dir", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "eval_vs_mean_loops.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        script("evaluate").main(argv[:-2] + ["entropy:1"])
+    assert "argument --exit: exit rule 'entropy:1': unknown exit rule 'entropy'" in capsys.readouterr().err
+
+    argv = ["--checkpoint", checkpoint, "--loops", "3", "--prompt", "The king", "--max-new-tokens", "4"]
+    assert script("generate").main([*argv, "--exit", "state:1e9"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "exit state:1e+09: 1.00 loops per new token" in lines[0]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from elr.config import load_config
 from elr.infer import chat
 from elr.infer.evaluate import chat_validation_loss
 from elr.infer.load import load_model, load_tokenizer, run_config
+from elr.models.early_exit import ExitRule
 from elr.train.trainer import Trainer
 from trainer_utils import ROOT, losses, records, run
 
@@ -95,12 +96,16 @@ def test_chat_reply_repl_and_generate_script(pretrained, tmp_path, capsys, monke
 
     out = io.StringIO()
     chat.repl(model, tokenizer, 1, 6, io.StringIO("What is 2 plus 2?\n/loops 3\n/loops 9\nWhat is 2 plus 2?\n"
-                                                     "/loops x\n/reset\n/quit\nnever read\n"), out)
+                                                     "/loops x\n/reset\n/loops auto\nWhat is 2 plus 2?\n/quit\n"
+                                                     "never read\n"), out, exit_rule=ExitRule("state", 1e-12))
     lines = out.getvalue().splitlines()
     assert lines[1] == f"assistant (k=1): {answers[1]}" and lines[2] == "(k=3)"
     assert lines[3] == "(k=9)" and lines[4].startswith("error: loops=9 is outside 1..3")  # the conversation is kept
-    assert lines[5] == "/loops takes a loop count >= 1, not 'x'" and lines[6] == "(conversation cleared)"
-    assert len(lines) == 7
+    assert lines[5] == "/loops takes a loop count >= 1 or auto, not 'x'" and lines[6] == "(conversation cleared)"
+    # auto under a rule nothing passes: every token runs the cap, K = 3
+    assert lines[7] == "(k=auto: exit rule state:1e-12, at most 3 loops)"
+    assert lines[8] == f"assistant (k=auto, 3.00 loops per token): {answers[3]}"
+    assert len(lines) == 9
 
     monkeypatch.setattr("sys.stdin", io.StringIO("What is 2 plus 2?\n"))
     assert generate.main(["--checkpoint", str(step), "--chat", "--loops", "3", "--max-new-tokens", "6"]) == 0

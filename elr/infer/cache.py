@@ -15,6 +15,11 @@ recurrent and short-conv state for GDP). Two modes:
   rule): every loop of a chunk starts from the state the previous chunk's final loop left. Smaller
   by (k - 1) GDP states; what it costs in loss: README, "Using a trained model".
 
+Mixed budgets (`loops` a LongTensor [B], one k per row): the cache holds entries for the largest
+k, and while the recurrent block runs loops past a row's budget it says so (`set_rows`): the entries
+then keep that row's columns as they were, so its shared entry holds its own last loop, as it would
+alone. A cache may also run forwards at fewer loops than it was built for (drafting, exits).
+
 Within one chunk (a prefill) both modes compute the exact full-sequence forward; they differ only
 in what later chunks read. Batches of prompts of different lengths are left-padded: row b's first
 `pad[b]` columns are padding, hidden from attention and kept out of GDP states, and its positions
@@ -43,7 +48,8 @@ class InferenceCache:
     """Everything one batch of requests keeps between forward calls, for one loop count k.
 
     pad: [B] left-padding columns per row (None: no padding); capacity: the most tokens a row will
-    hold (prompt columns plus generated tokens); dtype: KV and state storage (default: the model's).
+    hold (prompt columns plus generated tokens); loops: k, or the most any forward will run (per-row
+    budgets); dtype: KV and state storage (default: the model's).
     """
 
     def __init__(self, model, batch: int, capacity: int, loops: int, mode: str = "per_loop",
@@ -59,6 +65,7 @@ class InferenceCache:
         self.length = 0  # columns already cached
         self.chunk = 0  # columns in the forward now running
         self.valid = self.attn_mask = None
+        self.rows = None  # [B] bool: the rows whose results the running loop stores (None: all)
         recurrent = set(model.recurrent.layers)
         self.entries: dict[tuple[torch.nn.Module, int], object] = {}  # (layer, loop) -> its kind's entry
         for layer in model.layers():
@@ -76,16 +83,21 @@ class InferenceCache:
             return None
         return self.entries[layer, loop if (layer, loop) in self.entries else 1]
 
-    def begin(self, chunk: int, loops: int) -> torch.Tensor:
-        """Start a forward over `chunk` new columns; returns each row's positions [B, chunk]."""
-        if loops != self.loops:
-            raise ValueError(f"this cache was built for k={self.loops}, not k={loops}")
+    def begin(self, chunk: int, loops) -> torch.Tensor:
+        """Start a forward over `chunk` new columns at `loops` (k or per-row budgets [B]); returns each
+        row's positions [B, chunk]."""
+        most = int(loops.max()) if torch.is_tensor(loops) else loops
+        if most > self.loops:
+            raise ValueError(f"this cache was built for at most k={self.loops}, not k={most}")
+        if torch.is_tensor(loops) and loops.shape != (self.batch,):
+            raise ValueError(f"per-row loop counts need shape ({self.batch},), not {tuple(loops.shape)}")
         if self.length + chunk > self.capacity:
             raise ValueError(f"{self.length + chunk} columns exceed the cache capacity {self.capacity}")
         device = self.pad.device
         columns = torch.arange(self.length, self.length + chunk, device=device)
         positions = columns[None, :] - self.pad[:, None]
         self.chunk, self.valid = chunk, positions >= 0
+        self.row_loops = torch.zeros(self.batch, dtype=torch.long, device=device)  # loops each row runs (set_rows)
         keys = torch.arange(self.length + chunk, device=device)
         causal = keys[None, :] <= columns[:, None]  # [T, S]
         real = keys[None, :] >= self.pad[:, None]  # [B, S]
@@ -93,13 +105,51 @@ class InferenceCache:
         self.attn_mask = (causal[None] & (real[:, None] | (keys[None, :] == columns[:, None])[None]))[:, None]
         return positions.clamp(min=0)
 
+    def set_rows(self, rows: torch.Tensor | None, loop: int | None = None) -> None:
+        """The recurrent block's running `loop` counts only for `rows` ([B] bool; None: every row): the
+        entries keep the other rows' columns and states as they are."""
+        self.rows = rows
+        if loop is not None:
+            self.row_loops = torch.where(rows, loop, self.row_loops) if rows is not None else self.row_loops.fill_(loop)
+
+    def _fill_skipped_loops(self) -> None:
+        """Per-loop attention entries at the loops a row did not run (past its budget or its exit) take
+        its columns from the loop before, so they hold its own last loop's keys and values, what later
+        tokens running those loops then read (GDP states at those loops are left as they were: the
+        token is skipped there)."""
+        short = self.row_loops < self.loops
+        if not bool(short.any()):
+            return
+        columns = slice(self.length, self.length + self.chunk)
+        for (layer, loop), entry in self.entries.items():  # a layer's loops in order, so copies chain
+            if loop == 1 or LAYER_KINDS[layer.kind].inference_state.name != "attention_kv":
+                continue
+            skipped = (self.row_loops < loop)[:, None, None, None]
+            for dst, src in zip(entry.tensors(), self.entries[layer, loop - 1].tensors()):  # k, v [B, H, S, D]
+                dst[:, :, columns] = torch.where(skipped, src[:, :, columns], dst[:, :, columns])
+
     def advance(self) -> None:
         """The forward is done: commit what the entries held back (GDP states) and count its columns
         as cached."""
         for entry in self.entries.values():
             entry.commit()
+        self._fill_skipped_loops()
         self.length += self.chunk
         self.chunk = 0
+
+    def snapshot(self) -> tuple[int, dict]:
+        """What `restore` needs to rewind to the columns cached now (self-speculative decoding: drafts
+        and rejected tokens are taken back). Attention needs only the length; GDP states are copied."""
+        return self.length, {key: entry.snapshot() for key, entry in self.entries.items()}
+
+    def restore(self, saved: tuple[int, dict]) -> None:
+        self.length, states = saved
+        for key, entry in self.entries.items():
+            entry.restore(states[key])
+
+    def rewind_by_length(self) -> bool:
+        """Whether setting `length` back is a whole rewind (no entry folds columns into a state)."""
+        return all(entry.snapshot() is None for entry in self.entries.values())
 
     def nbytes(self) -> dict[str, int]:
         """Measured bytes of the stored tensors, by the name of each kind's state ("attention_kv", ...)."""

@@ -9,6 +9,12 @@ item {"context": str, "choices": [...], "answer": int}, whose options continue t
 (what scripts/make_cloze_task.py cuts from held-out text, so that small models score above chance).
 Options are scored by one full-sequence forward, or decoded through the inference cache in a KV mode
 (`kv_mode`): what a served model would assign them.
+
+`adaptive` (an AdaptiveDepth, elr/infer/generate.py): the loss and accuracy functions run every
+forward with its exit rule, capped at `loops`, and count the loops of the positions they score. In a
+full-sequence forward a token that exited keeps its state while the later loops still compute its keys
+and values from it; decoded through the cache (teacher forced, the prompt or first half read at the cap)
+it keeps its own last loop's entries, as a served model does.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 
 from elr.chat_data import IGNORE_INDEX, ChatSplit
 from elr.infer.cache import InferenceCache
+from elr.infer.generate import AdaptiveDepth
 from elr.tokenizer import Tokenizer
 
 _OPTION = re.compile(r"^\s*([A-Z])[.)]\s?(.*)$")
@@ -84,7 +91,7 @@ def mc_requests(item: dict, tokenizer: Tokenizer) -> list[tuple[list[int], list[
 
 @torch.no_grad()
 def continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], loops: int,
-                          batch_size: int = 16) -> list[tuple[float, bool]]:
+                          batch_size: int = 16, adaptive: AdaptiveDepth | None = None) -> list[tuple[float, bool]]:
     """Summed log-probability of each continuation given its context at k=loops, and whether greedy
     decoding would produce it. Rows are right-padded (a causal model never looks right) and cut on
     the left to the model's length."""
@@ -97,20 +104,31 @@ def continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], lo
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
         for b, row in enumerate(rows):
             tokens[b, :len(row) - 1] = torch.tensor(row[:-1])
-        logprobs = F.log_softmax(model(tokens.to(device), loops).float(), dim=-1).cpu()
+        logprobs = F.log_softmax(model(tokens.to(device), loops, exit_rule=_rule(adaptive)).float(), dim=-1).cpu()
         for b, ((_, cont), row) in enumerate(zip(batch, rows)):
             first = len(row) - 1 - len(cont)  # position whose logits predict the first option token
             scores.append(option_score(logprobs[b, first:first + len(cont)], cont))
+            if adaptive is not None:
+                adaptive.count(model.loops_used()[b, first:first + len(cont)])
     return scores
 
 
-def teacher_forced_logits(model, tokens: torch.Tensor, prefill: int, loops: int, kv_mode: str) -> torch.Tensor:
+def teacher_forced_logits(model, tokens: torch.Tensor, prefill: int, loops: int, kv_mode: str,
+                          adaptive: AdaptiveDepth | None = None) -> torch.Tensor:
     """Logits predicting tokens[:, prefill:] and one more: the first `prefill` columns prefilled into an
-    inference cache in `kv_mode`, each later column fed one at a time, as a served model reads them."""
+    inference cache in `kv_mode`, each later column fed one at a time, as a served model reads them
+    (with `adaptive`, each at the depth its exit rule picks; the prefill at k = loops)."""
     cache = InferenceCache(model, tokens.shape[0], tokens.shape[1], loops, kv_mode)
     logits = [model(tokens[:, :prefill], loops, cache)[:, -1:]]
-    logits += [model(tokens[:, t:t + 1], loops, cache) for t in range(prefill, tokens.shape[1])]
+    for t in range(prefill, tokens.shape[1]):
+        logits.append(model(tokens[:, t:t + 1], loops, cache, exit_rule=_rule(adaptive)))
+        if adaptive is not None:
+            adaptive.count(model.loops_used())
     return torch.cat(logits, dim=1)
+
+
+def _rule(adaptive: AdaptiveDepth | None):
+    return adaptive.rule if adaptive is not None else None
 
 
 def option_score(logprobs: torch.Tensor, option: list[int]) -> tuple[float, bool]:
@@ -146,11 +164,14 @@ def decoded_continuation_logprobs(model, requests: list[tuple[list[int], list[in
 
 
 def score_multiple_choice(model, tokenizer: Tokenizer, items: list[dict], loops: int,
-                          batch_size: int = 16, kv_mode: str | None = None) -> dict:
+                          batch_size: int = 16, kv_mode: str | None = None,
+                          adaptive: AdaptiveDepth | None = None) -> dict:
     """acc and acc_norm over the items, and every option's log-likelihood (kv_mode None: one
     full-sequence forward per option; a mode: decoded through the inference cache)."""
     requests = [r for item in items for r in mc_requests(item, tokenizer)]
-    flat = iter(continuation_logprobs(model, requests, loops, batch_size) if kv_mode is None
+    if adaptive is not None and kv_mode is not None:
+        raise ValueError("adaptive depth scores options with one full-sequence forward (no kv_mode)")
+    flat = iter(continuation_logprobs(model, requests, loops, batch_size, adaptive) if kv_mode is None
                 else decoded_continuation_logprobs(model, requests, loops, kv_mode))
     correct = correct_norm = 0
     loglikelihoods = []
@@ -176,7 +197,8 @@ def read_tokens(path: str | Path) -> np.ndarray:
 
 
 @torch.no_grad()
-def validation_loss(model, tokens: np.ndarray, seq_len: int, loops: int, batches: int, batch_size: int) -> float:
+def validation_loss(model, tokens: np.ndarray, seq_len: int, loops: int, batches: int, batch_size: int,
+                    adaptive: AdaptiveDepth | None = None) -> float:
     """Mean next-token cross entropy over the first batches x batch_size windows of seq_len + 1."""
     windows = min(batches * batch_size, (len(tokens) - 1) // seq_len)
     if windows < 1:
@@ -188,14 +210,17 @@ def validation_loss(model, tokens: np.ndarray, seq_len: int, loops: int, batches
         if rows.max() >= vocab:  # another tokenizer's data, or the wrong dtype: an index error (a device assert on GPU)
             raise ValueError(f"validation data holds token id {rows.max()}, outside this model's vocabulary of {vocab}")
         rows = torch.from_numpy(rows.astype(np.int64)).to(device)
-        logits = model(rows[:, :-1], loops)
+        logits = model(rows[:, :-1], loops, exit_rule=_rule(adaptive))
+        if adaptive is not None:
+            adaptive.count(model.loops_used())
         total += F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(), reduction="sum").item()
         count += rows[:, 1:].numel()
     return total / count
 
 
 @torch.no_grad()
-def decoded_loss(model, tokens: np.ndarray, seq_len: int, loops: int, kv_mode: str, windows: int) -> float:
+def decoded_loss(model, tokens: np.ndarray, seq_len: int, loops: int, kv_mode: str, windows: int,
+                 adaptive: AdaptiveDepth | None = None) -> float:
     """Next-token cross entropy of each window's second half, decoded one token at a time (teacher
     forced) through the inference cache after its first half is prefilled: what a KV mode costs, which
     the full-sequence loss cannot show (in per_loop mode the two agree)."""
@@ -205,7 +230,7 @@ def decoded_loss(model, tokens: np.ndarray, seq_len: int, loops: int, kv_mode: s
     device, prefill = model.output.weight.device, seq_len // 2
     rows = np.stack([tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(windows)])
     rows = torch.from_numpy(rows.astype(np.int64)).to(device)
-    logits = teacher_forced_logits(model, rows[:, :-1], prefill, loops, kv_mode)  # predicts tokens prefill .. seq_len
+    logits = teacher_forced_logits(model, rows[:, :-1], prefill, loops, kv_mode, adaptive)  # predicts prefill..
     return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, prefill:].flatten()).item()
 
 
@@ -258,7 +283,8 @@ def measure_latency(model, prompt: list[int], loops: int, kv_mode: str, new_toke
 
 
 @torch.no_grad()
-def task_accuracy(model, task, seed: int, examples: int, loops: int, batch_size: int = 256) -> list[float]:
+def task_accuracy(model, task, seed: int, examples: int, loops: int, batch_size: int = 256,
+                  adaptive: AdaptiveDepth | None = None) -> list[float]:
     """Answer accuracy at each difficulty 1..max on a depth task's first `examples` validation
     examples (elr/tasks.py; the stream the run's own validation reads, seeded by its training seed)."""
     from elr import tasks
@@ -267,6 +293,8 @@ def task_accuracy(model, task, seed: int, examples: int, loops: int, batch_size:
     for first in range(0, examples, batch_size):
         rows, difficulties = tasks.batch(task, seed, tasks.VAL, first, min(batch_size, examples - first))
         inputs, labels = (torch.from_numpy(x.copy()) for x in tasks.inputs_and_labels(rows))
-        logits = model(inputs.to(model.output.weight.device), loops=loops).cpu()
+        logits = model(inputs.to(model.output.weight.device), loops=loops, exit_rule=_rule(adaptive)).cpu()
+        if adaptive is not None:
+            adaptive.count(model.loops_used()[:, -1])  # the position that predicts the answer
         scored += tasks.score_answers(logits, labels, torch.from_numpy(difficulties), task.max_difficulty)
     return (scored[0] / scored[1].clamp(min=1)).tolist()

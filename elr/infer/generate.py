@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from elr.infer.cache import InferenceCache
+from elr.models.early_exit import ExitRule
 
 
 @dataclass
@@ -59,17 +60,53 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return tokens.to(device), pad.to(device)
 
 
+@dataclass
+class AdaptiveDepth:
+    """Adaptive depth for a decoder or a scorer: an exit rule (elr/models/early_exit.py), capped at the
+    loop count it is run with, and the loops its forwards let the counted tokens run."""
+
+    rule: ExitRule
+    loops: int = 0  # loops run, summed over the counted tokens
+    tokens: int = 0
+
+    def count(self, loops_used: torch.Tensor) -> None:
+        """Add the loops of some tokens (a selection of `model.loops_used()`)."""
+        self.loops += int(loops_used.sum())
+        self.tokens += loops_used.numel()
+
+    @property
+    def mean_loops(self) -> float:
+        return self.loops / self.tokens if self.tokens else float("nan")
+
+
+def row_budgets(loops: int | list[int], batch: int, device) -> int | torch.Tensor:
+    """k for every row (an int), or one k per prompt (a list) as the model's per-row LongTensor [B]."""
+    if isinstance(loops, int):
+        return loops
+    if len(loops) != batch:
+        raise ValueError(f"{len(loops)} loop counts for {batch} prompts; give one per prompt or one for all")
+    return torch.tensor(loops, dtype=torch.long, device=device)
+
+
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], loops: int, max_new_tokens: int, eot_id: int,
+def generate(model, prompts: list[list[int]], loops: int | list[int], max_new_tokens: int, eot_id: int,
              kv_mode: str = "per_loop", sampling: Sampling = Sampling(),
              generator: torch.Generator | None = None,
-             stop: Callable[[list[list[int]]], list[bool]] | None = None) -> list[list[int]]:
+             stop: Callable[[list[list[int]]], list[bool]] | None = None,
+             adaptive: AdaptiveDepth | None = None) -> list[list[int]]:
     """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
-    (without the end-of-text token). `stop`, given the new tokens so far, says which rows are done
-    (e.g. a stop string was generated); their tokens so far are kept."""
+    (without the end-of-text token). `loops`: k for all, or one k per prompt (mixed budgets in one
+    batch, each row decoded as it would be alone). `stop`, given the new tokens so far, says which
+    rows are done (e.g. a stop string was generated); their tokens so far are kept. `adaptive`: the
+    prompt is read at k = loops, every new token decides its own depth by the exit rule, capped at k
+    (it counts the loops of the tokens kept)."""
+    if adaptive is not None and not isinstance(loops, int):
+        raise ValueError("adaptive depth caps every row at one k: give one loop count")
     device = model.output.weight.device
     tokens, pad = left_pad(prompts, eot_id, device)
-    cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, loops, kv_mode, pad)
+    loops = row_budgets(loops, len(prompts), device)
+    most = int(loops.max()) if torch.is_tensor(loops) else loops
+    cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, most, kv_mode, pad)
     logits = model(tokens, loops, cache)[:, -1]
     out = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
@@ -83,5 +120,7 @@ def generate(model, prompts: list[list[int]], loops: int, max_new_tokens: int, e
             done |= torch.tensor(stop(out), dtype=torch.bool, device=device)
         if done.all() or step == max_new_tokens - 1:
             break
-        logits = model(nxt[:, None], loops, cache)[:, -1]
+        logits = model(nxt[:, None], loops, cache, exit_rule=adaptive.rule if adaptive else None)[:, -1]
+        if adaptive is not None:
+            adaptive.count(model.loops_used()[~done, 0])
     return out

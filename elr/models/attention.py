@@ -101,12 +101,23 @@ class AttentionKV:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write this chunk's k, v [B, H_kv, T, D] (overwriting an earlier loop's), return all so far."""
         start, end = self.cache.length, self.cache.length + k.shape[2]
+        rows = self.cache.rows  # mixed budgets: rows past their budget keep their own last loop's entry
+        if rows is not None:
+            keep = ~rows[:, None, None, None]
+            k = torch.where(keep, self.k[:, :, start:end].to(k.dtype), k)
+            v = torch.where(keep, self.v[:, :, start:end].to(v.dtype), v)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end].to(k.dtype), self.v[:, :, :end].to(v.dtype), self.cache.attn_mask
 
     def commit(self) -> None:
         """Nothing is held back: `update` wrote the chunk's rows."""
+
+    def snapshot(self) -> None:
+        """Nothing to save for a rewind: columns past the cache's length are never read."""
+
+    def restore(self, saved: None) -> None:
+        """Rewinding the cache's length is the whole rewind."""
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]

@@ -162,7 +162,14 @@ class GDPState:
 
     def write(self, state: torch.Tensor, conv_states: tuple[torch.Tensor, ...]) -> None:
         """Hold the chunk's final state; it replaces the stored one when the whole forward ends, so
-        in last_loop mode every loop of the chunk starts from the previous chunk's final loop."""
+        in last_loop mode every loop of the chunk starts from the previous chunk's final loop. Rows
+        the cache marks as past their budget (`cache.rows`) keep what they held."""
+        rows = self.cache.rows
+        if rows is not None:
+            held = self.pending or (self.state, self.conv_states)
+            state = torch.where(rows[:, None, None, None], state, held[0].to(state.dtype))
+            conv_states = tuple(torch.where(rows[:, None, None], new, old.to(new.dtype))
+                                for new, old in zip(conv_states, held[1]))
         self.pending = (state, conv_states)
 
     def commit(self) -> None:
@@ -172,6 +179,15 @@ class GDPState:
             for dst, src in zip(self.conv_states, conv_states):
                 dst.copy_(src)
             self.pending = None
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of the committed state: it folds in every column, so a rewind needs them."""
+        return [t.clone() for t in self.tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for dst, src in zip(self.tensors(), saved):
+            dst.copy_(src)
+        self.pending = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.state, *self.conv_states]

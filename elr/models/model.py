@@ -67,9 +67,10 @@ class ELRModel(nn.Module):
         cutoff = 3 * a.dim ** -0.5
         nn.init.trunc_normal_(self.output.weight, std=a.dim ** -0.5, a=-cutoff, b=cutoff)
 
-    def forward(self, tokens: torch.Tensor, loops: int = 1, cache=None, head: bool = True,
-                every_loop: bool = False) -> torch.Tensor:
-        """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times.
+    def forward(self, tokens: torch.Tensor, loops: int | torch.Tensor = 1, cache=None, head: bool = True,
+                every_loop: bool = False, exit_rule=None) -> torch.Tensor:
+        """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times: an int,
+        or a LongTensor [B] of per-row budgets (each row gets what it gets alone, RecurrentBlock).
 
         head=False returns the normed final hidden state [B, T, dim] instead, for a loss that applies
         `self.output` itself a chunk of tokens at a time (elr/train/loss.py). every_loop=True (training,
@@ -79,7 +80,12 @@ class ELRModel(nn.Module):
         With `cache` (inference, elr/infer/cache.py) `tokens` continue the cached sequences: each
         row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
         Under context parallelism (`context_parallel`) `tokens` are this rank's slice of each sequence.
+
+        `exit_rule` (inference; elr/models/early_exit.py): adaptive depth, `loops` its cap; the loops
+        each token ran are then `loops_used()`.
         """
+        if torch.is_tensor(loops) and loops.shape != tokens.shape[:1]:
+            raise ValueError(f"per-row loop counts need shape ({tokens.shape[0]},), not {tuple(loops.shape)}")
         if cache is None:
             T, start = tokens.shape[1], 0
             if self.context_parallel is not None:
@@ -97,16 +103,25 @@ class ELRModel(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
             h = layer(h, rope, cache=entry(layer))
-        h, exit_films = self.recurrent(h, rope, loops, cache, every_loop=every_loop)
+
+        def readout(h, exit_films, head=True):  # the output block, norm and head (the KL exit rule reads every loop)
+            for layer, film in zip(self.output_layers, exit_films or [None] * len(self.output_layers)):
+                h = layer(h, rope, film=film, cache=entry(layer))
+            h = self.norm(h)
+            return self.output(h) if head else h
+
+        h, exit_films = self.recurrent(h, rope, loops, cache, every_loop=every_loop, exit_rule=exit_rule,
+                                       readout=readout)
         if every_loop:
             h = torch.cat(h)
-        for layer, film in zip(self.output_layers, exit_films or [None] * len(self.output_layers)):
-            h = layer(h, rope, film=film, cache=entry(layer))
+        h = readout(h, exit_films, head)
         if cache is not None:
             cache.advance()
-        h = self.norm(h)
-        h = self.output(h) if head else h
         return h.unflatten(0, (loops, tokens.shape[0])) if every_loop else h
+
+    def loops_used(self) -> torch.Tensor | None:
+        """[B, T]: the loops each token ran in the last forward with an exit rule (None otherwise)."""
+        return self.recurrent.loops_used
 
     def extend_positions(self, max_seq_len: int) -> None:
         """Enlarge the RoPE table to `max_seq_len` positions (never shrinks it); positions past the

@@ -115,9 +115,10 @@ class LoopConditioning(nn.Module):
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
 
-    def forward(self, loop: int | None, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...] | None]:
+    def forward(self, loop: int | None, loops, rows: int = 0) -> list[tuple[torch.Tensor, ...] | None]:
         """Per recurrent layer (scale, shift, gate), (scale, shift) without the gate, or None, for
-        loop `loop` of a `loops`-loop forward; loop None: per output-block layer (`exit`)."""
+        loop `loop` of a `loops`-loop forward; loop None: per output-block layer (`exit`). `loops` may
+        be a LongTensor of budgets, [B] (one per row) or [B, T] (one per token): each gets its own."""
         if loop is None:
             return self._exit_films(loops, rows)
         if not (self.first_loop if loop == 1 else self.later_loops):
@@ -125,7 +126,7 @@ class LoopConditioning(nn.Module):
         c = self.loop_embed.weight[loop - 1]
         if self.budget:
             c = c + self.budget_embed.weight[loops - 1]
-        return self._films(self.heads, c)
+        return self._films(self.heads, c, per_row=True)
 
     def exit(self, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...]]:
         """Per output-block layer, FiLM for the state after `loops` loops (needs exit heads). With
@@ -137,14 +138,16 @@ class LoopConditioning(nn.Module):
 
     def _exit_films(self, loops: int, rows: int) -> list[tuple[torch.Tensor, ...]]:
         if not rows:
-            return self._films(self.exit_heads, self.budget_embed.weight[loops - 1])
+            return self._films(self.exit_heads, self.budget_embed.weight[loops - 1], per_row=True)
         per_exit = self._films(self.exit_heads, self.budget_embed.weight[:loops])  # each [loops, dim]
         return [tuple(t.repeat_interleave(rows, 0)[:, None] for t in film) for film in per_exit]
 
-    def _films(self, heads: nn.ModuleList, c: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    def _films(self, heads: nn.ModuleList, c: torch.Tensor, per_row: bool = False) -> list[tuple[torch.Tensor, ...]]:
+        """c: [..., cond_dim]; `per_row` (c is [B, cond_dim], one budget per row): FiLM [B, 1, dim]."""
         if self.silu:
             c = F.silu(c)
-        return [tuple(head(c).chunk(3 if self.gate else 2, dim=-1)) for head in heads]
+        films = [tuple(head(c).chunk(3 if self.gate else 2, dim=-1)) for head in heads]
+        return [tuple(t[:, None] for t in film) for film in films] if per_row and c.ndim == 2 else films
 
 
 class RecurrentBlock(nn.Module):
@@ -171,6 +174,7 @@ class RecurrentBlock(nn.Module):
         # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
         self.record_statistics = False
         self._recorded: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.loops_used: torch.Tensor | None = None  # [B, T]: loops each token ran, after an exit-rule forward
         # The ranks each sequence is split over (TP / CP): a hook set by elr/parallel/parallelize.py,
         # over which `loop_statistics` sums, so the statistics describe whole sequences.
         self.sequence_shards = None
@@ -182,22 +186,47 @@ class RecurrentBlock(nn.Module):
         c = self.conditioning
         return c is None or not c.budget or not (c.first_loop or c.later_loops)
 
-    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops: int, cache=None,
-                every_loop: bool = False) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
+    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops, cache=None, every_loop: bool = False,
+                exit_rule=None, readout=None) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
         """(s_k, the output block's FiLM for budget k or None without exit heads); with `every_loop`,
         ([s_1, ..., s_k], each exit's FiLM) (needs a prefix-consistent block). `cache` (inference
-        only) hands each layer its cache entry for loop i (keys and values, or a state)."""
-        if loops < 1 or (loops > self.max_loops and self.conditioning is not None):
-            raise ValueError(f"loops={loops} is outside 1..{self.max_loops}, the loop counts this model's conditioning "
-                             "embeddings cover (an unconditioned model runs any k >= 1; beyond its max_loops it "
-                             "extrapolates)")
+        only) hands each layer its cache entry for loop i (keys and values, or a state).
+
+        `loops` is k, or a LongTensor [B] of budgets, one per row (mixed budgets in one batch): the
+        forward runs the largest; a row whose budget is spent passes through the later loops unchanged
+        (its state is kept, the cache is told not to store its results), so it gets exactly what it
+        gets alone, FiLM and exit FiLM of its own budget included.
+
+        `exit_rule` (adaptive depth, elr/models/early_exit.py; `loops` is then the cap): each token
+        stops after the loop the rule lets it go, and passes the later loops unchanged in the same way;
+        `readout(s, exit_films)` gives the logits of a state, for rules that compare them. The loops
+        each token ran are left in `loops_used` [B, T]. Through a cache it runs one token at a time."""
+        budgets = loops if torch.is_tensor(loops) else None
+        least, most = (int(budgets.min()), int(budgets.max())) if budgets is not None else (loops, loops)
+        if least < 1 or (most > self.max_loops and self.conditioning is not None):
+            raise ValueError(f"loops={most if least >= 1 else least} is outside 1..{self.max_loops}, the loop counts "
+                             "this model's conditioning embeddings cover (an unconditioned model runs any k >= 1; "
+                             "beyond its max_loops it extrapolates)")
         routes = [Route() if self.route_replay and "route" in layer.inputs else None for layer in self.layers]
         no_film = [None] * len(self.layers)
-        if every_loop and not self.prefix_consistent:
-            raise ValueError("every_loop needs loop conditioning without the budget embedding (conditioning_budget = False)")
+        if every_loop and (not self.prefix_consistent or budgets is not None):
+            raise ValueError("every_loop needs one loop count and loop conditioning without the budget embedding "
+                             "(conditioning_budget = False)")
+        exited = logp = self.loops_used = None
+        if exit_rule is not None:
+            if budgets is not None or every_loop or (cache is not None and h_in.shape[1] != 1):
+                raise ValueError("an exit rule takes one loop count (its cap), and decodes one token at a time "
+                                 "through a cache (prefill at a fixed k)")
+            exited = torch.zeros(h_in.shape[:2], dtype=torch.bool, device=h_in.device)
+            self.loops_used = torch.full_like(exited, most, dtype=torch.long)
         self._recorded = []
         s, states = h_in, []
-        for i in range(1, loops + 1):
+        for i in range(1, most + 1):
+            running = budgets >= i if budgets is not None and i > least else None  # rows still looping (None: all)
+            if exited is not None and i > 1:
+                running = ~exited  # tokens still looping
+            if cache is not None:
+                cache.set_rows(running if running is None or running.ndim == 1 else running[:, 0], loop=i)
             s_in = s + h_in if self.recurrent_input == "state_plus_input" and i > 1 else s
             films = self.conditioning(i, loops) if self.conditioning is not None else no_film
             r = s_in
@@ -206,13 +235,31 @@ class RecurrentBlock(nn.Module):
                 r = layer(r, rope, film=film, route=route, cache=entry)
             a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
             s_next = self._update(s, r, a)
+            if running is not None:
+                s_next = torch.where(running.view(*running.shape, *[1] * (s.ndim - running.ndim)), s_next, s)
             if self.record_statistics:
                 self._recorded.append(self._record(s, s_next, a, films))
+            if exited is not None and i < most:
+                logp_next = (readout(s_next, self.exit_films(i)).float().log_softmax(-1)
+                             if exit_rule.needs_logits else None)
+                stop = exit_rule.exits(s, s_next, logp, logp_next) & ~exited
+                self.loops_used.masked_fill_(stop, i)
+                exited, logp = exited | stop, logp_next
             s = s_next
             states.append(s)
-        c = self.conditioning
-        exit_films = c.exit(loops, h_in.shape[0] if every_loop else 0) if c is not None and c.exit_heads else None
+            if exited is not None and bool(exited.all()):
+                break
+        if cache is not None:
+            cache.set_rows(None)
+        budget = self.loops_used if exited is not None else loops
+        exit_films = self.exit_films(budget, h_in.shape[0] if every_loop else 0)
         return (states if every_loop else s), exit_films
+
+    def exit_films(self, loops, rows: int = 0) -> list | None:
+        """The output block's FiLM for the state after `loops` loops (an int, or per row or token), or
+        None without exit heads."""
+        c = self.conditioning
+        return c.exit(loops, rows) if c is not None and c.exit_heads else None
 
     def _update(self, s, r, a):
         if self.update == "adaptive_delta":

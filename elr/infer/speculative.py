@@ -1,0 +1,110 @@
+"""Self-speculative greedy decoding: draft at k = j loops, verify at k = K, one model and one cache.
+
+A round, with `current` the last token chosen and not yet fed:
+1. draft: feed `current`, then each drafted token, at j loops, one token at a time: n tokens;
+2. rewind the cache to where it was (attention: its length; GDP states: a snapshot);
+3. verify: feed `current` and the n drafts at K loops in one forward; its greedy choices accept the
+   drafts up to the first disagreement, and its choice there is one more token (so a round always
+   gains at least one token, and n + 1 when every draft is accepted);
+4. keep the cache entries of the accepted tokens (the verifying pass wrote them) and rewind past the
+   rejected ones. Attention forgets them by its length; a GDP state folds every column in, so it is
+   rewound to the snapshot and the accepted tokens are fed again at K (one more forward, only in
+   rounds that rejected something, only in models with GDP layers).
+
+What it equals: the verify pass is a chunk forward, the exact full-sequence computation over its
+tokens. In `per_loop` mode (and in any mode when the recurrent block has no attention layer) plain
+token-by-token decoding is that same computation, so the output equals plain greedy decoding at
+k = K token for token (up to floating-point ties). In the shared modes (`last_loop_kv`, `last_loop`)
+a token decoded alone reads earlier tokens' final-loop keys while a chunk reads them loop by loop, so
+speculative output is greedy decoding of the chunked cache: it may differ from plain decoding there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elr.infer.cache import InferenceCache
+
+
+@dataclass
+class SpeculationStats:
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # of them, accepted by the verifying pass
+    rounds: int = 0  # verifying forwards
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def add(self, other: SpeculationStats) -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.rounds += other.rounds
+
+
+@torch.no_grad()
+def speculative_generate(model, prompts: list[list[int]], loops: int, max_new_tokens: int, eot_id: int,
+                         kv_mode: str = "per_loop", draft_loops: int = 1,
+                         draft_tokens: int = 4) -> tuple[list[list[int]], SpeculationStats]:
+    """Greedy continuation of each prompt at k = `loops`, drafted at k = `draft_loops`, up to
+    `draft_tokens` per round; returns the new tokens per prompt (as `generate` does) and the draft
+    statistics. Prompts run one at a time (rows accept different numbers of tokens)."""
+    if not 1 <= draft_loops <= loops:
+        raise ValueError(f"draft loops must lie in 1..{loops} (the verifying k), not {draft_loops}")
+    if draft_tokens < 1:
+        raise ValueError(f"draft tokens must be at least 1, not {draft_tokens}")
+    stats, outputs = SpeculationStats(), []
+    for prompt in prompts:
+        out, one = _speculate(model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loops, draft_tokens)
+        outputs.append(out)
+        stats.add(one)
+    return outputs, stats
+
+
+def _speculate(model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loops, draft_tokens):
+    if not prompt:
+        raise ValueError("every prompt needs at least one token")
+    device = model.output.weight.device
+    cache = InferenceCache(model, 1, len(prompt) + max_new_tokens, loops, kv_mode)
+    rewind_by_length = cache.rewind_by_length()
+    stats = SpeculationStats()
+    current = int(model(torch.tensor([prompt], device=device), loops, cache)[0, -1].argmax())
+    out = []
+    while current != eot_id:
+        out.append(current)
+        if len(out) == max_new_tokens:
+            break
+        # Columns: every fed token plus the n drafts stays within prompt + max_new_tokens.
+        n = min(draft_tokens, max_new_tokens - len(out))
+        saved = cache.snapshot()
+        drafts, token = [], current
+        for _ in range(n):
+            token = int(model(torch.tensor([[token]], device=device), draft_loops, cache)[0, -1].argmax())
+            drafts.append(token)
+            if token == eot_id:
+                break
+        cache.restore(saved)
+        fed = [current, *drafts]
+        choices = model(torch.tensor([fed], device=device), loops, cache)[0].argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
+            accepted += 1
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        stats.rounds += 1
+        if accepted < len(drafts):  # take back the rejected drafts' columns
+            if rewind_by_length:
+                cache.length = saved[0] + accepted + 1
+            else:
+                cache.restore(saved)
+                model(torch.tensor([fed[:accepted + 1]], device=device), loops, cache)
+        for token in drafts[:accepted]:
+            if token == eot_id or len(out) == max_new_tokens:
+                return out, stats
+            out.append(token)
+        current = choices[accepted]
+        if len(out) == max_new_tokens:
+            break
+    return out, stats
