@@ -67,7 +67,15 @@ class ELR(RecurrenceOptions):
         ranks; over whole expert groups under expert parallelism; over microbatch slots when one group spans every
         rank, or in one process)
     loop_weights: K non-negative weights over k = 1..K; empty: uniform
+    loop_weights_start: a loop-count schedule: the weights of the first mixed-depth update (K non-negative numbers,
+        e.g. `[0, 0, 0, 1]`: loops first), blended linearly into `loop_weights` over `loop_schedule_steps`
+        updates; empty: no schedule
+    loop_schedule_steps: updates over which `loop_weights_start` becomes `loop_weights`, counted from the first
+        mixed-depth update (after the late switch, if any); 0 with an empty `loop_weights_start`
     switch_at: fraction of `training.steps` trained at k=1 before mixed depth; needs checkpoints
+    switch_conditioning: `at_switch` (the paper's: the one-loop phase has no conditioning, the switch adds it
+        zero-initialised) or `from_start` (the conditioning exists and trains through the one-loop phase, at k = 1
+        seeing E_budget[1]; the switch changes only the loop counts)
     """
 
     enabled: bool = True
@@ -79,7 +87,10 @@ class ELR(RecurrenceOptions):
     emulated_ranks: int = 1
     one_loop_override: float = 0.0
     loop_weights: list[float] = field(default_factory=list)
+    loop_weights_start: list[float] = field(default_factory=list)
+    loop_schedule_steps: int = 0
     switch_at: float = 0.0
+    switch_conditioning: str = "at_switch"
 
 
 @dataclass
