@@ -75,7 +75,8 @@ class ELR(RecurrenceOptions):
     switch_at: fraction of `training.steps` trained at k=1 before mixed depth; needs checkpoints
     switch_conditioning: `at_switch` (the paper's: the one-loop phase has no conditioning, the switch adds it
         zero-initialised) or `from_start` (the conditioning exists and trains through the one-loop phase, at k = 1
-        seeing E_budget[1]; the switch changes only the loop counts)
+        seeing E_budget[1]; the switch changes only the loop counts). Without a switch both build the same model;
+        a run continued from a `from_start` checkpoint with `switch_at = 0` keeps `from_start` (frozen on resume)
     """
 
     enabled: bool = True

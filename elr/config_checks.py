@@ -79,9 +79,8 @@ def validate(cfg: JobConfig) -> None:
         _check(0 < step < cfg.training.steps, "elr.switch_at",
                f"x training.steps = {cfg.training.steps} rounds to step {step}; the switch must fall after "
                f"step 0 and before the last step {cfg.training.steps}", e.switch_at)
-    if e.switch_conditioning == "from_start":
-        _check(e.switch_at > 0 and e.conditioning, "elr.switch_conditioning",
-               "from_start needs a late switch (elr.switch_at > 0) and elr.conditioning = true", e.switch_conditioning)
+    _check(e.conditioning or e.switch_conditioning == "at_switch", "elr.switch_conditioning",
+           "from_start needs elr.conditioning = true", e.switch_conditioning)
     if not e.enabled:
         _check(e.max_loops == 1, "elr.max_loops", "must be 1 when elr.enabled = false (the baseline)", e.max_loops)
         _check(not e.conditioning, "elr.conditioning", "needs elr.enabled = true", e.conditioning)

@@ -63,7 +63,6 @@ def test_tokenizer_sha256_is_a_hex_digest_or_empty():
         ("[elr]\nstep_input = \"both\"\n", [], "elr.step_input"),
         ("[elr]\nswitch_at = 0.5\n", [], "checkpoint.enable"),  # the switch goes through a checkpoint
         ("[elr]\nswitch_conditioning = \"never\"\n", [], "elr.switch_conditioning"),
-        ("[elr]\nswitch_conditioning = \"from_start\"\n", [], "elr.switch_conditioning"),  # no switch
         ("[elr]\nswitch_conditioning = \"from_start\"\nswitch_at = 0.5\nconditioning = false\n"
          "[checkpoint]\nenable = true\n", [], "elr.switch_conditioning"),  # nothing to train from the start
         ("[elr]\nmax_loops = 3\nloop_weights_start = [0, 1]\nloop_schedule_steps = 5\n", [], "elr.loop_weights_start"),

@@ -130,6 +130,9 @@ def test_switch_with_conditioning_from_start_trains_it_at_one_loop_and_resumes_e
         copy_checkpoint(tmp_path / "in_run", step, dump)
         resumed = run(dump, 6, *FROM_START)
         assert resumed == {s: in_run[s] for s in range(step + 1, 7)}, step
+    dump = tmp_path / "mixed_depth_config"  # the switch checkpoint continued as a mixed-depth job
+    copy_checkpoint(tmp_path / "in_run", 3, dump)
+    assert run(dump, 6, *FROM_START, "--elr.switch_at", "0") == {s: in_run[s] for s in (4, 5, 6)}
     model, _ = load_model(tmp_path / "in_run" / "checkpoint" / "step-2")  # before the switch: the heads are there
     heads = model.recurrent.conditioning.exit_heads
     assert heads and all(head.weight.abs().sum() > 0 for head in heads)  # ... and trained away from their zero init
