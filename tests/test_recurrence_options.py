@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from elr.config import ELR, load_config
-from elr.errors import ConfigError
+from elr.errors import CheckpointError, ConfigError
 from elr.interop import hf_config
 from elr.models.from_config import model_args_from_config
 from elr.recurrence_options import RecurrenceOptions, names
@@ -70,6 +70,12 @@ def test_the_export_writes_every_option_and_reads_it_back():
     assert list(config["elr_model"]["recurrence"]) == names()
     assert config["max_loops"] == 4
     assert hf_config.model_args(config["elr_model"]) == args
+    for name in hf_config.LATER_OPTIONS:  # an export written before these options reads them at their defaults
+        del config["elr_model"]["recurrence"][name]
+    assert hf_config.model_args(config["elr_model"]) == args
+    del config["elr_model"]["recurrence"]["max_loops"]  # any other option missing is refused
+    with pytest.raises(CheckpointError, match="lacks max_loops"):
+        hf_config.model_args(config["elr_model"])
 
 
 def test_a_bad_option_names_its_key():

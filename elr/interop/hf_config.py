@@ -34,6 +34,9 @@ FORMAT_1_NAMES = {
     "cond_first_loop": "conditioning_first_loop", "cond_later_loops": "conditioning_later_loops",
     "cond_silu": "conditioning_silu", "cond_exit": "conditioning_exit",
 }
+# Recurrence options added after format 2 was defined (issue 35): an export written before them lacks them and
+# holds the model they build at their defaults (each new option's default is the behaviour before it).
+LATER_OPTIONS = ("backprop_loops", "state_norm", "depth_scaled_init", "initial_state_noise")
 MODEL_TYPE = "elr"
 ARCHITECTURE = "ELRForCausalLM"
 AUTO_MAP = {"AutoConfig": "configuration_elr.ELRConfig", "AutoModelForCausalLM": "modeling_elr.ELRForCausalLM"}
@@ -97,6 +100,9 @@ def model_args(fields, where: str | Path = CONFIG) -> ModelArgs:
         recurrence = {new: fields[old] for old, new in FORMAT_1_NAMES.items() if old in fields}
         fields = {**{k: v for k, v in fields.items() if k not in FORMAT_1_NAMES}, "recurrence": recurrence}
     _check_fields(fields, ModelArgs, where, "elr_model")
+    if isinstance(fields["recurrence"], dict):
+        defaults = RecurrenceOptions()
+        fields["recurrence"] = {**{n: getattr(defaults, n) for n in LATER_OPTIONS}, **fields["recurrence"]}
     _check_fields(fields["recurrence"], RecurrenceOptions, where, "elr_model.recurrence")
     try:
         return ModelArgs(**{**fields, "partition": tuple(fields["partition"]),
