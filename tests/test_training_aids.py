@@ -4,6 +4,7 @@ that k = 1 is the plain stack where the option says so (elr/models/recurrence.py
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from elr.models import build_model, flavors
 from elr.models.layers import Layer
@@ -121,6 +122,26 @@ def test_truncated_backprop_changes_nothing_within_its_window():
     for k in (1, 2):
         a, b = _grads(full, x, k), _grads(truncated, x, k)
         assert all(torch.equal(a[name], b[name]) for name in a if a[name] is not None), k
+
+
+@pytest.mark.parametrize("recurrent_input", ["state", "state_plus_input"])
+def test_truncated_backprop_flops_count_the_loops_outside_the_window_forward_only(recurrent_input):
+    """The model's count against FlopCounterMode's (matmuls and attention, forward + backward)."""
+    from test_model import CPU_ATTENTION_FLOPS
+
+    model = make(backprop_loops=1, recurrent_input=recurrent_input)
+    B, T = 2, 12
+    x = tokens(B, T)
+    a = model.args
+    recompute = 2 * a.n_heads * a.head_dim * T  # flash attention's backward recomputes the scores
+    for loops in (1, 2, 3):
+        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+            F.cross_entropy(model(x, loops=loops).flatten(0, 1), x.flatten()).backward()
+        counted = sum(counter.get_flop_counts()["Global"].values()) / (B * T)
+        # attention layers with a backward: the input block's (unless cut off) and the last loop's
+        with_backward = 1 + (1 if loops == 1 or recurrent_input != "state" else 0)
+        assert counted == model.num_flops_per_token(T, loops) + with_backward * recompute, loops
+    assert model.num_flops_per_token(T, 3) < make(recurrent_input=recurrent_input).num_flops_per_token(T, 3)
 
 
 def test_truncated_backprop_keeps_the_reinjected_inputs_gradient():

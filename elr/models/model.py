@@ -213,7 +213,9 @@ class ELRModel(nn.Module):
         Weights count 6 FLOPs per multiply-accumulate; each layer kind adds its own terms
         (`LayerKind.flops_per_token`: attention scores, GDP state updates). Left out: the conditioning
         heads (once per sequence) and elementwise work (the state norm). The input adapter
-        (state_plus_adapted_input) counts once: W h_in is computed once per forward.
+        (state_plus_adapted_input) counts once: W h_in is computed once per forward. Under truncated
+        backprop (`backprop_loops`) the loops before the window run forward only (a third), and so
+        does the input block when no input is re-injected (no gradient reaches it).
         """
         a = self.args
         n_in, n_rec, _ = a.partition
@@ -224,5 +226,10 @@ class ELRModel(nn.Module):
         exits = loops if every_loop else 1
         once = sum(per_layer[:n_in]) + (6 * a.dim * a.dim if self.recurrent.input_adapter is not None else 0)
         after = sum(per_layer[n_in + n_rec:]) + 6 * a.dim * a.vocab_size
-        return once + loops * recurrent + exits * after
+        # every_loop: each exit's loss reaches its own loops, so every loop has a backward
+        window = a.recurrence.backprop_loops
+        forward_only = loops - window if window and loops > window and not every_loop else 0
+        if forward_only and a.recurrence.recurrent_input == "state":
+            once //= 3
+        return once + (loops - forward_only) * recurrent + forward_only * recurrent // 3 + exits * after
 
