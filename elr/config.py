@@ -52,7 +52,7 @@ class ELR(RecurrenceOptions):
     elr/recurrence_options.py's RecurrenceOptions, documented there; these are the keys of the training.
 
     enabled: false: the non-recurrent baseline (every layer once, no ELR parameters; needs `max_loops = 1` and
-        `conditioning = false`; `update` and `recurrent_input` do not apply)
+        `conditioning = false`; the other recurrence options do not apply)
     partition: `[L_in, L_rec, L_out]`, must add up to the flavor's layer count; empty: the flavor's
     step_lr_scale: the step's parameters train at `optimizer.lr` × this (their own optimizer group)
     step_weight_decay: weight decay of the step's parameters (pulls W towards 0, the step towards 1)
