@@ -84,6 +84,18 @@ def test_resume_is_bit_exact_at_every_checkpoint(tmp_path):
         assert [r["loops"] for r in records(dump)] == [r["loops"] for r in records(tmp_path / "full")][step:]
 
 
+def test_resume_is_bit_exact_with_every_training_aid(tmp_path):
+    """The initial-state noise follows the CPU generator a checkpoint saves, the schedule follows the step."""
+    aids = [*CKPT, "--checkpoint.interval", "3", "--elr.initial_state_noise", "0.5", "--elr.state_norm", "true",
+            "--elr.recurrent_input", "state_plus_adapted_input", "--elr.backprop_loops", "2",
+            "--elr.depth_scaled_init", "true", "--elr.loop_weights_start", "0,0,1", "--elr.loop_schedule_steps", "4"]
+    full = run(tmp_path / "full", 6, *aids)
+    assert sum(records(tmp_path / "full")[0]["loops"], []) == [3, 3]  # the schedule's first update: k = K only
+    dump = tmp_path / "resumed"
+    copy_checkpoint(tmp_path / "full", 3, dump)
+    assert run(dump, 6, *aids) == {s: full[s] for s in (4, 5, 6)}
+
+
 SWITCH = [*CKPT, "--elr.switch_at", "0.5", "--checkpoint.interval", "100"]
 
 
