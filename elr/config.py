@@ -62,7 +62,7 @@ class ELR(RecurrenceOptions):
     elr/recurrence_options.py's RecurrenceOptions, documented there; these are the keys of the training.
 
     enabled: false: the non-recurrent baseline (every layer once, no ELR parameters; needs `max_loops = 1` and
-        `conditioning = false`; `update` and `recurrent_input` do not apply)
+        `conditioning = false`; the other recurrence options do not apply)
     partition: `[L_in, L_rec, L_out]`, must add up to the flavor's layer count; empty: the flavor's
     step_lr_scale: the step's parameters train at `optimizer.lr` × this (their own optimizer group)
     step_weight_decay: weight decay of the step's parameters (pulls W towards 0, the step towards 1)
@@ -77,7 +77,16 @@ class ELR(RecurrenceOptions):
         ranks; over whole expert groups under expert parallelism; over microbatch slots when one group spans every
         rank, or in one process)
     loop_weights: K non-negative weights over k = 1..K; empty: uniform
+    loop_weights_start: a loop-count schedule: the weights of the first mixed-depth update (K non-negative numbers,
+        e.g. `[0, 0, 0, 1]`: loops first), blended linearly into `loop_weights` over `loop_schedule_steps`
+        updates; empty: no schedule
+    loop_schedule_steps: updates over which `loop_weights_start` becomes `loop_weights`, counted from the first
+        mixed-depth update (after the late switch, if any); 0 with an empty `loop_weights_start`
     switch_at: fraction of `training.steps` trained at k=1 before mixed depth; needs checkpoints
+    switch_conditioning: `at_switch` (the paper's: the one-loop phase has no conditioning, the switch adds it
+        zero-initialised) or `from_start` (the conditioning exists and trains through the one-loop phase, at k = 1
+        seeing E_budget[1]; the switch changes only the loop counts). Without a switch both build the same model;
+        a run continued from a `from_start` checkpoint with `switch_at = 0` keeps `from_start` (frozen on resume)
     """
 
     enabled: bool = True
@@ -89,7 +98,10 @@ class ELR(RecurrenceOptions):
     emulated_ranks: int = 1
     one_loop_override: float = 0.0
     loop_weights: list[float] = field(default_factory=list)
+    loop_weights_start: list[float] = field(default_factory=list)
+    loop_schedule_steps: int = 0
     switch_at: float = 0.0
+    switch_conditioning: str = "at_switch"
 
 
 @dataclass

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 CHOICES = {
     "elr.sampling": ("independent", "synchronized", "stratified"),
+    "elr.switch_conditioning": ("at_switch", "from_start"),
     "data.task": ("", *TASKS),
     "training.mixed_precision_param": ("float32", "bfloat16"),
     "optimizer.name": ("adamw", "muon"),
@@ -65,11 +66,15 @@ def validate(cfg: JobConfig) -> None:
         _check(e.partition[1] >= 1, "elr.partition", "the recurrent block needs at least one layer", e.partition)
     _check(e.emulated_ranks >= 1, "elr.emulated_ranks", "must be >= 1", e.emulated_ranks)
     _check(0.0 <= e.one_loop_override <= 1.0, "elr.one_loop_override", "must lie in [0, 1]", e.one_loop_override)
-    if e.loop_weights:
-        _check(len(e.loop_weights) == e.max_loops, "elr.loop_weights",
-               f"needs one weight per k in 1..{e.max_loops}", e.loop_weights)
-        _check(all(w >= 0 for w in e.loop_weights) and sum(e.loop_weights) > 0, "elr.loop_weights",
-               "must be non-negative with a positive sum", e.loop_weights)
+    for key in ("loop_weights", "loop_weights_start"):
+        weights = getattr(e, key)
+        if weights:
+            _check(len(weights) == e.max_loops, f"elr.{key}", f"needs one weight per k in 1..{e.max_loops}", weights)
+            _check(all(w >= 0 for w in weights) and sum(weights) > 0, f"elr.{key}",
+                   "must be non-negative with a positive sum", weights)
+    _check(e.loop_schedule_steps >= 0, "elr.loop_schedule_steps", "must be >= 0", e.loop_schedule_steps)
+    _check(bool(e.loop_weights_start) == (e.loop_schedule_steps > 0), "elr.loop_schedule_steps",
+           "and elr.loop_weights_start go together: a schedule needs both (or neither)", e.loop_schedule_steps)
     _check(e.step_lr_scale > 0, "elr.step_lr_scale", "must be > 0", e.step_lr_scale)
     _check(e.step_weight_decay >= 0, "elr.step_weight_decay", "must be >= 0", e.step_weight_decay)
     _check(0.0 <= e.switch_at < 1.0, "elr.switch_at", "must lie in [0, 1)", e.switch_at)
@@ -82,6 +87,8 @@ def validate(cfg: JobConfig) -> None:
         _check(0 < step < cfg.training.steps, "elr.switch_at",
                f"x training.steps = {cfg.training.steps} rounds to step {step}; the switch must fall after "
                f"step 0 and before the last step {cfg.training.steps}", e.switch_at)
+    _check(e.conditioning or e.switch_conditioning == "at_switch", "elr.switch_conditioning",
+           "from_start needs elr.conditioning = true", e.switch_conditioning)
     if not e.enabled:
         _check(e.max_loops == 1, "elr.max_loops", "must be 1 when elr.enabled = false (the baseline)", e.max_loops)
         _check(not e.conditioning, "elr.conditioning", "needs elr.enabled = true", e.conditioning)

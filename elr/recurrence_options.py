@@ -20,7 +20,7 @@ from elr.errors import ConfigError
 
 # The option strings of `update`, `recurrent_input` and `step_input` (their meaning: elr/models/recurrence.py).
 UPDATE_RULES = ("adaptive_delta", "replace", "residual")
-RECURRENT_INPUTS = ("state", "state_plus_input")
+RECURRENT_INPUTS = ("state", "state_plus_input", "state_plus_adapted_input")
 STEP_INPUTS = ("state", "delta", "channel")
 
 
@@ -29,8 +29,9 @@ class RecurrenceOptions:
     """[elr]: what each key means (the README table and --help are made from these lines).
 
     max_loops: K: loop counts are drawn from 1..K; validation runs every k in 1..K
-    recurrent_input: `state` or `state_plus_input` (re-injection of h_in from loop 2 on, the Table 14 ablation; k =
-        1 stays the plain stack)
+    recurrent_input: `state`, `state_plus_input` (re-injection of h_in from loop 2 on, the Table 14 ablation; k = 1
+        stays the plain stack) or `state_plus_adapted_input` (s_{i-1} + W h_in on every loop, the first included, W
+        zero-initialised: the plain stack at init, and k = 1 may learn to differ)
     update: `adaptive_delta` (learned step), `replace` (s_i = r_i) or `residual` (s_i = s_{i-1} + r_i; k = 1 is not
         the plain stack)
     step_input: what `adaptive_delta`'s step a = 2σ(W norm(x) + b) sees: `state` (x = s~_i), `delta` (x = r_i −
@@ -46,6 +47,15 @@ class RecurrenceOptions:
         not additive in i and k
     conditioning_exit: FiLM heads from E_budget[k] on the output block's layers too, so it reads each budget's last
         state in its own way; with both loop options false it is the only conditioning and no loop can be scaled down
+    backprop_loops: n > 0: gradients flow through the last n loops of a forward only (the state entering loop k − n + 1
+        is detached; re-injected input still gets its gradient); 0: through every loop. Training only: the forward
+        is unchanged
+    state_norm: an RMSNorm on the state between loops (s_{i-1} before loop i >= 2); k = 1 is unchanged, no norm runs
+    depth_scaled_init: each layer's output projections start at std 0.02 / sqrt(2 depth) with depth its position in
+        the stack unrolled to K loops (a recurrent layer at its K-th loop); false: its position in the stack itself.
+        Either way k = 1 is the plain stack at init, though not the same initial weights when K > 1
+    initial_state_noise: sigma > 0: in training forwards of k >= 2 loops the state starts at s_0 = h_in + sigma ε, ε ~
+        N(0, I); k = 1 and every evaluation or inference forward start at h_in
     """
 
     max_loops: int = 3
@@ -59,6 +69,10 @@ class RecurrenceOptions:
     conditioning_later_loops: bool = True
     conditioning_silu: bool = False
     conditioning_exit: bool = False
+    backprop_loops: int = 0
+    state_norm: bool = False
+    depth_scaled_init: bool = False
+    initial_state_noise: float = 0.0
 
     @classmethod
     def baseline(cls) -> RecurrenceOptions:
@@ -77,6 +91,9 @@ class RecurrenceOptions:
         for key, allowed in (("update", UPDATE_RULES), ("recurrent_input", RECURRENT_INPUTS),
                              ("step_input", STEP_INPUTS)):
             _check(getattr(self, key) in allowed, key, f"must be one of {', '.join(allowed)}", getattr(self, key))
+        _check(0 <= self.backprop_loops <= self.max_loops, "backprop_loops",
+               f"must lie in 0..max_loops = {self.max_loops} (0: every loop)", self.backprop_loops)
+        _check(self.initial_state_noise >= 0, "initial_state_noise", "must be >= 0 (0: off)", self.initial_state_noise)
         loops_conditioned = self.conditioning_first_loop or self.conditioning_later_loops
         _check(loops_conditioned or self.conditioning_exit, "conditioning_later_loops",
                "and elr.conditioning_first_loop are both false and elr.conditioning_exit is off: nothing is "

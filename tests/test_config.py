@@ -65,6 +65,14 @@ def test_tokenizer_sha256_is_a_hex_digest_or_empty():
         ("[elr]\nrecurrent_input = \"input\"\n", [], "elr.recurrent_input"),
         ("[elr]\nstep_input = \"both\"\n", [], "elr.step_input"),
         ("[elr]\nswitch_at = 0.5\n", [], "checkpoint.enable"),  # the switch goes through a checkpoint
+        ("[elr]\nswitch_conditioning = \"never\"\n", [], "elr.switch_conditioning"),
+        ("[elr]\nswitch_conditioning = \"from_start\"\nswitch_at = 0.5\nconditioning = false\n"
+         "[checkpoint]\nenable = true\n", [], "elr.switch_conditioning"),  # nothing to train from the start
+        ("[elr]\nmax_loops = 3\nloop_weights_start = [0, 1]\nloop_schedule_steps = 5\n", [], "elr.loop_weights_start"),
+        ("[elr]\nmax_loops = 2\nloop_weights_start = [0, 1]\n", [], "elr.loop_schedule_steps"),  # no length
+        ("[elr]\nloop_schedule_steps = 5\n", [], "elr.loop_schedule_steps"),  # nothing to start from
+        ("[elr]\nbackprop_loops = 4\n", [], "elr.backprop_loops"),  # past max_loops = 3
+        ("[elr]\ninitial_state_noise = -1.0\n", [], "elr.initial_state_noise"),
         ("[lr_scheduler]\nwarmup_steps = -1\n", [], "lr_scheduler.warmup_steps"),
         ("", ["--optimizer.betas", "0.9"], "optimizer.betas"),
         ("", ["--optimizer.name", "sgd"], "optimizer.name"),

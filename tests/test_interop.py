@@ -26,6 +26,7 @@ from elr.infer.load import load_model
 from elr.interop import hf_config, write_export
 from elr.models import ModelArgs, build_model
 from elr.models.from_config import model_args_from_config
+from elr.recurrence_options import RecurrenceOptions
 from elr.tokenizer import build_tokenizer
 from export_utils import one_error_line, reseal, script
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
@@ -320,7 +321,10 @@ def test_a_format_1_export_is_still_read(model_and_export, tmp_path):
     assert config["elr_export_format"] == hf_config.FORMAT == 2
     recurrence = config["elr_model"].pop("recurrence")
     renamed = {new: old_name for old_name, new in hf_config.FORMAT_1_NAMES.items()}
-    config["elr_model"].update({renamed[name]: value for name, value in recurrence.items()})
+    # options added after format 1 were not in it: an export of it reads them at their defaults
+    later = {name: value for name, value in recurrence.items() if name not in renamed}
+    assert later == {name: getattr(RecurrenceOptions(), name) for name in later}
+    config["elr_model"].update({renamed[name]: value for name, value in recurrence.items() if name in renamed})
     assert "cond_budget" in config["elr_model"] and "conditioning_budget" not in config["elr_model"]
     config["elr_export_format"] = 1
     (old / "config.json").write_text(json.dumps(config))

@@ -188,3 +188,31 @@ def test_one_process_emulates_ranks_x_microbatches():
         DepthSchedule(cfg, 1, 3)
     with pytest.raises(ConfigError, match="elr.emulated_ranks"):
         DepthSchedule(cfg, 2, 4)
+
+
+@pytest.mark.parametrize("sampling", ["independent", "synchronized", "stratified"])
+def test_loop_schedule_blends_the_start_weights_into_the_loop_weights(sampling):
+    """Loops first, then the mixture: at the first update only k = K, after the schedule the uniform
+    weights; in between the linear blend, a function of the step alone (resume draws the same)."""
+    sampler = LoopSampler(4, sampling, seed=3, start_weights=[0, 0, 0, 1], schedule_steps=10)
+    assert torch.equal(sampler.probs_at(1), torch.tensor([0, 0, 0, 1], dtype=torch.float64))
+    assert torch.allclose(sampler.probs_at(6), torch.tensor([0.125, 0.125, 0.125, 0.625], dtype=torch.float64))
+    assert torch.equal(sampler.probs_at(11), sampler.probs) and torch.equal(sampler.probs_at(500), sampler.probs)
+    assert (sampler.sample(1, 8, 4) == 4).all()
+    again = LoopSampler(4, sampling, seed=3, start_weights=[0, 0, 0, 1], schedule_steps=10)
+    assert torch.equal(draw(sampler, 30), draw(again, 30))
+    later = draw(sampler, 200)[20:]
+    plain = LoopSampler(4, sampling, seed=3)
+    assert torch.equal(later, torch.stack([plain.sample(s, 8, 4) for s in range(21, 201)]))  # past the schedule
+
+
+def test_loop_schedule_starts_at_the_late_switch():
+    from elr.config import load_config
+    from elr.train.loop_sampler import DepthSchedule
+
+    cfg = load_config(None, ["--elr.max_loops", "3", "--elr.loop_weights_start", "0,0,1", "--elr.loop_schedule_steps",
+                             "4", "--elr.switch_at", "0.5", "--training.steps", "20", "--checkpoint.enable", "true"])
+    schedule = DepthSchedule(cfg, 2, 2)
+    assert all((schedule.loop_counts(step) == 1).all() for step in range(1, 11))  # the one-loop phase
+    assert (schedule.loop_counts(11) == 3).all()  # the first mixed-depth update: the start weights
+    assert torch.equal(schedule.sampler.probs_at(15), schedule.sampler.probs)

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from elr.config import ELR, load_config
-from elr.errors import ConfigError
+from elr.errors import CheckpointError, ConfigError
 from elr.interop import hf_config
 from elr.models.from_config import model_args_from_config
 from elr.recurrence_options import RecurrenceOptions, names
@@ -16,14 +16,16 @@ from elr.train.resume import FROZEN, check_resume
 # step's optimizer group, the late switch), or pick the backbone's split. A new key lands here only
 # on purpose; one that changes the network belongs in RecurrenceOptions.
 TRAINING_KEYS = {"enabled", "partition", "step_lr_scale", "step_weight_decay", "loss_every_loop", "sampling", "emulated_ranks",
-                 "one_loop_override", "loop_weights", "switch_at"}
+                 "one_loop_override", "loop_weights", "loop_weights_start", "loop_schedule_steps", "switch_at",
+                 "switch_conditioning"}
 
 # Per option, a valid value other than its default (with the other options at their defaults).
 OTHER_VALUE = {
     "max_loops": 2, "recurrent_input": "state_plus_input", "update": "residual", "step_input": "delta",
     "conditioning": False, "conditioning_budget": False, "conditioning_gate": False,
     "conditioning_first_loop": False, "conditioning_later_loops": False, "conditioning_silu": True,
-    "conditioning_exit": True,
+    "conditioning_exit": True, "backprop_loops": 2, "state_norm": True, "depth_scaled_init": True,
+    "initial_state_noise": 0.5,
 }
 
 
@@ -68,10 +70,18 @@ def test_the_export_writes_every_option_and_reads_it_back():
     assert list(config["elr_model"]["recurrence"]) == names()
     assert config["max_loops"] == 4
     assert hf_config.model_args(config["elr_model"]) == args
+    # an export written before an option existed lacks it and reads it at its default (the behaviour before it)
+    for name in ("backprop_loops", "state_norm", "depth_scaled_init", "initial_state_noise"):
+        del config["elr_model"]["recurrence"][name]
+    assert hf_config.model_args(config["elr_model"]) == args
+    config["elr_model"]["recurrence"]["loops_per_token"] = 2  # an option this code does not know is refused
+    with pytest.raises(CheckpointError, match="loops_per_token"):
+        hf_config.model_args(config["elr_model"])
 
 
 def test_a_bad_option_names_its_key():
-    for name, value in [("max_loops", 0), ("update", "gated"), ("step_input", "both")]:
+    for name, value in [("max_loops", 0), ("update", "gated"), ("step_input", "both"), ("backprop_loops", 4),
+                        ("backprop_loops", -1), ("initial_state_noise", -0.1)]:
         with pytest.raises(ConfigError, match=rf"^elr.{name}: "):
             dataclasses.replace(RecurrenceOptions(), **{name: value}).check()
     with pytest.raises(ConfigError, match=r"^elr.conditioning_exit: needs elr.conditioning = true"):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from elr.config import load_config
+from elr.infer.load import load_model
 from elr.train.optimizer import lr_lambda
 from elr.train.nonfinite import NonFiniteLossError
 from elr.train.trainer import Trainer
@@ -92,6 +93,18 @@ def test_resume_is_bit_exact_at_every_checkpoint(tmp_path):
         assert [r["loops"] for r in records(dump)] == [r["loops"] for r in records(tmp_path / "full")][step:]
 
 
+def test_resume_is_bit_exact_with_every_training_aid(tmp_path):
+    """The initial-state noise follows the CPU generator a checkpoint saves, the schedule follows the step."""
+    aids = [*CKPT, "--checkpoint.interval", "3", "--elr.initial_state_noise", "0.5", "--elr.state_norm", "true",
+            "--elr.recurrent_input", "state_plus_adapted_input", "--elr.backprop_loops", "2",
+            "--elr.depth_scaled_init", "true", "--elr.loop_weights_start", "0,0,1", "--elr.loop_schedule_steps", "4"]
+    full = run(tmp_path / "full", 6, *aids)
+    assert sum(records(tmp_path / "full")[0]["loops"], []) == [3, 3]  # the schedule's first update: k = K only
+    dump = tmp_path / "resumed"
+    copy_checkpoint(tmp_path / "full", 3, dump)
+    assert run(dump, 6, *aids) == {s: full[s] for s in (4, 5, 6)}
+
+
 SWITCH = [*CKPT, "--elr.switch_at", "0.5", "--checkpoint.interval", "100"]
 
 
@@ -121,6 +134,36 @@ def test_switch_keeps_the_one_loop_model_exactly(tmp_path):
         before = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
     for a, b in zip(after, before):
         assert torch.equal(a, b)
+
+
+# The recommended recipe (FiLM from the budget on the output block only) with its heads from the start.
+FROM_START = [*SWITCH, "--elr.switch_conditioning", "from_start", "--elr.conditioning_first_loop", "false",
+              "--elr.conditioning_later_loops", "false", "--elr.conditioning_exit", "true", "--checkpoint.interval", "2"]
+
+
+def test_switch_with_conditioning_from_start_trains_it_at_one_loop_and_resumes_exactly(tmp_path):
+    """The heads exist and train through the one-loop phase (at k = 1 they see E_budget[1]); the switch
+    changes only the loop counts, and resuming before, at or after it gives the same run."""
+    in_run = run(tmp_path / "in_run", 6, *FROM_START)
+    assert all(len(set(sum(r["loops"], []))) == 1 for r in records(tmp_path / "in_run")[:3])  # k=1 before
+    for step in (2, 3, 4):  # checkpoints every 2 steps and at the switch (3)
+        dump = tmp_path / f"resume{step}"
+        copy_checkpoint(tmp_path / "in_run", step, dump)
+        resumed = run(dump, 6, *FROM_START)
+        assert resumed == {s: in_run[s] for s in range(step + 1, 7)}, step
+    dump = tmp_path / "mixed_depth_config"  # the switch checkpoint continued as a mixed-depth job
+    copy_checkpoint(tmp_path / "in_run", 3, dump)
+    assert run(dump, 6, *FROM_START, "--elr.switch_at", "0") == {s: in_run[s] for s in (4, 5, 6)}
+    model, _ = load_model(tmp_path / "in_run" / "checkpoint" / "step-2")  # before the switch: the heads are there
+    heads = model.recurrent.conditioning.exit_heads
+    assert heads and all(head.weight.abs().sum() > 0 for head in heads)  # ... and trained away from their zero init
+    dump = tmp_path / "one_model"
+    copy_checkpoint(tmp_path / "in_run", 2, dump)
+    trainer = Trainer(load_config(DEBUG_TOML, overrides(dump, 4, *FROM_START)))
+    model = trainer.model
+    trainer.train()
+    trainer.close()
+    assert trainer.model is model and trainer.mixed_depth  # switched without a rebuild
 
 
 def test_nonfinite_updates_are_skipped_then_abort(tmp_path):

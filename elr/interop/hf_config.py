@@ -91,13 +91,16 @@ def read_config(folder: str | Path) -> dict:
 
 def model_args(fields, where: str | Path = CONFIG) -> ModelArgs:
     """ModelArgs from config.json's `elr_model`: exactly ModelArgs' fields, each of its type, the recurrence
-    options nested (format 2) or flat under their format-1 names."""
+    options nested (format 2) or flat under their format-1 names. A recurrence option the export lacks (it
+    predates the option) reads at its default: an option's default is the behaviour before it existed."""
     if not isinstance(fields, dict):
         raise CheckpointError(f"{where}: elr_model must be an object of ModelArgs fields")
     if "recurrence" not in fields and "max_loops" in fields:  # format 1: the options flat, some renamed
         recurrence = {new: fields[old] for old, new in FORMAT_1_NAMES.items() if old in fields}
         fields = {**{k: v for k, v in fields.items() if k not in FORMAT_1_NAMES}, "recurrence": recurrence}
     _check_fields(fields, ModelArgs, where, "elr_model")
+    if isinstance(fields["recurrence"], dict):  # an option newer than the export reads at its default, which
+        fields["recurrence"] = {**dataclasses.asdict(RecurrenceOptions()), **fields["recurrence"]}  # is the old model
     _check_fields(fields["recurrence"], RecurrenceOptions, where, "elr_model.recurrence")
     try:
         return ModelArgs(**{**fields, "partition": tuple(fields["partition"]),

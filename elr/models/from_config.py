@@ -45,7 +45,8 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = 
     `elr.enabled = false` builds the baseline: `RecurrenceOptions.baseline()` (one loop, `replace`, state
     input, no conditioning), so the baseline has no ELR parameter and elr.update / elr.recurrent_input
     do not apply to it. `mixed_depth` false: the one-loop phase before a late switch, built without the
-    loop conditioning that the switch adds (elr/train/loop_sampler.py, DepthSchedule).
+    loop conditioning that the switch adds (elr/train/loop_sampler.py, DepthSchedule), unless
+    `elr.switch_conditioning = "from_start"`: then both phases are one model.
     """
     check_model_config(cfg)
     e = cfg.elr
@@ -60,6 +61,7 @@ def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = 
     )
     if not e.enabled:
         return args
-    # Every option by its own name; before the late switch, without the loop conditioning it adds.
+    # Every option by its own name; before the late switch, without the loop conditioning it adds (unless from_start).
     options = RecurrenceOptions.of(e)
-    return dataclasses.replace(args, recurrence=dataclasses.replace(options, conditioning=e.conditioning and mixed_depth))
+    conditioned = mixed_depth or e.switch_conditioning == "from_start"
+    return dataclasses.replace(args, recurrence=dataclasses.replace(options, conditioning=e.conditioning and conditioned))

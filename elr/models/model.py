@@ -57,15 +57,21 @@ class ELRModel(nn.Module):
         a = self.args
         self.rope.copy_(rope_table(a.rope_dim, a.max_seq_len, a.rope_theta))
         nn.init.normal_(self.tok_embeddings.weight)
-        for depth, layer in enumerate(self.layers()):
-            layer.init_weights(out_std=0.02 / (2 * (depth + 1)) ** 0.5)
-        if self.recurrent.step_size is not None:
-            self.recurrent.step_size.init_weights()
-        if self.recurrent.conditioning is not None:
-            self.recurrent.conditioning.init_weights()
+        for depth, layer in zip(self.init_depths(), self.layers()):
+            layer.init_weights(out_std=0.02 / (2 * depth) ** 0.5)
+        self.recurrent.init_weights()
         self.norm.reset_parameters()
         cutoff = 3 * a.dim ** -0.5
         nn.init.trunc_normal_(self.output.weight, std=a.dim ** -0.5, a=-cutoff, b=cutoff)
+
+    def init_depths(self) -> list[int]:
+        """Each layer's depth for its output projections' init std 0.02 / sqrt(2 depth): its 1-based
+        position in the stack; with `depth_scaled_init` its position in the stack unrolled to K loops,
+        a recurrent layer at its K-th loop (the deepest it runs at) and the output block after all K."""
+        n_in, n_rec, n_out = self.args.partition
+        r = self.args.recurrence
+        unrolled = (r.max_loops - 1) * n_rec if r.depth_scaled_init else 0
+        return [d + 1 + (unrolled if d >= n_in else 0) for d in range(n_in + n_rec + n_out)]
 
     def forward(self, tokens: torch.Tensor, loops: int | torch.Tensor = 1, cache=None, head: bool = True,
                 every_loop: bool = False, exit_rule=None) -> torch.Tensor:
@@ -221,7 +227,10 @@ class ELRModel(nn.Module):
 
         Weights count 6 FLOPs per multiply-accumulate; each layer kind adds its own terms
         (`LayerKind.flops_per_token`: attention scores, GDP state updates). Left out: the conditioning
-        heads (once per sequence) and elementwise work.
+        heads (once per sequence) and elementwise work (the state norm). The input adapter
+        (state_plus_adapted_input) counts once: W h_in is computed once per forward. Under truncated
+        backprop (`backprop_loops`) the loops before the window run forward only (a third), and so
+        does the input block when no input is re-injected (no gradient reaches it).
         """
         a = self.args
         n_in, n_rec, _ = a.partition
@@ -230,7 +239,12 @@ class ELRModel(nn.Module):
         if self.recurrent.step_size is not None:
             recurrent += 6 * a.dim * a.dim
         exits = loops if every_loop else 1
-        once = sum(per_layer[:n_in])
+        once = sum(per_layer[:n_in]) + (6 * a.dim * a.dim if self.recurrent.input_adapter is not None else 0)
         after = sum(per_layer[n_in + n_rec:]) + 6 * a.dim * a.vocab_size
-        return once + loops * recurrent + exits * after
+        # every_loop: each exit's loss reaches its own loops, so every loop has a backward
+        window = a.recurrence.backprop_loops
+        forward_only = loops - window if window and loops > window and not every_loop else 0
+        if forward_only and a.recurrence.recurrent_input == "state":
+            once //= 3
+        return once + (loops - forward_only) * recurrent + forward_only * recurrent // 3 + exits * after
 

@@ -1,8 +1,10 @@
 """Elastic Latent Recurrence: the recurrent block and its k-loop (docs/DESIGN.md §3.3).
 
-    s_0 = h_in
+    s_0 = h_in                         (initial_state_noise: + sigma ε in training, k >= 2)
     for i in 1..k:
-        s~_i = s_{i-1}                 (state_plus_input: s_{i-1} + h_in from loop 2 on)
+        s_{i-1} <- norm(s_{i-1})       (state_norm, i >= 2; backprop_loops n: detached at i = k - n + 1)
+        s~_i = s_{i-1}                 (state_plus_input: s_{i-1} + h_in from loop 2 on;
+                                        state_plus_adapted_input: s_{i-1} + W h_in on every loop, W = 0 at init)
         r_i  = R(s~_i ; c_{i,k})       c_{i,k} = E_loop[i] + E_budget[k] drives per-layer FiLM heads
         s_i  = update(s_{i-1}, s~_i, r_i)
 
@@ -16,6 +18,11 @@ residual addition or replacement; the formulas are our reading, docs/LOG.md):
 
 Re-injection starts at loop 2 because s_0 is already h_in: adding it at loop 1 too would feed the
 block 2 h_in. So k=1 is the plain stack with either input (Table 14 has them nearly equal at k=1).
+
+The training aids of the looped-model literature (issue 35) are options too, each an identity at
+init or outside k = 1: the adapter W starts at zero, the state norm and the noise act only between or
+before loops 2..k, and truncated backprop changes gradients, not the forward. `depth_scaled_init`
+changes only the initial weights (elr/models/model.py).
 
 The block and its loop are one module, so FSDP can make it one unit that is called exactly once
 per microbatch whatever k is (a unit called a different number of times on different ranks
@@ -170,6 +177,10 @@ class RecurrentBlock(nn.Module):
             LoopConditioning(len(layers), args.dim, args.cond_dim, o, exit_layers=args.partition[2])
             if o.conditioning else None
         )
+        self.backprop_loops, self.initial_state_noise = o.backprop_loops, o.initial_state_noise
+        self.input_adapter = (nn.Linear(args.dim, args.dim, bias=False)
+                              if o.recurrent_input == "state_plus_adapted_input" else None)
+        self.state_norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if o.state_norm else None
         self.route_replay = args.moe_route_replay
         # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
         self.record_statistics = False
@@ -178,6 +189,18 @@ class RecurrentBlock(nn.Module):
         # The ranks each sequence is split over (TP / CP): a hook set by elr/parallel/parallelize.py,
         # over which `loop_statistics` sums, so the statistics describe whole sequences.
         self.sequence_shards = None
+
+    def init_weights(self):
+        """The ELR parameters' init (the layers are initialised by the model, which knows their depth):
+        every one an identity, so k = 1 is the plain stack."""
+        if self.step_size is not None:
+            self.step_size.init_weights()
+        if self.conditioning is not None:
+            self.conditioning.init_weights()
+        if self.input_adapter is not None:
+            nn.init.zeros_(self.input_adapter.weight)
+        if self.state_norm is not None:
+            self.state_norm.reset_parameters()
 
     @property
     def prefix_consistent(self) -> bool:
@@ -220,14 +243,17 @@ class RecurrentBlock(nn.Module):
             exited = torch.zeros(h_in.shape[:2], dtype=torch.bool, device=h_in.device)
             self.loops_used = torch.full_like(exited, most, dtype=torch.long)
         self._recorded = []
-        s, states = h_in, []
+        s, states = self._initial_state(h_in, most), []
+        injected = self.input_adapter(h_in) if self.input_adapter is not None else None
         for i in range(1, most + 1):
             running = budgets >= i if budgets is not None and i > least else None  # rows still looping (None: all)
             if exited is not None and i > 1:
                 running = ~exited  # tokens still looping
             if cache is not None:
                 cache.set_rows(running if running is None or running.ndim == 1 else running[:, 0], loop=i)
-            s_in = s + h_in if self.recurrent_input == "state_plus_input" and i > 1 else s
+            kept = s  # a row or token that has stopped keeps its state as it left its last loop
+            s = self._between_loops(s, i, most)
+            s_in = self._loop_input(s, h_in, injected, i)
             films = self.conditioning(i, loops) if self.conditioning is not None else no_film
             r = s_in
             for layer, film, route in zip(self.layers, films, routes):
@@ -236,13 +262,13 @@ class RecurrentBlock(nn.Module):
             a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
             s_next = self._update(s, r, a)
             if running is not None:
-                s_next = torch.where(running.view(*running.shape, *[1] * (s.ndim - running.ndim)), s_next, s)
+                s_next = torch.where(running.view(*running.shape, *[1] * (s.ndim - running.ndim)), s_next, kept)
             if self.record_statistics:
                 self._recorded.append(self._record(s, s_next, a, films))
             if exited is not None and i < most:
                 logp_next = (readout(s_next, self.exit_films(i)).float().log_softmax(-1)
                              if exit_rule.needs_logits else None)
-                stop = exit_rule.exits(s, s_next, logp, logp_next) & ~exited
+                stop = exit_rule.exits(kept, s_next, logp, logp_next) & ~exited
                 self.loops_used.masked_fill_(stop, i)
                 exited, logp = exited | stop, logp_next
             s = s_next
@@ -260,6 +286,37 @@ class RecurrentBlock(nn.Module):
         None without exit heads."""
         c = self.conditioning
         return c.exit(loops, rows) if c is not None and c.exit_heads else None
+
+    def _initial_state(self, h_in: torch.Tensor, loops: int) -> torch.Tensor:
+        """s_0: h_in, plus sigma ε in a training forward of k >= 2 loops (initial_state_noise). The noise
+        is seeded from the CPU generator, which checkpoints save, so a resumed run draws the same noise
+        on any device; the seed is drawn at every k, so all ranks' generators advance alike."""
+        if not (self.training and self.initial_state_noise > 0):
+            return h_in
+        seed = int(torch.randint(2**62, (), dtype=torch.int64))
+        if loops == 1:
+            return h_in
+        gen = torch.Generator(device=h_in.device).manual_seed(seed)
+        noise = torch.randn(h_in.shape, generator=gen, device=h_in.device, dtype=h_in.dtype)
+        return h_in + self.initial_state_noise * noise
+
+    def _between_loops(self, s: torch.Tensor, i: int, loops: int) -> torch.Tensor:
+        """The state entering loop i: detached where truncated backprop starts (backprop_loops), then
+        normed from loop 2 on (state_norm), so the norm's own weight keeps its gradient."""
+        if i == 1:
+            return s
+        if self.backprop_loops and i == loops - self.backprop_loops + 1:
+            s = s.detach()
+        return self.state_norm(s) if self.state_norm is not None else s
+
+    def _loop_input(self, s, h_in, injected, i) -> torch.Tensor:
+        """s~_i, what loop i's layers read: the state, plus h_in from loop 2 on (state_plus_input) or
+        plus W h_in on every loop (state_plus_adapted_input; `injected` = W h_in, computed once)."""
+        if injected is not None:
+            return s + injected
+        if self.recurrent_input == "state_plus_input" and i > 1:
+            return s + h_in
+        return s
 
     def _update(self, s, r, a):
         if self.update == "adaptive_delta":

@@ -19,7 +19,9 @@ how in its `TensorSplit` (elr/models/kinds.py; registered in elr/models/layers.p
                        mesh, not the TP mesh). The balance loss counts routes over the whole sequence
                        (`ELRModel.set_sequence_shards`, called by parallelize)
     ELR step size,     replicated, run on the sequence slice (SP)
-    loop conditioning
+    loop conditioning,
+    input adapter,
+    state norm
     output head        vocab columns split; logits stay vocab-sharded for loss_parallel
 
 Every parameter becomes a DTensor on the TP mesh, so FSDP makes them 2-D and checkpoints hold the
@@ -173,7 +175,7 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: 
         plan.update({f"sublayer.{name}" if name else "sublayer": style
                      for name, style in sublayer_plan(split, experts_elsewhere).items()})
         parallelize_module(layer, mesh, plan)
-    for name in ("step_size", "conditioning"):
+    for name in ("step_size", "conditioning", "input_adapter", "state_norm"):
         if getattr(model.recurrent, name) is not None:
             parallelize_module(model.recurrent, mesh, {name: LocalCompute(gather=False)})
 

@@ -28,6 +28,10 @@ one process with n microbatches draws what n ranks of one microbatch each would.
 for a cluster (`elr.emulated_ranks` R) instead lays its microbatches out as R ranks x n / R
 microbatches and draws exactly what R ranks would.
 
+A loop-count schedule (`elr.loop_weights_start`, `elr.loop_schedule_steps`) blends the weights of
+the first mixed-depth update linearly into `loop_weights`: the weights are a function of the step,
+so draws still depend only on (seed, step).
+
 `DepthSchedule` puts the late switch in front of the sampler: the one place that says which phase a
 step belongs to.
 """
@@ -55,14 +59,28 @@ def _mix(seed: int, step: int) -> int:
 
 class LoopSampler:
     def __init__(self, max_loops: int, sampling: str = "independent", one_loop_override: float = 0.0,
-                 loop_weights: list[float] | None = None, seed: int = 0):
+                 loop_weights: list[float] | None = None, seed: int = 0, start_weights: list[float] | None = None,
+                 schedule_steps: int = 0, schedule_from: int = 0):
         if sampling not in SAMPLING:
             raise ValueError(f"unknown loop sampling {sampling!r}")
-        weights = torch.tensor(loop_weights or [1.0] * max_loops, dtype=torch.float64)
-        if len(weights) != max_loops or (weights < 0).any() or weights.sum() <= 0:
-            raise ValueError(f"loop_weights must be {max_loops} non-negative numbers with a positive sum")
         self.max_loops, self.sampling, self.override, self.seed = max_loops, sampling, one_loop_override, seed
-        self.probs = weights / weights.sum()
+        self.probs = self._normalised(loop_weights)  # after any schedule: what the closed forms describe
+        # The schedule: start_probs at update schedule_from + 1, blended into probs over schedule_steps updates.
+        self.start_probs = self._normalised(start_weights) if schedule_steps else None
+        self.schedule_steps, self.schedule_from = schedule_steps, schedule_from
+
+    def _normalised(self, weights: list[float] | None) -> torch.Tensor:
+        w = torch.tensor(weights or [1.0] * self.max_loops, dtype=torch.float64)
+        if len(w) != self.max_loops or (w < 0).any() or w.sum() <= 0:
+            raise ValueError(f"loop_weights must be {self.max_loops} non-negative numbers with a positive sum")
+        return w / w.sum()
+
+    def probs_at(self, step: int) -> torch.Tensor:
+        """p(k) for update `step`: `probs`, or along the schedule, start_probs at its first update."""
+        if self.start_probs is None:
+            return self.probs
+        t = min(max(step - 1 - self.schedule_from, 0) / self.schedule_steps, 1.0)
+        return (1 - t) * self.start_probs + t * self.probs
 
     def sample(self, step: int, n_ranks: int, n_micro: int, group_size: int = 1) -> torch.Tensor:
         """Loop counts [n_ranks, n_micro] for optimizer step `step` (1-based); each run of `group_size`
@@ -70,11 +88,12 @@ class LoopSampler:
         n_groups = n_ranks // group_size
         n = n_groups * n_micro
         gen = torch.Generator().manual_seed(_mix(self.seed, step))
+        probs = self.probs_at(step)
         if self.sampling == "stratified":
-            ks = self._stratified(n_micro, gen).expand(n_groups, n_micro).clone()
+            ks = self._stratified(n_micro, probs, gen).expand(n_groups, n_micro).clone()
         else:
             draws = 1 if self.sampling == "synchronized" else n
-            ks = torch.multinomial(self.probs, draws, replacement=True, generator=gen) + 1
+            ks = torch.multinomial(probs, draws, replacement=True, generator=gen) + 1
             ks = ks.expand(n).clone().view(n_groups, n_micro)
         # Columns [start, end) modulo n_columns run one loop; the window advances by f * n_columns per
         # step, so every column takes its turn and the long-run fraction is exactly f. A column is a
@@ -92,20 +111,20 @@ class LoopSampler:
             ks[overridden] = 1
         return ks.repeat_interleave(group_size, dim=0)
 
-    def _stratified(self, n: int, gen: torch.Generator) -> torch.Tensor:
+    def _stratified(self, n: int, probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """n loop counts at the quantiles (j + u) / n of the distribution, in random order: each k
         appears floor or ceil of n * p_k times."""
         quantiles = (torch.arange(n, dtype=torch.float64) + torch.rand((), dtype=torch.float64, generator=gen)) / n
-        cdf = self.probs.cumsum(0)
+        cdf = probs.cumsum(0)
         ks = torch.searchsorted(cdf, quantiles, right=True).clamp(max=self.max_loops - 1) + 1
         return ks[torch.randperm(n, generator=gen)]
 
     def p_one_loop(self) -> float:
-        """Closed-form probability that a slot runs k=1."""
+        """Closed-form probability that a slot runs k=1 (after any schedule)."""
         return self.override + (1 - self.override) * self.probs[0].item()
 
     def mean_loops(self) -> float:
-        """Closed-form mean loop count per slot."""
+        """Closed-form mean loop count per slot (after any schedule)."""
         ks = torch.arange(1, self.max_loops + 1, dtype=torch.float64)
         return self.override + (1 - self.override) * (self.probs * ks).sum().item()
 
@@ -142,7 +161,8 @@ class DepthSchedule:
     def __init__(self, cfg: JobConfig, dp_world: int, n_micro: int, group_size: int = 1):
         e = cfg.elr
         self.switch_step = switch_step(cfg)
-        self.sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights, cfg.training.seed)
+        self.sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights, cfg.training.seed,
+                                   e.loop_weights_start, e.loop_schedule_steps, schedule_from=self.switch_step)
         self.dp_world, self.n_micro, self.group_size = dp_world, n_micro, group_size
         # One process standing in for a cluster (elr.emulated_ranks): its microbatches are laid out as
         # ranks x microbatches, rank-major, and drawn as that many ranks would draw them.

@@ -32,6 +32,7 @@ FROZEN = (
     "model.flavor",
     "elr.enabled", "elr.partition",  # the baseline or not; the layers in each block
     *(f"elr.{name}" for name in recurrence_options.names()),
+    "elr.switch_conditioning",  # whether the one-loop phase's model holds the conditioning
     "optimizer.name",  # AdamW and Muon+AdamW keep different state
     "training.seq_len", "training.seed", "data.shuffle",  # the data position counts windows of this order
     "data.task", "data.task_items", "data.task_max_difficulty",  # the task's vocabulary and example length

@@ -206,9 +206,18 @@ class Trainer:
         if self.resume_changes:
             logger.info(change_line(self.resume_changes, loaded))
         if self.depths.mixed_depth(self.step) != self.mixed_depth:
-            self._build(mixed_depth=not self.mixed_depth)
-            if self.step:
-                self._load(self.step)
+            self._enter_phase(not self.mixed_depth, self.step)
+
+    def _enter_phase(self, mixed_depth: bool, step: int) -> None:
+        """Rebuild for the phase and load `step` into it, unless both phases are one model (no
+        conditioning, or `elr.switch_conditioning = "from_start"`): then only the loop counts change."""
+        one_model = model_args_from_config(self.cfg, self.vocab_size, mixed_depth=mixed_depth) == self.model_args
+        if one_model:
+            self.mixed_depth = mixed_depth
+            return
+        self._build(mixed_depth=mixed_depth)
+        if step:
+            self._load(step)
 
     def states(self) -> dict:
         return {
@@ -377,17 +386,18 @@ class Trainer:
         return self.validator(self.model, self._slice, loss)
 
     def _switch_to_mixed_depth(self, step: int) -> None:
-        """The late switch: save, rebuild with zero-initialised conditioning, reload, continue.
+        """The late switch: save, rebuild with zero-initialised conditioning, reload, continue (or, with
+        one model for both phases, only continue at mixed depth).
 
         Going through the checkpoint makes the in-run switch and a resume at the switch one path.
         """
         self._save(step)
         self.checkpointer.wait()
-        self._build(mixed_depth=True)
-        self._load(step)
+        self._enter_phase(True, step)
         r = self.model_args.recurrence
+        how = "added at zero" if self.cfg.elr.switch_conditioning == "at_switch" else "trained since step 1"
         logger.info(f"step {step}: switched to mixed depth (K={r.max_loops}), loop conditioning "
-                    f"{'added at zero' if r.conditioning else 'off'}")
+                    f"{how if r.conditioning else 'off'}")
 
     def _states_to_save(self) -> dict:
         """The states a checkpoint holds, never weights holding NaN/Inf (every rank checks its shards)."""
