@@ -16,7 +16,8 @@ from test_infer import ROWS_PROMPTS, small_model
 from trainer_utils import model_args
 
 VARIANTS = [{}, {"recurrent_input": "state_plus_input", "update": "residual", "moe_route_replay": True},
-            {"conditioning_exit": True}]
+            {"conditioning_exit": True},
+            {"state_norm": True, "recurrent_input": "state_plus_adapted_input"}]  # a finished row keeps its un-normed state
 
 
 @torch.no_grad()
