@@ -82,7 +82,7 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak: float | None) -> dict[str, float]:
+def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak_tflops: float | None) -> dict[str, float]:
     """Tokens/s for the job and per device, and MFU per device (none without a known peak).
 
     `flops` is the model's work for all `tokens` (every slot at its own k). Each device does
@@ -91,8 +91,8 @@ def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak: 
     """
     scalars = {"throughput/tokens_per_s": tokens / seconds,
                "throughput/tokens_per_s_per_device": tokens / seconds / n_devices}
-    if peak:
-        scalars["throughput/mfu_pct"] = 100 * flops / n_devices / seconds / (peak * 1e12)
+    if peak_tflops:
+        scalars["throughput/mfu_pct"] = 100 * flops / n_devices / seconds / (peak_tflops * 1e12)
     return scalars
 
 class LogWindow:
