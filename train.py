@@ -14,12 +14,9 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
-
-DEFAULT_CONFIG = Path(__file__).parent / "train_configs" / "debug.toml"
-
 
 def main(argv: list[str] | None = None) -> int:
+    from elr.config import DEFAULT_CONFIG
     from elr.config_help import help_text
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,

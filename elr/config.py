@@ -413,6 +413,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 REPOSITORY = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPOSITORY / "train_configs" / "debug.toml"  # what `python train.py` runs with no --config
 BUNDLED_PATHS = ("data.path", "tokenizer.path")  # the shipped configs name files under data/
 
 

@@ -1,5 +1,6 @@
 """Generate text from a trained ELR checkpoint at one or several loop counts k.
 
+    python scripts/generate.py        # right after `python train.py`: its newest checkpoint, k = 1, one prompt
     python scripts/generate.py --checkpoint outputs/debug/checkpoint/step-150 --loops 3 \\
         --kv last_loop --prompt "Once upon a time" --max-new-tokens 64 --temperature 0
     python scripts/generate.py --checkpoint ... --loops 1,2,3 --prompt "..."   # the same prompt at each depth
@@ -22,10 +23,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from elr.checkpoint import latest_step
 from elr.cli import HelpFormatter, argument_type
+from elr.config import DEFAULT_CONFIG, load_config
 from elr.errors import UserError
 from elr.infer import chat
 from elr.infer.cache import MODES
@@ -37,6 +41,18 @@ from elr.models import flavors
 from elr.models.early_exit import ExitRule
 
 
+DEFAULT_PROMPT = "Once upon a time"
+
+
+def quick_start_checkpoint() -> Path | None:
+    """The newest committed step of `python train.py` run from this directory (the default config's
+    dump folder), so generating right after the quick start needs no flags; None if there is none."""
+    cfg = load_config(DEFAULT_CONFIG)
+    folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    step = latest_step(folder) if folder.is_dir() else None
+    return folder / f"step-{step}" if step is not None else None
+
+
 def parse_loops(text: str) -> list[int]:
     try:
         return [int(k) for k in text.split(",")]
@@ -46,7 +62,8 @@ def parse_loops(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--checkpoint", help="step-N (DCP) or step-N-model (export) folder")
+    p.add_argument("--checkpoint", help="step-N (DCP), step-N-model or Hugging Face export folder (default: the newest "
+                   "checkpoint of `python train.py` run from this directory, outputs/debug/checkpoint)")
     p.add_argument("--loops", type=parse_loops, default=[1], help="k, or several as 1,2,3 (default 1)")
     p.add_argument("--budgets", type=parse_loops,
                    help="one k per --prompt (mixed budgets in one batch; replaces --loops)")
@@ -59,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="adaptive depth: each new token stops looping when the rule says (state:T, kl:T), "
                         "capped at each --loops k; in --chat, the rule of /loops auto")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
-    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+    p.add_argument("--prompt", action="append", help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0: no top-k cut")
@@ -83,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         print(memory_table(flavors[args.flavor], max(args.loops), args.memory, dtype))
         return 0
     if not args.checkpoint:
-        p.error("--checkpoint is required (or --memory with --flavor)")
+        args.checkpoint = quick_start_checkpoint()
+        if args.checkpoint is None:
+            p.error("--checkpoint is required (or --memory with --flavor); `python train.py` run here saves one")
+        print(f"generate: no --checkpoint given: the quick start's newest, {args.checkpoint}", file=sys.stderr)
+    if not args.prompt and not args.memory:
+        args.prompt = [DEFAULT_PROMPT]
 
     dtype = getattr(torch, args.dtype)
     try:
@@ -96,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--exit caps every prompt at one k: use --loops, not --budgets")
         tokenizer = None
         if args.memory is None:
-            if not args.prompt:
-                raise ValueError("give at least one --prompt")
             tokenizer = load_tokenizer(run_config(args.checkpoint), args.tokenizer)
             prompts = [[tokenizer.eot_id] + tokenizer.encode(text) for text in args.prompt]  # as documents begin
             if args.budgets is not None and len(args.budgets) != len(prompts):

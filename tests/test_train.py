@@ -237,18 +237,18 @@ def test_one_loop_override_and_cross_entropy_match_a_manual_step(tmp_path):
 @pytest.mark.slow  # the whole quick start: 90 s on an idle 2-core machine
 def test_debug_config_learns_real_text(tmp_path):
     """The product's promise: `python train.py` trains on the bundled prose; val loss at k=1 drops >= 30%."""
-    dump = tmp_path / "debug"
-    result = subprocess.run([sys.executable, "train.py", "--job.dump_folder", str(dump)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
+    dump = tmp_path / "outputs" / "debug"  # the default dump folder, run from tmp_path as a user runs it
+    result = subprocess.run([sys.executable, str(ROOT / "train.py")], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     val = [r["val/loss_k1"] for r in records(dump) if "val/loss_k1" in r]
     assert val[-1] <= 0.7 * val[0], val
     # the README's next step works at once: the last step is saved (and only it is kept)
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-150"]
-    generate = subprocess.run([sys.executable, "scripts/generate.py", "--checkpoint", str(dump / "checkpoint" / "step-150"),
-                               "--prompt", "The king said", "--max-new-tokens", "4"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
+    generate = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py")], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)  # no flags: the quick start's checkpoint
     assert generate.returncode == 0 and generate.stdout.strip(), generate.stderr[-3000:]
+    assert "outputs/debug/checkpoint/step-150" in generate.stderr
 
 
 @pytest.mark.parametrize("coeff", [0.0, 0.5])
