@@ -1,8 +1,10 @@
 """The study's statistics on fixed numbers: paired differences and the verdict rule."""
 
 import math
+import statistics
 
 import pytest
+import torch
 
 from elr.tools.study.stats import paired, relative, summarise, verdict
 
@@ -107,3 +109,44 @@ def test_report_words_each_open_reading_seed_by_seed():
     assert readings_section({"default": results["default"]}) == []
     one = {"default": _entry([[1.9, 1.8]]), "cond_silu": _entry([[1.8, 1.7]])}
     assert readings_section(one)[-2].endswith("| one seed: no verdict |")
+
+
+def test_sampling_rows_pair_each_mode_seed_by_seed_and_judge_the_spread():
+    from elr.tools.study.sampling_report import sampling_section
+
+    def entry(per_seed, wait):
+        e = _entry(per_seed)
+        e["std"] = [statistics.stdev(col) for col in zip(*per_seed)]
+        e["loss"] = [statistics.fmean(col) for col in zip(*per_seed)]
+        e["wait"] = {"2x2": [wait, 2.0], "8x96": [wait + 0.3, 3.5]}
+        return e
+
+    results = {
+        "sampling_indep": entry([[2.0, 1.9], [2.2, 2.1], [2.4, 2.3]], 1.12),     # seed sd 0.2 at each k
+        "sampling_strat": entry([[2.05, 1.95], [2.25, 2.15], [2.45, 2.35]], 1.01),  # +0.05 on every seed
+        "sampling_sync": entry([[2.5, 2.5], [2.7, 2.7], [2.9, 2.9]], 1.00),       # 0.45 above strat, sd 0.2
+    }
+    lines = sampling_section(results, "T", "C")
+    table = [line for line in lines if line.startswith("| stratified |")][0]
+    assert "| 2.2500 ± 0.2000 | 2.1500 ± 0.2000 | 1.01 | 1.31 | 2.0 / 3.5 |" in table
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if " − " in line.split(" | ")[0]}
+    assert "| +0.0500 ± 0.0000 (0/3) | +0.0500 ± 0.0000 (0/3) | yes |" in rows["stratified − independent"]
+    assert "| -0.4500 ± 0.0000 (3/3) | -0.5500 ± 0.0000 (3/3) | no |" in rows["stratified − synchronized"]
+    assert sampling_section({"default": results["sampling_indep"]}, "T", "C") == []
+
+
+def test_sampling_wait_figures_come_from_the_runs_own_sampler_and_layout():
+    from elr.models import ELRModel, flavors
+    from elr.tools.study.sampling_report import wait_figures
+    from trainer_utils import model_args
+
+    with torch.device("meta"):
+        model = ELRModel(model_args(flavors["debug"], vocab_size=64, max_seq_len=64, max_loops=4))
+    cfg = {"training": {"seq_len": 64, "global_batch_size": 64, "local_batch_size": 16},
+           "elr": {"max_loops": 4, "one_loop_override": 0.1, "loop_weights": None, "emulated_ranks": 2}}
+    waits = {mode: wait_figures(model, {**cfg, "elr": {**cfg["elr"], "sampling": mode}})
+             for mode in ("independent", "stratified", "synchronized")}
+    assert list(waits["independent"]) == ["2x2", "8x96"]
+    assert waits["independent"]["8x96"][0] > waits["independent"]["2x2"][0] > 1.05  # more ranks, longer waits
+    assert max(waits["stratified"]["8x96"][0], waits["synchronized"]["8x96"][0]) < 1.10
+    assert waits["stratified"]["8x96"][1] > waits["synchronized"]["8x96"][1]  # more depths per update

@@ -10,6 +10,7 @@ from elr.tools.route_diagnostics import route_drift
 from elr.tools.study.paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS
 from elr.tools.study.paper import paper_difference, paper_rows
 from elr.tools.study.runs import Run, carried_note, final_validation, latest_checkpoint
+from elr.tools.study.sampling_report import sampling_section, wait_figures
 from elr.tools.study.stats import paired, relative, summarise, verdict
 
 def val_windows(data: Path, cfg: dict, batches: int):
@@ -90,6 +91,8 @@ def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batch
             for r in mine:
                 model, cfg = load_model(latest_checkpoint(r.folder))
                 m = {"loop_stats": loop_statistics(model, val_windows(data, cfg, stats_batches))}
+                if "sampling" in spec["groups"]:
+                    m["wait"] = wait_figures(model, cfg)
                 if replay_check:
                     m["route_drift"] = route_drift(model, val_windows(data, cfg, stats_batches))
                     m["loss_replay_at_inference"] = replay_at_inference_loss(
@@ -123,6 +126,9 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
             continue
         if group == "table_1":
             lines += replay_section(results, members, title, claim)
+            continue
+        if group == "sampling":
+            lines += sampling_section(results, title, claim)
             continue
         if group in ("controls", "remedies"):
             extra = [v for v in ("default",) if v in results and v not in members] if group == "remedies" else []
