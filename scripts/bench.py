@@ -302,7 +302,7 @@ def bench_sampling(args):
         procs = [ctx.Process(target=_sampling_rank, args=(rank, world, port, args, results)) for rank in range(world)]
         for proc in procs:
             proc.start()
-        rows = sorted((results.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
+        rows = sorted(_gather(results, procs), key=lambda r: r["rank"])
         for proc in procs:
             proc.join()
         step = {m: statistics.median(rows[0]["step"][m]) for m in SAMPLING_MODES}
@@ -373,6 +373,25 @@ def _decoding_model_and_prompts(args):
     torch.manual_seed(0)
     vocab = model.tok_embeddings.num_embeddings
     return model.eval(), torch.randint(0, vocab, (args.batch, args.seq_len)).tolist(), eot
+
+
+def _gather(results, procs) -> list[dict]:
+    """One result per rank process; a rank that dies (out of memory, say) ends the benchmark with one
+    line instead of leaving the others waiting in a collective."""
+    import queue
+
+    rows = []
+    while len(rows) < len(procs):
+        try:
+            rows.append(results.get(timeout=5))
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"bench.py sampling: a rank exited with code {dead[0].exitcode} (out of memory? "
+                                 "try a smaller --batch or --seq-len)")
+    return rows
 
 
 def free_port() -> int:

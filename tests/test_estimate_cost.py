@@ -72,6 +72,7 @@ def test_wait_factor_at_8_gpus_from_the_configs_own_sampler():
     assert waits["independent"] > 1.3
     assert waits["stratified"] <= 1.10 and waits["synchronized"] <= 1.10
     assert row["wait x"] == waits[row["sampling"]]
+    assert row["sampling"] == "stratified" and row["wait x"] <= 1.10  # what koi4b ships
     s = row["s"]  # the late switch: one loop (no waiting) before it
     assert row["run x (time)"] == pytest.approx(s + (row["run x (FLOPs)"] - s) * row["wait x"])
     assert estimate(str(CONFIGS / "koi4b.toml"), gpus=64)["ranks x micro"] == "64x12"
