@@ -21,6 +21,8 @@ GROUPS = {
                  "1.6273 at k = 5; Koi-4B switches at half, without a GPT-0.5B number)."),
     "controls": ("Untied depth: what loops could buy", "(not in the paper) untied models as deep as k = 2 and k = 4 "
                  "bound what looping the recurrent block can gain at this budget."),
+    "tying": ("What tying costs", "(not in the paper) the recurrent block trained at one depth only, against the "
+              "untied stack of that depth above: what looping gives per parameter, and whether a spare loop closes it."),
     "sampling": ("Loop sampling at the cost of one depth", "(not in the paper's form) Table 3 finds independent draws "
                  "best at every k but 1.36x the step time; stratified draws give every data-parallel rank the same k "
                  "per microbatch and every update the depths in proportion."),
