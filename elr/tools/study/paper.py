@@ -28,6 +28,9 @@ GROUPS = {
                  "per microbatch and every update the depths in proportion."),
     "remedies": ("Keeping the later loops at work", "(not in the paper) one ingredient changed at a time; wanted: "
                  "k = 1 at the matched baseline and a best k well below its own k = 1."),
+    "aids": ("The looped-model training aids on the recommended recipe", "(not in the paper) one aid at a time "
+             "(Huginn arXiv 2502.05171, Yang et al. arXiv 2311.12424, Bansal et al. arXiv 2202.05826); wanted: "
+             "k = 1 at the matched baseline and a best k well below its own k = 1."),
 }
 PAPER = {  # group -> variant -> validation loss at k = 1..5
     "table_3": {

@@ -130,8 +130,9 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
         if group == "sampling":
             lines += sampling_section(results, title, claim)
             continue
-        if group in ("controls", "remedies"):
+        if group in ("controls", "remedies", "aids"):
             extra = [v for v in ("default",) if v in results and v not in members] if group == "remedies" else []
+            extra = [v for v in ("cond_exit_only",) if v in results] if group == "aids" else extra
             section = controls_section if group == "controls" else remedies_section
             lines += section(results, extra + members, title, claim)
             continue
