@@ -150,3 +150,31 @@ def test_sampling_wait_figures_come_from_the_runs_own_sampler_and_layout():
     assert waits["independent"]["8x96"][0] > waits["independent"]["2x2"][0] > 1.05  # more ranks, longer waits
     assert max(waits["stratified"]["8x96"][0], waits["synchronized"]["8x96"][0]) < 1.10
     assert waits["stratified"]["8x96"][1] > waits["synchronized"]["8x96"][1]  # more depths per update
+
+
+def test_aids_rows_set_each_aid_beside_the_recipe_and_the_untied_yardstick():
+    from elr.tools.study.aids_report import aids_section
+
+    def entry(per_seed, label):
+        return {**_entry(per_seed), "label": label,
+                "loss": [statistics.fmean(col) for col in zip(*per_seed)]}
+
+    results = {
+        "baseline_matched": entry([[2.0], [2.0]], "base"),
+        "untied_k2": entry([[1.9], [1.8]], "untied"),                       # -5% / -10%
+        "cond_exit_only": entry([[2.0, 1.98, 1.99], [2.0, 1.96, 1.97]], "recipe"),  # best k = 2
+        "aid": entry([[1.96, 1.90, 1.88], [2.04, 1.94, 1.92]], "aid"),       # best k = 3
+    }
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in aids_section(results, ["aid"], "T", "C")
+            if line.startswith("| ") and not line.startswith("| run")}
+    assert list(rows) == ["untied", "recipe", "aid"]
+    assert "| -7.50% ± 3.54 (2/2 below) |" in rows["untied"]
+    aid = rows["aid"].split(" | ")
+    assert aid[2] == "+0.00% ± 2.83 (1/2 below)" and aid[3] == "3"          # k = 1: -2% and +2%
+    assert aid[4] == "-5.00% ± 1.41 (2/2 below)"                            # best k: -6% and -4%
+    def pct(a, b):
+        diffs = [x / y - 1 for x, y in zip(a, b)]
+        return f"{100 * statistics.fmean(diffs):+.2f}% ± {100 * statistics.stdev(diffs):.2f} (2/2 below)"
+    assert aid[5] == pct([1.88, 1.92], [1.96, 2.04])                           # the loop gain
+    assert aid[6] == pct([1.88, 1.92], [1.98, 1.96]) + " |"                    # against the recipe's k = 2
+    assert aids_section({"aid": results["aid"]}, ["aid"], "T", "C") == []

@@ -8,7 +8,7 @@ loops from the run's own FLOPs.
 
 from __future__ import annotations
 
-from elr.tools.study.stats import paired
+from elr.tools.study.stats import paired, per_seed
 
 # (mode, variant) in the order the section shows them; the comparisons read the first against the others
 MODES = {"stratified": "sampling_strat", "independent": "sampling_indep", "synchronized": "sampling_sync"}
@@ -31,9 +31,6 @@ def wait_figures(model, cfg: dict) -> dict:
     return {f"{ranks}x{n_micro}": list(expected_wait(sampler, ranks, n_micro, fixed)),
             f"{CLUSTER[0]}x{CLUSTER[1]}": list(expected_wait(sampler, *CLUSTER, fixed))}
 
-
-def per_seed(entry: dict, k: int) -> dict[int, float]:
-    return {seed: losses[k - 1] for seed, losses in zip(entry["seeds"], entry["per_seed"])}
 
 
 def within_spread(a: dict, b: dict) -> list[bool]:

@@ -27,6 +27,11 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
     return {"mean": mean, "sd": sd, "n": len(diffs), "below": sum(d < 0 for d in diffs), "t": t, "diffs": diffs}
 
 
+def per_seed(entry: dict, k: int) -> dict[int, float]:
+    """{seed: validation loss at k} of one variant's report entry (k is 1-based)."""
+    return {seed: losses[k - 1] for seed, losses in zip(entry["seeds"], entry["per_seed"])}
+
+
 def relative(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
     """Per seed, a / b - 1 (a relative paired difference)."""
     return {s: a[s] / b[s] - 1 for s in set(a) & set(b)}

@@ -7,11 +7,12 @@ import statistics
 from pathlib import Path
 
 from elr.tools.route_diagnostics import route_drift
+from elr.tools.study.aids_report import aids_section
 from elr.tools.study.paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS
 from elr.tools.study.paper import paper_difference, paper_rows
 from elr.tools.study.runs import Run, carried_note, final_validation, latest_checkpoint
 from elr.tools.study.sampling_report import sampling_section, wait_figures
-from elr.tools.study.stats import paired, relative, summarise, verdict
+from elr.tools.study.stats import paired, per_seed, relative, summarise, verdict
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
@@ -130,9 +131,11 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
         if group == "sampling":
             lines += sampling_section(results, title, claim)
             continue
-        if group in ("controls", "remedies", "aids"):
+        if group == "aids":
+            lines += aids_section(results, members, title, claim)
+            continue
+        if group in ("controls", "remedies"):
             extra = [v for v in ("default",) if v in results and v not in members] if group == "remedies" else []
-            extra = [v for v in ("cond_exit_only",) if v in results] if group == "aids" else extra
             section = controls_section if group == "controls" else remedies_section
             lines += section(results, extra + members, title, claim)
             continue
@@ -179,10 +182,6 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
         lines.append("")
     (out / "results.md").write_text("\n".join(lines))
 
-
-def per_seed(entry: dict, k: int) -> dict[int, float]:
-    """{seed: validation loss at k} of one variant (k is 1-based)."""
-    return {seed: losses[k - 1] for seed, losses in zip(entry["seeds"], entry["per_seed"])}
 
 
 def fmt_paired(p: dict | None) -> str:
