@@ -5,21 +5,16 @@ the untied 2/8/2 stack's loss below the matched baseline is what looping the rec
 
 from __future__ import annotations
 
-from elr.tools.study.stats import paired, per_seed, relative
+from elr.tools.study.stats import fmt_paired, paired, per_seed, relative
 
 RECIPE = "cond_exit_only"  # the recommended recipe the aids are added to
 YARDSTICK = "untied_k2"  # the recurrent layers written out twice: the depth of k = 2, untied
 BASELINE = "baseline_matched"
 
 
-
 def best_k(entry: dict) -> int:
     """The k (2..K) of lowest mean loss."""
     return 2 + min(range(len(entry["loss"]) - 1), key=lambda i: entry["loss"][i + 1])
-
-
-def pct(p: dict | None) -> str:
-    return "–" if p is None else f"{100 * p['mean']:+.2f}% ± {100 * p['sd']:.2f} ({p['below']}/{p['n']} below)"
 
 
 def aids_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
@@ -37,7 +32,7 @@ def aids_section(results: dict, members: list[str], title: str, claim: str) -> l
     if YARDSTICK in results:
         r = results[YARDSTICK]
         depth = paired(relative(per_seed(r, 1), b1), dict.fromkeys(r["seeds"], 0.0))
-        lines.append(f"| {r['label']} | {len(r['seeds'])} | – | – | {pct(depth)} | – | – |")
+        lines.append(f"| {r['label']} | {len(r['seeds'])} | – | – | {fmt_paired(depth)} | – | – |")
     recipe = results.get(RECIPE)
     for v in ([RECIPE] if recipe else []) + [m for m in members if m != RECIPE]:
         r = results[v]
@@ -50,6 +45,6 @@ def aids_section(results: dict, members: list[str], title: str, claim: str) -> l
         gain = paired(relative(per_seed(r, k), per_seed(r, 1)), zero)
         vs_recipe = (paired(relative(per_seed(r, k), per_seed(recipe, best_k(recipe))), zero)
                      if recipe and v != RECIPE else None)
-        lines.append(f"| {r['label']} | {len(r['seeds'])} | {pct(one)} | {k} | {pct(best)} | {pct(gain)} | "
-                     f"{pct(vs_recipe)} |")
+        lines.append(f"| {r['label']} | {len(r['seeds'])} | {fmt_paired(one)} | {k} | {fmt_paired(best)} | {fmt_paired(gain)} | "
+                     f"{fmt_paired(vs_recipe)} |")
     return lines + [""]

@@ -32,7 +32,6 @@ def wait_figures(model, cfg: dict) -> dict:
             f"{CLUSTER[0]}x{CLUSTER[1]}": list(expected_wait(sampler, *CLUSTER, fixed))}
 
 
-
 def within_spread(a: dict, b: dict) -> list[bool]:
     """Per k: is a's paired mean difference from b no larger than b's own seed spread (sd over seeds)?"""
     out = []

@@ -32,6 +32,11 @@ def per_seed(entry: dict, k: int) -> dict[int, float]:
     return {seed: losses[k - 1] for seed, losses in zip(entry["seeds"], entry["per_seed"])}
 
 
+def fmt_paired(p: dict | None) -> str:
+    """A relative paired difference as the reports print it: mean ± sd in percent, seeds below zero."""
+    return "–" if p is None else f"{100 * p['mean']:+.2f}% ± {100 * p['sd']:.2f} ({p['below']}/{p['n']} below)"
+
+
 def relative(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
     """Per seed, a / b - 1 (a relative paired difference)."""
     return {s: a[s] / b[s] - 1 for s in set(a) & set(b)}

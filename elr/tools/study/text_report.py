@@ -12,7 +12,7 @@ from elr.tools.study.paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING
 from elr.tools.study.paper import paper_difference, paper_rows
 from elr.tools.study.runs import Run, carried_note, final_validation, latest_checkpoint
 from elr.tools.study.sampling_report import sampling_section, wait_figures
-from elr.tools.study.stats import paired, per_seed, relative, summarise, verdict
+from elr.tools.study.stats import fmt_paired, paired, per_seed, relative, summarise, verdict
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
@@ -182,10 +182,6 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
         lines.append("")
     (out / "results.md").write_text("\n".join(lines))
 
-
-
-def fmt_paired(p: dict | None) -> str:
-    return "–" if p is None else f"{100 * p['mean']:+.2f}% ± {100 * p['sd']:.2f} ({p['below']}/{p['n']} below)"
 
 
 def claim_verdict(words: list[str]) -> str:
