@@ -45,6 +45,6 @@ def aids_section(results: dict, members: list[str], title: str, claim: str) -> l
         gain = paired(relative(per_seed(r, k), per_seed(r, 1)), zero)
         vs_recipe = (paired(relative(per_seed(r, k), per_seed(recipe, best_k(recipe))), zero)
                      if recipe and v != RECIPE else None)
-        lines.append(f"| {r['label']} | {len(r['seeds'])} | {fmt_paired(one)} | {k} | {fmt_paired(best)} | {fmt_paired(gain)} | "
-                     f"{fmt_paired(vs_recipe)} |")
+        cells = [fmt_paired(one), str(k), fmt_paired(best), fmt_paired(gain), fmt_paired(vs_recipe)]
+        lines.append(f"| {r['label']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
     return lines + [""]
