@@ -5,16 +5,11 @@ the untied 2/8/2 stack's loss below the matched baseline is what looping the rec
 
 from __future__ import annotations
 
-from elr.tools.study.stats import fmt_paired, paired, per_seed, relative
+from elr.tools.study.stats import best_k, fmt_paired, paired, per_seed, relative
 
 RECIPE = "cond_exit_only"  # the recommended recipe the aids are added to
 YARDSTICK = "untied_k2"  # the recurrent layers written out twice: the depth of k = 2, untied
 BASELINE = "baseline_matched"
-
-
-def best_k(entry: dict) -> int:
-    """The k (2..K) of lowest mean loss."""
-    return 2 + min(range(len(entry["loss"]) - 1), key=lambda i: entry["loss"][i + 1])
 
 
 def aids_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:

@@ -32,6 +32,11 @@ def per_seed(entry: dict, k: int) -> dict[int, float]:
     return {seed: losses[k - 1] for seed, losses in zip(entry["seeds"], entry["per_seed"])}
 
 
+def best_k(entry: dict) -> int:
+    """The k (2..K) of lowest mean loss in a report entry: the loop count a loop gain is read at."""
+    return 2 + min(range(len(entry["loss"]) - 1), key=lambda i: entry["loss"][i + 1])
+
+
 def fmt_paired(p: dict | None) -> str:
     """A relative paired difference as the reports print it: mean ± sd in percent, seeds below zero."""
     return "–" if p is None else f"{100 * p['mean']:+.2f}% ± {100 * p['sd']:.2f} ({p['below']}/{p['n']} below)"

@@ -12,7 +12,7 @@ from elr.tools.study.paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING
 from elr.tools.study.paper import paper_difference, paper_rows
 from elr.tools.study.runs import Run, carried_note, final_validation, latest_checkpoint
 from elr.tools.study.sampling_report import sampling_section, wait_figures
-from elr.tools.study.stats import fmt_paired, paired, per_seed, relative, summarise, verdict
+from elr.tools.study.stats import best_k, fmt_paired, paired, per_seed, relative, summarise, verdict
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
@@ -283,7 +283,7 @@ def remedies_section(results: dict, members: list[str], title: str, claim: str) 
         if K < 2:
             continue
         one = paired(relative(per_seed(r, 1), per_seed(base, 1)), {s: 0.0 for s in r["seeds"]}) if base else None
-        best = 2 + min(range(K - 1), key=lambda i: r["loss"][i + 1])
+        best = best_k(r)
         gain = paired(relative(per_seed(r, best), per_seed(r, 1)), {s: 0.0 for s in r["seeds"]})
         norms = r.get("loop_stats", {}).get("update_norm", [])[1:]
         met = [one is not None and one["mean"] <= spread, gain["mean"] <= -0.01 and -gain["mean"] > 3 * gain["sd"],
@@ -307,7 +307,7 @@ def tradeoff_points(results: dict) -> dict[str, tuple[dict, dict]]:
         if base is None or len(r["loss"]) < 2 or not ({"remedies"} & set(r["groups"]) or v == "default"):
             continue
         one = paired(relative(per_seed(r, 1), per_seed(base, 1)), {s: 0.0 for s in r["seeds"]})
-        best = 2 + min(range(len(r["loss"]) - 1), key=lambda i: r["loss"][i + 1])
+        best = best_k(r)
         gain = paired(relative(per_seed(r, best), per_seed(r, 1)), {s: 0.0 for s in r["seeds"]})
         if one is not None:
             points[v] = (one, gain)
