@@ -49,7 +49,8 @@ class RecurrenceOptions:
         state in its own way; with both loop options false it is the only conditioning and no loop can be scaled down
     backprop_loops: n > 0: gradients flow through the last n loops of a forward only (the state entering loop k − n + 1
         is detached; re-injected input still gets its gradient); 0: through every loop. Training only: the forward
-        is unchanged
+        is unchanged. Needs a re-injected input (`recurrent_input` other than `state`): with the state alone, the
+        input block and embeddings would learn nothing from any microbatch of k > n
     state_norm: an RMSNorm on the state between loops (s_{i-1} before loop i >= 2); k = 1 is unchanged, no norm runs
     depth_scaled_init: each layer's output projections start at std 0.02 / sqrt(2 depth) with depth its position in
         the stack unrolled to K loops (a recurrent layer at its K-th loop); false: its position in the stack itself.
@@ -93,6 +94,10 @@ class RecurrenceOptions:
             _check(getattr(self, key) in allowed, key, f"must be one of {', '.join(allowed)}", getattr(self, key))
         _check(0 <= self.backprop_loops <= self.max_loops, "backprop_loops",
                f"must lie in 0..max_loops = {self.max_loops} (0: every loop)", self.backprop_loops)
+        _check(not self.backprop_loops or self.recurrent_input != "state", "backprop_loops",
+               "needs elr.recurrent_input = state_plus_input or state_plus_adapted_input: with the state alone the "
+               "detached state cuts the input block and embeddings off from every microbatch of k > backprop_loops",
+               self.backprop_loops)
         _check(self.initial_state_noise >= 0, "initial_state_noise", "must be >= 0 (0: off)", self.initial_state_noise)
         loops_conditioned = self.conditioning_first_loop or self.conditioning_later_loops
         _check(loops_conditioned or self.conditioning_exit, "conditioning_later_loops",

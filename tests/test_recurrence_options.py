@@ -27,6 +27,12 @@ OTHER_VALUE = {
     "conditioning_exit": True, "backprop_loops": 2, "state_norm": True, "depth_scaled_init": True,
     "initial_state_noise": 0.5,
 }
+# Options whose test value needs another option set too (truncated backprop needs a re-injected input).
+NEEDS = {"backprop_loops": {"recurrent_input": "state_plus_input"}}
+
+
+def _overrides(options: dict) -> list[str]:
+    return [arg for key, value in options.items() for arg in (f"--elr.{key}", str(value).lower())]
 
 
 def test_the_elr_section_is_the_options_and_the_training_keys():
@@ -41,10 +47,11 @@ def test_every_option_reaches_the_model_by_its_own_name(name):
     default = getattr(RecurrenceOptions(), name)
     value = OTHER_VALUE[name]
     assert value != default
-    cfg = load_config(None, [f"--elr.{name}", str(value).lower()])
+    needs = NEEDS.get(name, {})
+    cfg = load_config(None, _overrides({**needs, name: value}))
     args = model_args_from_config(cfg, vocab_size=256)
     assert getattr(args.recurrence, name) == value
-    assert args.recurrence == dataclasses.replace(RecurrenceOptions(), **{name: value})
+    assert args.recurrence == dataclasses.replace(RecurrenceOptions(), **needs, **{name: value})
 
 
 def test_the_baseline_and_the_one_loop_phase():
@@ -57,8 +64,9 @@ def test_the_baseline_and_the_one_loop_phase():
 @pytest.mark.parametrize("name", names())
 def test_every_option_is_frozen_on_resume(name):
     assert f"elr.{name}" in FROZEN
-    saved = load_config(None).to_dict()
-    job = load_config(None, [f"--elr.{name}", str(OTHER_VALUE[name]).lower()]).to_dict()
+    needs = NEEDS.get(name, {})
+    saved = load_config(None, _overrides(needs)).to_dict()
+    job = load_config(None, _overrides({**needs, name: OTHER_VALUE[name]})).to_dict()
     with pytest.raises(ConfigError, match=rf"^elr.{name}: cannot change on resume"):
         check_resume(saved, job, step=5)
 
@@ -81,8 +89,9 @@ def test_the_export_writes_every_option_and_reads_it_back():
 
 def test_a_bad_option_names_its_key():
     for name, value in [("max_loops", 0), ("update", "gated"), ("step_input", "both"), ("backprop_loops", 4),
-                        ("backprop_loops", -1), ("initial_state_noise", -0.1)]:
+                        ("backprop_loops", -1), ("backprop_loops", 1), ("initial_state_noise", -0.1)]:
         with pytest.raises(ConfigError, match=rf"^elr.{name}: "):
             dataclasses.replace(RecurrenceOptions(), **{name: value}).check()
+    RecurrenceOptions(backprop_loops=1, recurrent_input="state_plus_input").check()  # re-injected: fine
     with pytest.raises(ConfigError, match=r"^elr.conditioning_exit: needs elr.conditioning = true"):
         RecurrenceOptions(conditioning=False, conditioning_exit=True).check()

@@ -6,6 +6,8 @@ mesh on top of the TP split (2-D parameters); with CP, over dp_shard x cp.
 FSDP units: each input/output layer, the whole recurrent block (its layers together with the
 k-loop, called exactly once per microbatch so ranks running different k stay in step), and the
 root (embeddings, final norm, head). Recurrent layers are compiled once and reused on every loop.
+The block's parameters are anchored (elr/parallel/gradient_anchor.py): each gets a gradient, zeros
+where a rank's k left it unused, so every rank reduce-scatters the same tensors.
 When all ranks run the same k (one data-parallel rank split by CP/TP alone, or one expert group
 spanning every data-parallel rank), each recurrent layer becomes its own unit instead, gathered k
 times per microbatch (tests/distributed/expert_parallel_ops.py checks a unit called k times against
@@ -28,6 +30,7 @@ from elr.models.model import ELRModel
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.context_parallel import enable_context_parallel
 from elr.parallel.expert_parallel import apply_expert_parallel
+from elr.parallel.gradient_anchor import anchor_parameters
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -124,6 +127,8 @@ def apply_fsdp(model: ELRModel, mesh: DeviceMesh, param_dtype: torch.dtype, igno
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=mesh, mp_policy=policy, ignored_params=set(ignored) or None,
                   shard_placement_fn=fsdp_shard_dim)
+    if not recurrent_per_layer:  # ranks may run different k: every block parameter gets a gradient on each
+        anchor_parameters(model.recurrent)
     recurrent = list(model.recurrent.layers) if recurrent_per_layer else [model.recurrent]
     for unit in [*model.input_layers, *recurrent, *model.output_layers]:
         fully_shard(unit, **kwargs)
