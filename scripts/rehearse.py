@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="updates per run (default 6; saves every 2)")
     parser.add_argument("--folder", type=Path, default=None, help="where the runs go (default: a temporary folder, "
                         "removed after a pass)")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take before it counts as a hang")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take before it counts as a hang (default %(default)s)")
     args = parser.parse_args(argv)
     if not args.config.is_file():
         print(f"rehearse: no config file {args.config}", file=sys.stderr)

@@ -64,6 +64,7 @@ def test_every_second_layer_is_wrapped_across_the_whole_stack():
     assert [isinstance(layer, CheckpointedLayer) for layer in layers] == [i % 2 == 1 for i in range(len(layers))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op")])
 def test_compiled_checkpointed_layers_match_eager_and_count_once(mode, option):
     """Dynamo and AOTAutograd, where checkpoint regions and the op policy are traced; the "aot_eager"

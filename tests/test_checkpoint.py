@@ -413,6 +413,7 @@ def convert(*paths) -> subprocess.CompletedProcess:
                           env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_an_old_format_is_refused_naming_the_conversion_which_round_trips(tmp_path):
     model = make_model(0)
     opt = make_opt(model)
@@ -442,6 +443,7 @@ def test_an_old_format_is_refused_naming_the_conversion_which_round_trips(tmp_pa
     assert again.returncode == 0 and "already in format 4" in again.stdout
 
 
+@pytest.mark.slow
 def test_the_conversion_refuses_gdp_weights_in_the_old_row_order(tmp_path):
     """A format-1 marker (before GDP's head-major k/v/beta rows) holding GDP weights would load them
     permuted: not converted; without GDP weights it converts."""

@@ -100,6 +100,7 @@ def test_prepare_data_end_to_end(tmp_path):
         assert sorted(a.tolist()) == sorted(b.tolist())
 
 
+@pytest.mark.slow
 def test_prepare_data_errors_leave_no_partial_output(tmp_path):
     out = tmp_path / "out"
     assert prepare("--out", str(out), "--val-fraction", VAL_FRACTION, str(CORPUS)).returncode == 0
@@ -128,6 +129,7 @@ def split_parts(path: Path, eot_id: int) -> list[list[int]]:
     return [tokens[s:e].tolist() for s, e in zip(starts, ends)]
 
 
+@pytest.mark.slow
 def test_prepare_data_tail_split(tmp_path):
     out = tmp_path / "tail"
     result = prepare("--out", str(out), "--split", "tail", "--val-fraction", VAL_FRACTION,
@@ -195,6 +197,7 @@ def test_tail_cut_keeps_utf8_characters_whole():
     assert cut([0], 0.99) == 1  # train always keeps at least one token
 
 
+@pytest.mark.slow
 def test_prepare_data_tail_split_errors_leave_no_partial_output(tmp_path):
     out = tmp_path / "out"
     args = ("--out", str(out), "--split", "tail")

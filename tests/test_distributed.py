@@ -20,6 +20,7 @@ FP32 = ["--training.mixed_precision_param", "float32"]
 EXIT = ["--elr.conditioning_exit", "true"]
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process_and_reshard_both_ways(tmp_path):
     # Sharded initialisation draws other numbers than one process does: start both from one seed.
     run(tmp_path / "seed", 4, *CKPT, *EXIT, "--checkpoint.create_seed", "true")

@@ -51,6 +51,7 @@ def test_permutation_groups_pairs_by_expert_and_survives_a_zero_stride_gradient(
     torch.testing.assert_close(xs.grad[0], w[0].detach().sum(-1))
 
 
+@pytest.mark.slow
 def test_compiled_grouped_experts_match_eager_in_fp32(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)

@@ -31,6 +31,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 kernel_test = pytest.mark.skipif(not RUNS_KERNELS, reason="run by test_kernels_under_interpreter")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(RUNS_KERNELS, reason="the kernel tests run in this process")
 def test_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")

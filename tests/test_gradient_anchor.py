@@ -83,6 +83,7 @@ def test_the_anchor_changes_nothing_in_evaluation_or_without_gradients():
     assert torch.equal(model(x, loops=2), train_out)
 
 
+@pytest.mark.slow
 def test_two_ranks_at_k1_and_K_match_one_process_for_each_production_config():
     """Default tier: the production configs' options (the debug model), rank 0 at k = 1 beside rank 1 at
     k = K, FSDP2 on gloo, two updates: gradients equal one process's (tests/distributed/loop_mismatch.py)."""

@@ -59,6 +59,7 @@ print(type(model).__module__, tokenizer("The king").input_ids)
 """
 
 
+@pytest.mark.slow
 def test_auto_classes_load_an_export_without_running_its_code(export, tmp_path):
     model, tokenizer, folder = export
     copy = tmp_path / "hf"

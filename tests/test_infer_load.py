@@ -94,6 +94,7 @@ def test_generate_script_budgets_per_prompt_and_self_speculative(trained, capsys
     assert "--draft-loops decodes greedily" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys):
     base = tmp_path / "base"
     run(base, 1, "--checkpoint.enable", "true", "--elr.enabled", "false", "--elr.max_loops", "1",

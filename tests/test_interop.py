@@ -147,6 +147,7 @@ save_file(result, out)
 """
 
 
+@pytest.mark.slow
 @needs_transformers  # in the default tier (20 s on 2 busy cores): the export's promise, checked on every CI run
 def test_transformers_loads_the_export_in_a_fresh_process_with_this_packages_logits(model_and_export, tmp_path):
     from safetensors.torch import load_file

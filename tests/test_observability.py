@@ -108,6 +108,7 @@ def test_plot_loops_draws_a_runs_metrics(tmp_path, monkeypatch):
     assert scales["update norm per loop"] == "log" and scales["training loss per k"] == "linear"
 
 
+@pytest.mark.slow
 def test_importing_transformers_beside_torchao_prints_nothing():
     """torchao's optional-kernel and pytree-deprecation lines are dropped by their text; others pass."""
     pytest.importorskip("torchao")

@@ -18,6 +18,7 @@ def rehearse(config: str, ranks: int, tmp_path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_koi4b_rehearses_on_two_ranks(tmp_path):
     result = rehearse("koi4b.toml", 2, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -26,6 +27,7 @@ def test_koi4b_rehearses_on_two_ranks(tmp_path):
     assert "resumed from step 2 to the bit" in line and "resharded onto 1 ranks" in line
 
 
+@pytest.mark.slow
 def test_a_bad_config_stops_before_any_run_and_a_failing_run_is_named_in_one_line(tmp_path):
     koi4b = (ROOT / "train_configs" / "koi4b.toml").read_text()
     for name, text, first in [

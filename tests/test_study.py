@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tomli
 
 from elr.tokenizer import build_tokenizer
@@ -35,6 +36,7 @@ def test_byte_level_copy_keeps_text_documents_and_split(tmp_path):
         assert texts == [d.astype(np.uint8).tobytes() for d in documents(data, 256)]
 
 
+@pytest.mark.slow
 def test_quick_study_trains_reports_and_skips_finished_runs(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts/study.py"), "--quick", "--variants", "baseline_matched", "default",
            "--steps", "3", "--val-steps", "1", "--stats-batches", "1",
@@ -53,6 +55,7 @@ def test_quick_study_trains_reports_and_skips_finished_runs(tmp_path):
     assert again.returncode == 0 and "2 of 2 runs already finished; training 0" in again.stdout
 
 
+@pytest.mark.slow
 def test_depth_suite_reports_accuracy_per_difficulty_and_past_k(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts/study.py"), "--suite", "depth", "--variants", "baseline_matched", "elr",
            "--seeds", "0", "--steps", "4", "--val-steps", "1", "--extrapolation-examples", "64",
@@ -72,6 +75,7 @@ def test_depth_suite_reports_accuracy_per_difficulty_and_past_k(tmp_path):
     assert (tmp_path / "out/accuracy_vs_difficulty.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_report_only_carries_earlier_rows_and_names_them(tmp_path):
     """A grid trained in parts: variants with no run here take the committed report's rows, and say so."""
     committed = ROOT / "docs/study/text/results.json"

@@ -48,11 +48,13 @@ def assert_same_run(got: dict, want: dict, steps) -> None:
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=NORM_REL), step
 
 
+@pytest.mark.slow
 def test_every_layer_kind_has_single_process_gradients_under_tp():
     """GQA kv heads split and replicated, AC none/full/selective, loop counts 1 and 3 accumulated."""
     assert "tp_grads: all checks passed" in torchrun("tp_grads.py")
 
 
+@pytest.mark.slow
 def test_compiled_tp_layers_have_single_process_gradients():
     assert "tp_grads: all checks passed" in torchrun("tp_grads.py", "--compile")
 
@@ -143,6 +145,7 @@ def test_fsdp4_x_tp2_with_an_uneven_vocabulary_trains_and_resumes_like_one_proce
     assert_same_run(records(tmp_path / "to_one"), got, (3,))
 
 
+@pytest.mark.slow
 def test_float8_under_tp_has_single_process_float8_loss_and_gradients():
     """The same linears converted; TP scales are the single process's (elr/parallel/float8.py); full AC."""
     assert "tp_float8: all checks passed" in torchrun("tp_float8.py")
@@ -153,6 +156,7 @@ def test_compiled_float8_tp_layers_have_single_process_float8_gradients():
     assert "tp_float8: all checks passed" in torchrun("tp_float8.py", "--compile")
 
 
+@pytest.mark.slow
 def test_vocab_parallel_chunked_loss_has_single_process_loss_and_gradients():
     """Vocabulary 257 over 2 ranks (129 + 128 ids), chunks not dividing the tokens, ignored labels."""
     assert "tp_loss: all checks passed" in torchrun("tp_loss.py")

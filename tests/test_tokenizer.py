@@ -102,6 +102,7 @@ def test_train_tokenizer_end_to_end(tmp_path):
     assert again.read_bytes() == out.read_bytes(), "training must be deterministic"
 
 
+@pytest.mark.slow
 def test_train_tokenizer_errors(tmp_path):
     pytest.importorskip("rustbpe")
     out = tmp_path / "tok.tiktoken"

@@ -141,6 +141,7 @@ FROM_START = [*SWITCH, "--elr.switch_conditioning", "from_start", "--elr.conditi
               "--elr.conditioning_later_loops", "false", "--elr.conditioning_exit", "true", "--checkpoint.interval", "2"]
 
 
+@pytest.mark.slow
 def test_switch_with_conditioning_from_start_trains_it_at_one_loop_and_resumes_exactly(tmp_path):
     """The heads exist and train through the one-loop phase (at k = 1 they see E_budget[1]); the switch
     changes only the loop counts, and resuming before, at or after it gives the same run."""
