@@ -17,7 +17,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from elr.config import DEFAULT_CONFIG
-    from elr.config_help import help_text
+    from elr.config.reference import help_text
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=help_text(), allow_abbrev=False)

@@ -1,5 +1,5 @@
 """Elastic Latent Recurrence: a compact trainer for looped language models."""
 
-from elr import quiet_logs
+from elr.console import quiet_logs
 
-quiet_logs.install()  # before anything imports torchao (elr/quiet_logs.py)
+quiet_logs.install()  # before anything imports torchao (elr/console/quiet_logs.py)

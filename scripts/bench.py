@@ -57,7 +57,7 @@ def bench_gdp(args):
 
 def bench_gdp_cpu(args):
     """Forward+backward on CPU: token-loop oracle vs chunked PyTorch form."""
-    from kernels.gated_delta_product import gated_delta_product
+    from elr_kernels.gated_delta_product import gated_delta_product
 
     B, T, H, K, V, n_h = 1, args.seq_len, 4, 64, 64, 2
     inputs = [x.requires_grad_() for x in gdp_inputs(B, T, H, K, n_h, torch.float32, "cpu")]
@@ -121,7 +121,7 @@ def bench_gdp_kernels(args):
     """Forward and forward+backward time of each implementation at the models' shapes, with
     TFLOP/s and bandwidth against the device's peak and, when flash-linear-attention is
     installed, its chunk_gated_delta_product on the same inputs."""
-    from kernels.gated_delta_product import gated_delta_product
+    from elr_kernels.gated_delta_product import gated_delta_product
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # interpreter: fp32 only

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from elr.cli import HelpFormatter
-from kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
+from elr_kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
 

@@ -19,8 +19,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from elr.cli import HelpFormatter
-from kernels.gated_delta_product import triton_chunk as tc
-from kernels.gated_delta_product import triton_decode as td
+from elr_kernels.gated_delta_product import triton_chunk as tc
+from elr_kernels.gated_delta_product import triton_decode as td
 
 
 def kernels(dtype, D, C):

@@ -14,7 +14,7 @@ The FLOP column weighs each layer by its analytic training FLOPs at the config's
 the embedding/head once per token, as model.num_flops_per_token does, so it depends (a little) on
 the vocabulary. The embedding, input and output blocks and head cost `fixed` loops (their FLOPs over
 one loop's). That comes from the config's tokenizer without loading an encoding: a local ranks
-file is read, a tiktoken encoding name is looked up (elr.tokenizer.ENCODING_VOCAB), so the figures are the same
+file is read, a tiktoken encoding name is looked up (elr.text.tokenizer.ENCODING_VOCAB), so the figures are the same
 whether or not the encoding is cached on this machine; `--vocab-size N` overrides it (e.g. 131072,
 the Nemotron vocabulary the paper's models use). The params columns count the model the config
 trains after its late switch (conditioning included); active counts top-k of the routed experts.
@@ -40,7 +40,7 @@ from elr.config import load_config
 from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.from_config import check_model_config, model_args_from_config
-from elr.tokenizer import vocab_size as tokenizer_vocab
+from elr.text.tokenizer import vocab_size as tokenizer_vocab
 from elr.parallel.parallel_dims import ParallelDims
 from elr.train.data import microbatches
 from elr.train.loop_sampler import SAMPLING, LoopSampler, expected_wait

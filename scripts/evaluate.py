@@ -29,16 +29,16 @@ from pathlib import Path
 import torch
 
 from elr.cli import HelpFormatter, argument_type
-from elr.progress import Progress
+from elr.console.progress import Progress
 from elr.errors import UserError
 from elr.infer.cache import MODES
-from elr.chat_data import is_chat_folder
+from elr.text.chat_data import is_chat_folder
 from elr.infer.generate import AdaptiveDepth
 from elr.infer.evaluate import (chat_validation_loss, decoded_loss, load_task, measure_latency, read_tokens,
                                 score_multiple_choice, task_accuracy, validation_loss)
 from elr.infer.load import load_model, load_tokenizer
 from elr.models.early_exit import ExitRule
-from elr.tasks import build_task
+from elr.text.tasks import build_task
 
 LATENCY_TEXT = "The old king walked slowly through the quiet garden, thinking of the years behind him. "
 

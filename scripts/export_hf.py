@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                         "'Using a trained model')")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="split weights above this (default 5GB)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizer_config.json "
-                   "(default: the template SFT trains with, elr/chat.py)")
+                   "(default: the template SFT trains with, elr/text/chat.py)")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     args = p.parse_args(argv)
     if args.seal:

@@ -21,7 +21,7 @@ from elr.cli import HelpFormatter
 from elr.config import JobConfig
 from elr.errors import UserError
 from elr.infer.evaluate import read_tokens
-from elr.tokenizer import Tokenizer, build_tokenizer
+from elr.text.tokenizer import Tokenizer, build_tokenizer
 from elr.train.token_files import check_tokenizer, job_tokenizer_path
 
 

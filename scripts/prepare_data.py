@@ -28,9 +28,9 @@ of val.bin (which validation reads) mix the sources, and val.bin does not depend
 
 --format chat reads .jsonl conversations, one per line: {"messages": [{"role": "system|user|assistant|tool",
 "content": ...}, ...]}, ShareGPT {"conversations": [{"from": "human|gpt|...", "value": ...}]} or
-{"prompt": ..., "completion": ...} (strings, or lists of messages), with tool calls (elr/chat_formats.py:
-the shapes, and which turns train); renders them with elr/chat.py's template and writes token,
-scored-flag and offset files per split (elr/chat_data.py; split by a hash of each conversation);
+{"prompt": ..., "completion": ...} (strings, or lists of messages), with tool calls (elr/text/chat_formats.py:
+the shapes, and which turns train); renders them with elr/text/chat.py's template and writes token,
+scored-flag and offset files per split (elr/text/chat_data.py; split by a hash of each conversation);
 --max-tokens refuses a conversation longer than the training row (seq_len + 1), naming its line.
 
 Outputs are written under temporary names and renamed only when complete.
@@ -57,11 +57,11 @@ from typing import BinaryIO
 
 import numpy as np
 
-from elr.chat_data import prepare_chat
+from elr.text.chat_data import prepare_chat
 from elr.cli import HelpFormatter
 from elr.errors import DataError
-from elr.progress import duration
-from elr.tokenizer import Tokenizer, build_tokenizer, file_sha256
+from elr.console.progress import duration
+from elr.text.tokenizer import Tokenizer, build_tokenizer, file_sha256
 
 SPLITS = ("train", "val")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "elr8k.tiktoken"
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_chat(args, start: float) -> int:
-    """--format chat: conversations -> elr/chat_data.py's files; errors name the file and line."""
+    """--format chat: conversations -> elr/text/chat_data.py's files; errors name the file and line."""
     try:
         if not 0.0 < args.val_fraction < 1.0:
             raise InputError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")

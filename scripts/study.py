@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The evidence study: matched baselines, untied controls and ELR variants trained alike, each
-evaluated at every loop count k (README "Does the recipe work?"; the library is elr/tools/study/).
+evaluated at every loop count k (README "Does the recipe work?"; the library is scripts/study_tools/).
 
     python scripts/study.py --suite depth --quick       # pointer chasing, one seed: under 15 min on 2 cores
     python scripts/study.py --suite depth --seeds 0 1 2 # the depth suite -> docs/study/depth
@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 
 from elr.cli import HelpFormatter
-from elr.tools.study import depth_report, text_report
-from elr.tools.study.byte_data import bundled_prose_as_bytes
-from elr.tools.study.runs import ROOT, SUITES, Run, Suite, earlier_rows, log, train_all
+from study_tools import depth_report, text_report
+from study_tools.byte_data import bundled_prose_as_bytes
+from study_tools.runs import ROOT, SUITES, Run, Suite, earlier_rows, log, train_all
 
 COMMITTED = {"text": ROOT / "docs/study/text", "depth": ROOT / "docs/study/depth"}
 

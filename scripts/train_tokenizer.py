@@ -3,7 +3,7 @@
 
 Inputs are read as in prepare_data.py (.txt = one document, .jsonl = one document per line,
 directories searched recursively). The BPE splits text with the GPT-4 regex
-(`elr.tokenizer.SPLIT_PATTERN`) and learns `--vocab-size` ranks: 256 single bytes plus
+(`elr.text.tokenizer.SPLIT_PATTERN`) and learns `--vocab-size` ranks: 256 single bytes plus
 merges. `build_tokenizer` adds `<|endoftext|>` with id = vocab size, so a model needs an
 embedding of at least vocab size + 1 rows.
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from elr.cli import HelpFormatter
-from elr.tokenizer import SPLIT_PATTERN, build_tokenizer
+from elr.text.tokenizer import SPLIT_PATTERN, build_tokenizer
 from prepare_data import InputError, iter_all_documents, list_input_files
 
 CHECK_DOCS = 64  # documents re-encoded with tiktoken to prove the written file is equivalent

@@ -12,7 +12,7 @@ from elr.interop import write_export
 from elr.interop.hf_hashes import MANIFEST, seal
 from elr.models import build_model
 from elr.models.from_config import model_args_from_config
-from elr.tokenizer import build_tokenizer
+from elr.text.tokenizer import build_tokenizer
 from trainer_utils import DEBUG_TOML, ROOT
 
 TOKENIZER = ROOT / "data" / "tokenizer" / "elr8k.tiktoken"

@@ -1,4 +1,4 @@
-"""Conversation data (elr/chat.py, elr/chat_data.py, prepare_data.py --format chat): the template, the
+"""Conversation data (elr/text/chat.py, elr/text/chat_data.py, prepare_data.py --format chat): the template, the
 assistant-only labels on a hand-built example, one conversation per row, exact resume and resharding
 of the conversation stream, and bad input refused in one line with nothing written."""
 
@@ -10,10 +10,10 @@ import jinja2
 import pytest
 import torch
 
-from elr.chat import CHAT_TEMPLATE, encode_conversation, render
-from elr.chat_data import IGNORE_INDEX, ChatSplit, prepare_chat
+from elr.text.chat import CHAT_TEMPLATE, encode_conversation, render
+from elr.text.chat_data import IGNORE_INDEX, ChatSplit, prepare_chat
 from elr.errors import DataError
-from elr.tokenizer import build_tokenizer
+from elr.text.tokenizer import build_tokenizer
 from elr.train.data import build_train_loader, val_batches
 
 from trainer_utils import ROOT

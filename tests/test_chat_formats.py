@@ -1,4 +1,4 @@
-"""The conversation shapes prepare_data.py --format chat reads (elr/chat_formats.py): each one gives the
+"""The conversation shapes prepare_data.py --format chat reads (elr/text/chat_formats.py): each one gives the
 same messages as its plain `messages` form, trains the turns the README says, and an unknown shape is
 one error naming the file and line."""
 
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from elr.chat import encode_conversation
-from elr.chat_data import ChatSplit, prepare_chat
-from elr.chat_formats import read_record
+from elr.text.chat import encode_conversation
+from elr.text.chat_data import ChatSplit, prepare_chat
+from elr.text.chat_formats import read_record
 from elr.errors import DataError
-from elr.tokenizer import build_tokenizer
+from elr.text.tokenizer import build_tokenizer
 
 from trainer_utils import ROOT
 

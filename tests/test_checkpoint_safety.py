@@ -33,7 +33,7 @@ from elr.config import load_config
 from elr.errors import CheckpointError, ConfigError, FolderInUse, UserError
 from elr.infer.load import load_model, load_tokenizer
 from elr.checkpoint import MARKER
-from elr.train.checkpoint import CheckpointManager
+from elr.checkpoint.manager import CheckpointManager
 from elr.train.run_lock import RunLock
 from elr.train.train_state import ModelState
 from elr.train.nonfinite import NonFiniteLossError
@@ -365,7 +365,7 @@ def test_saves_delete_only_what_the_project_wrote_and_report_the_rest_once(tmp_p
         "important.tmp", "my-notes", "notes.tmp", "step-1", "step-2", "step-7.tmp", "step-9.tmp"]
     kept = {p: data for p, data in before.items() if "step-4.tmp" not in str(p) and "step-3.tmp" not in str(p)}
     assert {p: data for p, data in snapshot(tmp_path).items() if p in kept} == kept  # nothing else touched
-    lines = [r.getMessage() for r in caplog.records if r.name == "elr.train.checkpoint"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "elr.checkpoint.manager"]
     assert len(lines) == 1, lines
     assert all(name in lines[0] for name in ("important.tmp", "my-notes", "notes.tmp", "step-9.tmp",
                                              "step-7.tmp (a symbolic link)"))
@@ -628,7 +628,7 @@ def test_a_run_with_nan_weights_saves_no_checkpoint(tmp_path):
 # ---- the smaller faults: one line each ----
 
 def test_a_full_disk_is_named_with_the_bytes_needed(tmp_path, monkeypatch):
-    import elr.train.checkpoint as checkpoint
+    import elr.checkpoint.manager as checkpoint
 
     ckpt = CheckpointManager(tmp_path / "ckpt", interval=1)
     layer = torch.nn.Linear(64, 64)

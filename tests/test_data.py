@@ -18,7 +18,7 @@ import torch
 
 from elr.train.data import WindowPermutation, build_train_loader, val_batches
 from elr.train.token_files import load_tokens
-from elr.tokenizer import build_tokenizer, file_sha256
+from elr.text.tokenizer import build_tokenizer, file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizer" / "elr8k.tiktoken"

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from elr.config import JobConfig
-from elr.config_help import config_keys, key_docs, markdown_table
+from elr.config.reference import config_keys, key_docs, markdown_table
 from trainer_utils import ROOT
 
 
@@ -39,7 +39,7 @@ def test_every_key_has_its_doc_line_and_the_readme_holds_the_generated_table():
         assert list(docs) == names, (s.name, names, list(docs))  # every field, in order, nothing else
         assert all(docs.values()), s.name
     readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "README table is stale: paste `python -m elr.config_help --markdown`"
+    assert markdown_table() in readme, "README table is stale: paste `python -m elr.config.reference --markdown`"
 
 
 def test_help_lists_every_key_with_type_default_and_doc():

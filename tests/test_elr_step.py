@@ -9,7 +9,7 @@ from elr.config import ELR, Optimizer, load_config
 from elr.errors import ConfigError
 from elr.models import build_model, flavors
 from elr.models.from_config import check_model_config
-from elr.recurrence_options import STEP_INPUTS
+from elr.config.recurrence import STEP_INPUTS
 from elr.train.optimizer import build_optimizer
 from trainer_utils import model_args
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import tiktoken
 
-from elr.tokenizer import ENCODING_VOCAB
+from elr.text.tokenizer import ENCODING_VOCAB
 from trainer_utils import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gated_delta_product import gated_delta_product
-from kernels.gated_delta_product.chunk import chunk_gated_delta_product
-from kernels.gated_delta_product.naive import naive_gated_delta_product
+from elr_kernels.gated_delta_product import gated_delta_product
+from elr_kernels.gated_delta_product.chunk import chunk_gated_delta_product
+from elr_kernels.gated_delta_product.naive import naive_gated_delta_product
 
 ATOL, RTOL = 1e-5, 1e-4
 

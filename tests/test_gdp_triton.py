@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.gated_delta_product import gated_delta_product, gated_delta_product_step  # noqa: E402
-from kernels.gated_delta_product import triton_chunk  # noqa: E402
-from kernels.gated_delta_product.triton_op import triton_gated_delta_product  # noqa: E402
+from elr_kernels.gated_delta_product import gated_delta_product, gated_delta_product_step  # noqa: E402
+from elr_kernels.gated_delta_product import triton_chunk  # noqa: E402
+from elr_kernels.gated_delta_product.triton_op import triton_gated_delta_product  # noqa: E402
 from test_gdp_op import NAMES, make_inputs  # noqa: E402
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -184,7 +184,7 @@ def test_selective_checkpointing_can_save_the_op_output(monkeypatch, save_gdp_ou
 
     from elr.models.args import ModelArgs
     from elr.models.gdp import GatedDeltaProduct
-    from kernels.gated_delta_product import triton_op
+    from elr_kernels.gated_delta_product import triton_op
 
     forward_calls = []
 
@@ -210,7 +210,7 @@ def test_selective_checkpointing_can_save_the_op_output(monkeypatch, save_gdp_ou
 def test_decoding_takes_the_triton_step_and_equals_the_full_forward(monkeypatch):
     """A model with gdp_impl = "triton" decodes one token at a time through the one-token kernel,
     and the logits equal its full-sequence forward."""
-    import kernels.gated_delta_product as gdp_op
+    import elr_kernels.gated_delta_product as gdp_op
     from elr.infer.cache import InferenceCache
     from elr.models import build_model
     from elr.models.args import ModelArgs

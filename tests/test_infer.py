@@ -13,7 +13,7 @@ from elr.infer.evaluate import load_task, mc_requests, parse_item, score_multipl
 from elr.infer.generate import Sampling, generate, left_pad, sample
 from elr.infer.memory import inference_state_bytes
 from elr.models import ELRModel, flavors
-from elr.tokenizer import build_tokenizer
+from elr.text.tokenizer import build_tokenizer
 from trainer_utils import model_args
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "elr8k.tiktoken"

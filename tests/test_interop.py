@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from elr.chat import CHAT_TEMPLATE, encode_conversation
+from elr.text.chat import CHAT_TEMPLATE, encode_conversation
 from elr.config import load_config
 from elr.errors import CheckpointError, ConfigError, UserError
 from elr.infer.generate import generate, left_pad
@@ -26,8 +26,8 @@ from elr.infer.load import load_model
 from elr.interop import hf_config, write_export
 from elr.models import ModelArgs, build_model
 from elr.models.from_config import model_args_from_config
-from elr.recurrence_options import RecurrenceOptions
-from elr.tokenizer import build_tokenizer
+from elr.config.recurrence import RecurrenceOptions
+from elr.text.tokenizer import build_tokenizer
 from export_utils import one_error_line, reseal, script
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 

@@ -10,7 +10,7 @@ import elr.models.gdp as gdp_module
 from elr.models import build_model, flavors
 from elr.models.attention import apply_partial_rope, rope_table
 from elr.models.layers import Layer
-from kernels.gated_delta_product import gated_delta_product
+from elr_kernels.gated_delta_product import gated_delta_product
 from trainer_utils import model_args
 
 # A flavor is a backbone; ModelArgs' ELR defaults make it the non-recurrent baseline.

@@ -12,7 +12,7 @@ import torch
 
 from elr.config import load_config
 from elr.errors import DataError
-from elr.progress import Progress, duration
+from elr.console.progress import Progress, duration
 from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, overrides, run
 

@@ -1,4 +1,4 @@
-"""The recurrence's options (elr/recurrence_options.py): each `[elr]` key reaches the model under its own
+"""The recurrence's options (elr/config/recurrence.py): each `[elr]` key reaches the model under its own
 name, is frozen on resume and is written into an export, with no list of them kept anywhere else."""
 
 import dataclasses
@@ -9,7 +9,7 @@ from elr.config import ELR, load_config
 from elr.errors import CheckpointError, ConfigError
 from elr.interop import hf_config
 from elr.models.from_config import model_args_from_config
-from elr.recurrence_options import RecurrenceOptions, names
+from elr.config.recurrence import RecurrenceOptions, names
 from elr.train.resume import FROZEN, check_resume
 
 # The [elr] keys that are not recurrence options: they steer training (the draws of k, the loss, the

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from elr.chat_data import IGNORE_INDEX, ChatSplit
+from elr.text.chat_data import IGNORE_INDEX, ChatSplit
 from elr.config import load_config
 from elr.infer import chat
 from elr.infer.evaluate import chat_validation_loss

@@ -1,4 +1,4 @@
-"""scripts/study.py and elr/tools/study: the byte-level copy keeps the text and split, and the driver
+"""scripts/study.py and scripts/study_tools: the byte-level copy keeps the text and split, and the driver
 trains, skips finished runs and reports exactly what the runs measured, for both suites."""
 
 import json
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import tomli
 
-from elr.tokenizer import build_tokenizer
-from elr.tools.study.byte_data import byte_level_copy
-from elr.tools.study.runs import final_record, final_validation
+from elr.text.tokenizer import build_tokenizer
+from scripts.study_tools.byte_data import byte_level_copy
+from scripts.study_tools.runs import final_record, final_validation
 from trainer_utils import ROOT
 
 

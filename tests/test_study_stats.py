@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from elr.tools.study.stats import paired, relative, summarise, verdict
+from scripts.study_tools.stats import paired, relative, summarise, verdict
 
 
 def test_paired_differences_use_shared_seeds_only():
@@ -39,7 +39,7 @@ def _entry(per_seed):
 
 
 def test_report_judges_each_paper_comparison_seed_by_seed():
-    from elr.tools.study.text_report import claims_section
+    from scripts.study_tools.text_report import claims_section
 
     replace = _entry([[2.0, 1.9], [2.1, 2.0], [2.2, 2.1]])
     results = {
@@ -59,14 +59,14 @@ def test_report_judges_each_paper_comparison_seed_by_seed():
 
 def test_figure_6_number_belongs_to_the_quarter_switch():
     """The paper's 1.6147 vs 1.6273 is GPT-0.5B's, mixed depth only in the last quarter (switch at 75%)."""
-    from elr.tools.study.paper import paper_difference
+    from scripts.study_tools.paper import paper_difference
 
     assert paper_difference("switch75", "default_uncond") == paper_difference("switch75", "default") == "– / -0.0126"
     assert paper_difference("switch50", "default_uncond") == "–"
 
 
 def test_tradeoff_points_are_paired_k1_gap_and_best_k_gain():
-    from elr.tools.study.text_report import tradeoff_points
+    from scripts.study_tools.text_report import tradeoff_points
 
     results = {
         "baseline_matched": {**_entry([[2.0], [2.2]]), "groups": ["baseline"]},
@@ -84,7 +84,7 @@ def test_tradeoff_points_are_paired_k1_gap_and_best_k_gain():
 
 
 def test_paper_rows_sit_beside_the_unconditioned_variants_where_run():
-    from elr.tools.study.paper import PAPER, paper_rows
+    from scripts.study_tools.paper import PAPER, paper_rows
 
     table = PAPER["table_3"]
     assert paper_rows(table, ["default", "default_uncond", "sync_uniform"]) == {
@@ -93,7 +93,7 @@ def test_paper_rows_sit_beside_the_unconditioned_variants_where_run():
 
 
 def test_report_words_each_open_reading_seed_by_seed():
-    from elr.tools.study.text_report import readings_section
+    from scripts.study_tools.text_report import readings_section
 
     results = {
         "default": _entry([[1.9, 1.8], [2.0, 1.9], [2.1, 2.0]]),
@@ -112,7 +112,7 @@ def test_report_words_each_open_reading_seed_by_seed():
 
 
 def test_sampling_rows_pair_each_mode_seed_by_seed_and_judge_the_spread():
-    from elr.tools.study.sampling_report import sampling_section
+    from scripts.study_tools.sampling_report import sampling_section
 
     def entry(per_seed, wait):
         e = _entry(per_seed)
@@ -137,7 +137,7 @@ def test_sampling_rows_pair_each_mode_seed_by_seed_and_judge_the_spread():
 
 def test_sampling_wait_figures_come_from_the_runs_own_sampler_and_layout():
     from elr.models import ELRModel, flavors
-    from elr.tools.study.sampling_report import wait_figures
+    from scripts.study_tools.sampling_report import wait_figures
     from trainer_utils import model_args
 
     with torch.device("meta"):
@@ -153,7 +153,7 @@ def test_sampling_wait_figures_come_from_the_runs_own_sampler_and_layout():
 
 
 def test_aids_rows_set_each_aid_beside_the_recipe_and_the_untied_yardstick():
-    from elr.tools.study.aids_report import aids_section
+    from scripts.study_tools.aids_report import aids_section
 
     def entry(per_seed, label):
         return {**_entry(per_seed), "label": label,

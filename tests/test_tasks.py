@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elr import tasks
+from elr.text import tasks
 from elr.config import load_config
 from elr.errors import ConfigError
 from elr.train.data import TaskDataset, val_task_batches

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tiktoken.load
 
-from elr.tokenizer import EOT, SPLIT_PATTERN, build_tokenizer
+from elr.text.tokenizer import EOT, SPLIT_PATTERN, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "data" / "tokenizer" / "elr8k.tiktoken"

@@ -6,7 +6,7 @@ import logging
 import torch
 
 from elr.config import load_config
-from elr.train.checkpoint import CheckpointManager
+from elr.checkpoint.manager import CheckpointManager
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.train_state import ModelState
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from elr.config import load_config
-from elr.recurrence_options import names as recurrence_names
+from elr.config.recurrence import names as recurrence_names
 from elr.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

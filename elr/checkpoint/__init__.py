@@ -3,7 +3,7 @@
 `format` says what a committed folder holds (commit.json with sizes and SHA-256 of every file, the job's
 config.json) and checks it before anything in it is parsed; `storage` writes and reads the tensors
 (safetensors) and the other items (JSON): no pickle anywhere. The trainer's CheckpointManager
-(elr/train/checkpoint.py) writes folders; elr/infer/load.py reads them.
+(elr/checkpoint/manager.py) writes folders; elr/infer/load.py reads them.
 """
 
 from elr.checkpoint.format import (

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.models.layers import LAYER_KINDS
-from elr.tokenizer import file_sha256
+from elr.text.tokenizer import file_sha256
 
 MARKER = "commit.json"
 STEP_DIR = re.compile(r"step-(\d+)")  # a checkpoint folder's name (`step-N.tmp` is an unfinished save)

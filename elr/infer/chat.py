@@ -1,6 +1,6 @@
 """Chat with a fine-tuned checkpoint at any loop count k: one reply, a messages file, or a REPL.
 
-Prompts use the training template (elr/chat.py) with the assistant marker appended; the reply is
+Prompts use the training template (elr/text/chat.py) with the assistant marker appended; the reply is
 decoded until <|endoftext|>, which closes every assistant turn in training. The REPL keeps the
 conversation and changes k between requests (`/loops 3`): each reply is one request at one depth,
 the same checkpoint serving every budget. `/loops auto` lets every reply token pick its own depth by
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import TextIO
 
-from elr.chat import check_messages, encode_conversation
+from elr.text.chat import check_messages, encode_conversation
 from elr.errors import DataError
 from elr.infer.generate import AdaptiveDepth, Sampling, generate
 from elr.models.early_exit import ExitRule

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from elr.chat_data import IGNORE_INDEX, ChatSplit
+from elr.text.chat_data import IGNORE_INDEX, ChatSplit
 from elr.infer.cache import InferenceCache
 from elr.infer.generate import AdaptiveDepth
-from elr.tokenizer import Tokenizer
+from elr.text.tokenizer import Tokenizer
 
 _OPTION = re.compile(r"^\s*([A-Z])[.)]\s?(.*)$")
 
@@ -237,7 +237,7 @@ def decoded_loss(model, tokens: np.ndarray, seq_len: int, loops: int, kv_mode: s
 @torch.no_grad()
 def chat_validation_loss(model, data_dir: str | Path, seq_len: int, loops: int, batches: int, batch_size: int) -> float:
     """Mean cross entropy over the assistant tokens of a chat folder's first batches x batch_size
-    validation conversations, one per row as training reads them (elr/chat_data.py)."""
+    validation conversations, one per row as training reads them (elr/text/chat_data.py)."""
     split = ChatSplit(data_dir, "val")
     split.check_fits(seq_len)
     n = min(batches * batch_size, split.num_conversations)
@@ -286,8 +286,8 @@ def measure_latency(model, prompt: list[int], loops: int, kv_mode: str, new_toke
 def task_accuracy(model, task, seed: int, examples: int, loops: int, batch_size: int = 256,
                   adaptive: AdaptiveDepth | None = None) -> list[float]:
     """Answer accuracy at each difficulty 1..max on a depth task's first `examples` validation
-    examples (elr/tasks.py; the stream the run's own validation reads, seeded by its training seed)."""
-    from elr import tasks
+    examples (elr/text/tasks.py; the stream the run's own validation reads, seeded by its training seed)."""
+    from elr.text import tasks
 
     scored = torch.zeros(2, task.max_difficulty, dtype=torch.float64)
     for first in range(0, examples, batch_size):

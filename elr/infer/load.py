@@ -32,7 +32,7 @@ from elr.interop import is_export, load_export, load_export_config
 from elr.interop.hf_tokenizer import TOKENIZER_JSON, tokenizer_from_json
 from elr.models import ELRModel, build_model
 from elr.models.from_config import model_args_from_config
-from elr.tokenizer import Tokenizer, build_tokenizer
+from elr.text.tokenizer import Tokenizer, build_tokenizer
 
 # Loading without a process group is what we want; DCP warns that it assumed so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

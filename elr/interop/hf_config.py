@@ -22,7 +22,7 @@ from pathlib import Path
 
 from elr.errors import CheckpointError
 from elr.models.args import ModelArgs
-from elr.recurrence_options import RecurrenceOptions
+from elr.config.recurrence import RecurrenceOptions
 
 CONFIG = "config.json"
 FORMAT = 2

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from elr.chat import CHAT_TEMPLATE
+from elr.text.chat import CHAT_TEMPLATE
 from elr.errors import CheckpointError
 from elr.interop.hf_config import CONFIG, hf_config, is_export
 from elr.interop.hf_hashes import seal
 from elr.interop.hf_tokenizer import write_tokenizer
 from elr.interop.hf_weights import DEFAULT_MAX_SHARD_BYTES, write_weights
 from elr.models.args import ModelArgs
-from elr.tokenizer import Tokenizer
+from elr.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("elr")
 
@@ -86,7 +86,7 @@ def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
     """Export the ELR model weights `state_dict` (plain names, full CPU tensors) built from `args`.
     `loops`: the default loop count (default: the model's max_loops). `chat_template`: the Jinja template
-    written into tokenizer_config.json (default: the one SFT trains with, elr/chat.py; None: none). An existing `out` is an error unless `overwrite`."""
+    written into tokenizer_config.json (default: the one SFT trains with, elr/text/chat.py; None: none). An existing `out` is an error unless `overwrite`."""
     out = Path(out)
     if (out.exists() or out.is_symlink()) and not overwrite:
         raise CheckpointError(f"{out} already exists: remove it or export to another folder")

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from elr.errors import CheckpointError
-from elr.tokenizer import file_sha256
+from elr.text.tokenizer import file_sha256
 
 MANIFEST = "elr_sha256.json"
 MAX_MANIFEST_BYTES = 1 << 20

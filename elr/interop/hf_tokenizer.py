@@ -25,7 +25,7 @@ from pathlib import Path
 import tiktoken
 
 from elr.errors import TokenizerError
-from elr.tokenizer import EOT, SPLIT_PATTERN, Tokenizer
+from elr.text.tokenizer import EOT, SPLIT_PATTERN, Tokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"

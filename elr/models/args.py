@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from elr.recurrence_options import RecurrenceOptions
+from elr.config.recurrence import RecurrenceOptions
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ModelArgs:
     gdp_head_dim: int = 128  # key and value dims per head
     gdp_householder: int = 2  # n_h Householder sub-steps per token
     gdp_conv_size: int = 4
-    gdp_impl: str = "auto"  # one of kernels.gated_delta_product.IMPL_CHOICES (config model.gdp_impl)
+    gdp_impl: str = "auto"  # one of elr_kernels.gated_delta_product.IMPL_CHOICES (config model.gdp_impl)
 
     # dense feed-forward
     ffn_dim: int = 4096
@@ -103,7 +103,7 @@ flavors: dict[str, ModelArgs] = {
         n_heads=4, n_kv_heads=4, head_dim=32, moe_experts=8, moe_top_k=2, moe_expert_dim=128,
         moe_shared_dim=128,
     ),
-    # the depth-bound tasks (elr/tasks.py): study_gpt's layer kinds at half the width, split 1/2/1 so the
+    # the depth-bound tasks (elr/text/tasks.py): study_gpt's layer kinds at half the width, split 1/2/1 so the
     # recurrent block holds one attention layer (one pointer-chasing hop per loop); tiny vocabularies
     "task_gpt": ModelArgs(
         dim=64, layer_pattern="AF" * 2, partition=(1, 2, 1), vocab_size=128, max_seq_len=64,

@@ -1,6 +1,6 @@
 """Job config -> ModelArgs: the one place where [model], [elr] and [moe] become a model's shape.
 
-elr/config.py is plain data and knows no model; the checks that need the model code (flavor names,
+elr/config/job.py is plain data and knows no model; the checks that need the model code (flavor names,
 the option strings of the GDP kernels, the partition against the flavor's layer count) live here and raise the same one-line ConfigError naming the key. The trainer runs them
 before any other work, and scripts/estimate_cost.py uses this module without importing the trainer.
 """
@@ -12,8 +12,8 @@ import dataclasses
 from elr.config import JobConfig
 from elr.errors import ConfigError
 from elr.models.args import ModelArgs, flavors
-from elr.recurrence_options import RecurrenceOptions
-from kernels.gated_delta_product import IMPL_CHOICES
+from elr.config.recurrence import RecurrenceOptions
+from elr_kernels.gated_delta_product import IMPL_CHOICES
 
 
 def _check(ok: bool, key: str, message: str, value) -> None:

@@ -1,6 +1,6 @@
 """Gated DeltaProduct mixer (docs/DESIGN.md §3.2): projections, short convolutions, gates, output norm.
 
-The recurrence itself lives in kernels/gated_delta_product; this layer only prepares its inputs:
+The recurrence itself lives in kernels/elr_kernels/gated_delta_product; this layer only prepares its inputs:
 L2-normalised q and k after causal depthwise convolutions, beta = 2 sigmoid(.) so the Householder
 factors may have negative eigenvalues, and a Mamba-style log decay g = -exp(A_log) softplus(.).
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from elr.models.args import ModelArgs
 from elr.models.kinds import TensorSplit, WeightLayout
-from kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
+from elr_kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
 
 class ShortConv(nn.Module):

@@ -39,10 +39,10 @@ from torch import nn
 
 from elr.models.args import ModelArgs
 from elr.models.ffn import Route
-from elr.recurrence_options import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES, RecurrenceOptions
+from elr.config.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES, RecurrenceOptions
 
 # The option strings (UPDATE_RULES, RECURRENT_INPUTS, STEP_INPUTS) are declared with the options,
-# elr/recurrence_options.py. What the learned step sees (our choice; the paper gives no equation for
+# elr/config/recurrence.py. What the learned step sees (our choice; the paper gives no equation for
 # it): the block's input s~ ("state"), the change the block proposes r - s ("delta"), or nothing, a
 # per-channel step shared by every token ("channel").
 

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from elr.models.layers import LAYER_KINDS
 from elr.models.model import ELRModel
-from kernels.gated_delta_product import gated_delta_product
+from elr_kernels.gated_delta_product import gated_delta_product
 
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp_degree: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ e = g // W. Data parallelism cuts the stream into global microbatches of dp_worl
 local_batch_size samples, and rank r takes the r-th run of local_batch_size samples of each.
 The loader state is therefore one integer, the number of global samples consumed, identical on
 every rank; loading it with another dp_world (same global microbatch) continues the same stream
-without repeating or skipping a sample. A generated task (elr/tasks.py) streams the same way, and so
-does a folder of conversations (elr/chat_data.py, meta.json "format": "chat"): sample g is then
+without repeating or skipping a sample. A generated task (elr/text/tasks.py) streams the same way, and so
+does a folder of conversations (elr/text/chat_data.py, meta.json "format": "chat"): sample g is then
 conversation perm_e(g mod N), one per row, padded, its labels scored on the assistant turns only.
 
 Also here, the job's data arithmetic: microbatches per update, the task's row length. Opening and
@@ -30,8 +30,8 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from elr import tasks
-from elr.chat_data import ChatSplit, is_chat_folder
+from elr.text import tasks
+from elr.text.chat_data import ChatSplit, is_chat_folder
 from elr.config import JobConfig, Training
 from elr.errors import ConfigError, DataError
 from elr.train.token_files import load_tokens
@@ -196,7 +196,7 @@ class TokenWindowDataset(GlobalStream):
 
 
 class TaskDataset(GlobalStream):
-    """Endless stream of a depth-bound task's training examples (elr/tasks.py), generated from
+    """Endless stream of a depth-bound task's training examples (elr/text/tasks.py), generated from
     (seed, sample index): nothing to read, and the same stream on any number of ranks.
 
     Curriculum: over the first `curriculum_steps` updates the hardest difficulty drawn grows from 1
@@ -224,7 +224,7 @@ class TaskDataset(GlobalStream):
 
 
 class ChatDataset(GlobalStream):
-    """Endless stream of this rank's conversation rows (elr/chat_data.py): sample g is conversation
+    """Endless stream of this rank's conversation rows (elr/text/chat_data.py): sample g is conversation
     perm_e(g mod N) of epoch e, shuffled as token windows are; (inputs, labels) [local_batch_size, seq_len]."""
 
     def __init__(self, data_dir: str | Path, seq_len: int, local_batch_size: int, dp_rank: int, dp_world: int,

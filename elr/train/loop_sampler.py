@@ -43,7 +43,7 @@ import math
 import torch
 
 from elr.config import JobConfig, switch_step
-from elr.config_checks import CHOICES
+from elr.config.checks import CHOICES
 from elr.errors import ConfigError
 
 

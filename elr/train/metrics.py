@@ -145,7 +145,7 @@ def record_config(writer, config: dict) -> None:
 def _wandb_run(dump_folder: Path, config: dict | None):
     """A Weights & Biases run in dump_folder/wandb, resumed under one id per folder; offline unless
     WANDB_MODE says otherwise (a cluster node rarely reaches the service; `wandb sync` uploads later)."""
-    import wandb  # present: the config check (elr/config.py) looked for it
+    import wandb  # present: the config check (elr/config/job.py) looked for it
     run_id = hashlib.sha1(str(dump_folder.resolve()).encode()).hexdigest()[:12]
     id_file = dump_folder / "wandb_id"
     if id_file.is_file():

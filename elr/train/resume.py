@@ -19,11 +19,11 @@ import json
 import os
 from pathlib import Path
 
-from elr import recurrence_options
+from elr.config import recurrence
 from elr.checkpoint import latest_step, read_config, verify
 from elr.config import JobConfig
 from elr.errors import ConfigError, UnusableCheckpoint
-from elr.tokenizer import build_tokenizer
+from elr.text.tokenizer import build_tokenizer
 from elr.train.token_files import job_tokenizer_path
 
 # Keys whose change would build another model, or make the saved optimizer state, data position or
@@ -31,7 +31,7 @@ from elr.train.token_files import job_tokenizer_path
 FROZEN = (
     "model.flavor",
     "elr.enabled", "elr.partition",  # the baseline or not; the layers in each block
-    *(f"elr.{name}" for name in recurrence_options.names()),
+    *(f"elr.{name}" for name in recurrence.names()),
     "elr.switch_conditioning",  # whether the one-loop phase's model holds the conditioning
     "optimizer.name",  # AdamW and Muon+AdamW keep different state
     "training.seq_len", "training.seed", "data.shuffle",  # the data position counts windows of this order

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elr.config import JobConfig
-from elr.progress import duration
+from elr.console.progress import duration
 from elr.train.metrics import MetricsLogger, peak_tflops
 from elr.train.stragglers import measured_wait
 

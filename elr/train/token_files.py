@@ -13,7 +13,7 @@ import numpy as np
 
 from elr.config import JobConfig
 from elr.errors import ConfigError, DataError
-from elr.tokenizer import Tokenizer
+from elr.text.tokenizer import Tokenizer
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 

@@ -35,8 +35,8 @@ from elr.parallel.context_parallel import shard_sequence
 from elr.parallel.gradients import clip_gradients, reduce_gradients
 from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
-from elr.tokenizer import build_tokenizer
-from elr.train.checkpoint import CheckpointManager
+from elr.text.tokenizer import build_tokenizer
+from elr.checkpoint.manager import CheckpointManager
 from elr.train.data import build_task_loader, build_train_loader, job_task, microbatches
 from elr.train.loop_sampler import DepthSchedule, wait_factor
 from elr.train.stragglers import LoopTimer

@@ -35,7 +35,7 @@ from elr.tools.activation_memory import live_activation_bytes  # noqa: E402
 from elr.parallel.context_parallel import (  # noqa: E402
     ContextParallel, context_parallel_gated_delta_product, enable_context_parallel, shard_sequence,
 )
-from kernels.gated_delta_product import gated_delta_product  # noqa: E402
+from elr_kernels.gated_delta_product import gated_delta_product  # noqa: E402
 
 SHARD = 37
 TOLERANCE = 1e-5  # max |CP - one process| relative to max |one process|, per tensor

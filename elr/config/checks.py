@@ -2,7 +2,7 @@
 
 The checks that need the model code (flavor names, the partition against the flavor's layer count)
 are in elr/models/from_config.py; the recurrence's own options check themselves
-(elr/recurrence_options.py, `RecurrenceOptions.check`).
+(elr/config/recurrence.py, `RecurrenceOptions.check`).
 """
 
 from __future__ import annotations
@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-from typing import TYPE_CHECKING
 
+from elr.config.job import JobConfig
 from elr.errors import ConfigError
-from elr.tasks import TASKS
+from elr.text.tasks import TASKS
 
-if TYPE_CHECKING:
-    from elr.config import JobConfig
 
 CHOICES = {
     "elr.sampling": ("independent", "synchronized", "stratified"),
@@ -59,7 +57,7 @@ def validate(cfg: JobConfig) -> None:
                    "must be a finite number", value)
 
     e = cfg.elr
-    e.check()  # the recurrence's options (elr/recurrence_options.py)
+    e.check()  # the recurrence's options (elr/config/recurrence.py)
     if e.partition:
         _check(len(e.partition) == 3 and all(n >= 0 for n in e.partition), "elr.partition",
                "must be three non-negative layer counts [L_in, L_rec, L_out]", e.partition)

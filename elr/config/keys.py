@@ -3,7 +3,7 @@
 Each value is checked against its field's annotated type (CLI strings parsed, lists comma-separated:
 `--optimizer.betas 0.9,0.95`), and an unknown section or key is one ConfigError naming it. As in
 torchtitan, a boolean key given bare (`--checkpoint.enable`) is true, and a key may be spelled with
-dashes (`--checkpoint.keep-latest-k`). elr/config.py holds the sections, their
+dashes (`--checkpoint.keep-latest-k`). elr/config/job.py holds the sections, their
 defaults and the checks of their values; this is the mechanism that fills them.
 """
 

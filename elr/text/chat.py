@@ -18,7 +18,7 @@ ordinary text between the template's own <|endoftext|> tokens, so a message that
 from __future__ import annotations
 
 from elr.errors import DataError
-from elr.tokenizer import EOT, Tokenizer
+from elr.text.tokenizer import EOT, Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -76,7 +76,7 @@ def render(messages: list[dict], add_generation_prompt: bool = False) -> str:
 def encode_conversation(messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False,
                         trained: list[bool] | None = None) -> tuple[list[int], list[bool]]:
     """Token ids of `render(messages)` and, per token, whether the loss scores it (see the top; `trained`:
-    per message, false for an assistant turn that is context, elr/chat_formats.py).
+    per message, false for an assistant turn that is context, elr/text/chat_formats.py).
 
     The text between special tokens is encoded whole (so ids equal a tokenizer's encoding of the
     rendered string), and a token is scored when its first byte lies in a scored piece."""

@@ -61,7 +61,7 @@ from elr.checkpoint import split_state, step_folders, tensor_writer, write_marke
 from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir
 from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.interop import write_export
-from elr.progress import size
+from elr.console.progress import size
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ the untied 2/8/2 stack's loss below the matched baseline is what looping the rec
 
 from __future__ import annotations
 
-from elr.tools.study.stats import best_k, fmt_paired, paired, per_seed, relative
+from .stats import best_k, fmt_paired, paired, per_seed, relative
 
 RECIPE = "cond_exit_only"  # the recommended recipe the aids are added to
 YARDSTICK = "untied_k2"  # the recurrent layers written out twice: the depth of k = 2, untied

@@ -7,12 +7,12 @@ import statistics
 from pathlib import Path
 
 from elr.tools.route_diagnostics import route_drift
-from elr.tools.study.aids_report import aids_section
-from elr.tools.study.paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS
-from elr.tools.study.paper import paper_difference, paper_rows
-from elr.tools.study.runs import Run, carried_note, final_validation, latest_checkpoint
-from elr.tools.study.sampling_report import sampling_section, wait_figures
-from elr.tools.study.stats import best_k, fmt_paired, paired, per_seed, relative, summarise, verdict
+from .aids_report import aids_section
+from .paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS
+from .paper import paper_difference, paper_rows
+from .runs import Run, carried_note, final_validation, latest_checkpoint
+from .sampling_report import sampling_section, wait_figures
+from .stats import best_k, fmt_paired, paired, per_seed, relative, summarise, verdict
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
@@ -221,7 +221,7 @@ def claims_section(results: dict) -> list[str]:
     return ["## The paper's comparisons, seed by seed", "",
             "Variants that share a seed share initialisation, data order and loop draws, so each comparison is "
             "the per-seed difference (variant − reference, nats per byte): mean ± sd, and how many seeds have the "
-            "paper's sign. Rule (elr/tools/study/stats.py): *reproduced* when every seed has the paper's sign (or, "
+            "paper's sign. Rule (scripts/study_tools/stats.py): *reproduced* when every seed has the paper's sign (or, "
             "with more than three seeds, a paired t above 2 that way), *contradicted* when every seed has the "
             "opposite sign, otherwise *inconclusive*; a claim made at every k needs the same word at each k.", "",
             "| claim | paper: variant is | paper's difference k=1 / k=K | ours, paired per k (seeds with the paper's "

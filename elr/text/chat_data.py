@@ -1,9 +1,9 @@
-"""Conversation data on disk: JSONL in (the shapes of elr/chat_formats.py), token / scored-flag /
+"""Conversation data on disk: JSONL in (the shapes of elr/text/chat_formats.py), token / scored-flag /
 offset files out, padded rows back.
 
 A prepared chat folder (scripts/prepare_data.py --format chat) holds, per split (train, val):
 
-    {split}.bin          every conversation's token ids (elr/chat.py's template), one after another
+    {split}.bin          every conversation's token ids (elr/text/chat.py's template), one after another
     {split}.mask.bin     uint8, 1 where the token is scored (a trained assistant turn and its <|endoftext|>)
     {split}.offsets.bin  int64, the N + 1 starts of the N conversations in {split}.bin
     meta.json            "format": "chat", counts, the longest conversation and where it came from
@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elr.chat import check_messages, encode_conversation
-from elr.chat_formats import read_record
+from elr.text.chat import check_messages, encode_conversation
+from elr.text.chat_formats import read_record
 from elr.errors import DataError
-from elr.tokenizer import Tokenizer, file_sha256
+from elr.text.tokenizer import Tokenizer, file_sha256
 
 FORMAT = "chat"
 IGNORE_INDEX = -100  # the loss's ignore index (elr/train/loss.py)
@@ -39,7 +39,7 @@ FILES = {"tokens": ".bin", "mask": ".mask.bin", "offsets": ".offsets.bin"}
 
 def read_conversations(path: Path) -> Iterator[tuple[list[dict], list[bool], str]]:
     """(messages, per message whether it trains, "file:line") for each non-blank line of a JSONL file, in
-    any shape elr/chat_formats.py reads; one DataError per bad line."""
+    any shape elr/text/chat_formats.py reads; one DataError per bad line."""
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):

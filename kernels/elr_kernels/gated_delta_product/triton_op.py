@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.gated_delta_product.triton_chunk import chunk_backward, chunk_forward
+from elr_kernels.gated_delta_product.triton_chunk import chunk_backward, chunk_forward
 
 CHUNK_SIZE = 64
 

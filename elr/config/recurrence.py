@@ -1,12 +1,12 @@
 """The recurrence's options: one dataclass whose field names are the `[elr]` config keys.
 
-The job's `[elr]` section is this dataclass plus the training-only keys (elr/config.py, `ELR`), and
+The job's `[elr]` section is this dataclass plus the training-only keys (elr/config/job.py, `ELR`), and
 `ModelArgs.recurrence` holds one (elr/models/args.py), copied field by field, so an option has one
 name from the TOML file to the code that runs it (elr/models/recurrence.py). Every field changes the
 network, so every field is frozen on resume (elr/train/resume.py) and written into a Hugging Face
 export's config (elr/interop/hf_config.py); both read the list from here.
 
-Plain data on purpose: elr/config.py imports it and must not import the models. Adding an option is
+Plain data on purpose: elr/config/job.py imports it and must not import the models. Adding an option is
 a field with its doc line and its check here, its use in the recurrence, its test (README, "Adding a
 recurrence option").
 """

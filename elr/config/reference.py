@@ -1,10 +1,10 @@
-"""Every config key with its type, default and doc, read from the dataclasses of elr/config.py.
+"""Every config key with its type, default and doc, read from the dataclasses of elr/config/job.py.
 
 One source: each section's docstring holds one `key: meaning` entry per field. `train.py --help`
 prints them and the README's configuration table is this module's `markdown_table()` (a test
 checks the README holds exactly that table, and that every field has its entry).
 
-    python -m elr.config_help --markdown     # the README table, to paste after a change
+    python -m elr.config.reference --markdown     # the README table, to paste after a change
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _ENTRY = re.compile(r"^    (\w+): (.*)$")
 def key_docs(section_cls) -> dict[str, str]:
     """{field name: its one-line doc} from the docstrings of the section and its bases (continuation
     lines joined), bases first, as dataclass fields are ordered: [elr]'s recurrence options are
-    documented where they are defined (elr/recurrence_options.py)."""
+    documented where they are defined (elr/config/recurrence.py)."""
     docs, current = {}, None
     lines = [line for cls in reversed(section_cls.__mro__) for line in (cls.__dict__.get("__doc__") or "").splitlines()]
     for line in lines:

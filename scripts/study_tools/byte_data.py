@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from elr.errors import UserError
-from elr.tokenizer import build_tokenizer, file_sha256
+from elr.text.tokenizer import build_tokenizer, file_sha256
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 BYTES_TOKENIZER = ROOT / "data/tokenizer/bytes.tiktoken"
 
 

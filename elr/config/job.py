@@ -1,22 +1,13 @@
-"""Job configuration: dataclass sections, TOML files, `--section.key value` overrides.
-
-Precedence is CLI > TOML > defaults. Every key is typed and validated before any work starts, so a
-typo or an impossible setting costs one line of error instead of a crashed job an hour in.
-"""
+"""The job's configuration as dataclass sections, one per TOML table: each key's type, default and
+meaning (the comment above it) live here, on its field; elr/config/reference.py turns them into the
+configuration page. Loading and checking live beside it (load.py, checks.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import tomli
-
-from elr.config_checks import switch_step, validate  # switch_step: part of this module's API
-from elr.config_keys import apply_tables, check_key, key_type, parse_overrides, set_key
-from elr.dump_folder import default_dump_folder
-from elr.errors import ConfigError
-from elr.recurrence_options import RecurrenceOptions
+from elr.config.recurrence import RecurrenceOptions
 
 
 @dataclass
@@ -26,7 +17,7 @@ class Job:
     description: free text, saved with the run
     dump_folder: metrics.jsonl, TensorBoard (`tb/`), checkpoints and config.json go here; empty: `outputs/<run_name>`,
         or `outputs/<config file name>` plus `-<data folder>` (or `-<task>`) when the command line changes the data
-        (elr/dump_folder.py); a folder holding a run is continued from its checkpoint (same model, tokenizer and data)
+        (elr/config/dump_folder.py); a folder holding a run is continued from its checkpoint (same model, tokenizer and data)
         or refused, never silently restarted
     run_name: names the default dump folder `outputs/<run_name>` (a second run of one config and data beside the
         first); empty: the config file's name; not with `dump_folder` set
@@ -59,7 +50,7 @@ class ELR(RecurrenceOptions):
     """[elr]: what each key means (the README table and --help are made from these lines).
 
     The recurrence's own options (max_loops, update, conditioning, ...) are the fields of
-    elr/recurrence_options.py's RecurrenceOptions, documented there; these are the keys of the training.
+    elr/config/recurrence.py's RecurrenceOptions, documented there; these are the keys of the training.
 
     enabled: false: the non-recurrent baseline (every layer once, no ELR parameters; needs `max_loops = 1` and
         `conditioning = false`; the other recurrence options do not apply)
@@ -190,7 +181,7 @@ class Data:
     """[data]: what each key means (the README table and --help are made from these lines).
 
     path: folder with train.bin, val.bin, meta.json from scripts/prepare_data.py; a chat folder (`--format chat`,
-        elr/chat_data.py) serves one conversation per row, its assistant tokens scored
+        elr/text/chat_data.py) serves one conversation per row, its assistant tokens scored
     shuffle: permute windows each epoch (O(1)-memory bijection seeded by seed and epoch)
     task: a depth-bound task generated on the fly instead of token files: `pointer_chase` or `var_chain` (its own
         vocabulary, loss on the answer only, validation accuracy per difficulty at every k; data parallelism only)
@@ -384,56 +375,3 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Defaults, then the TOML file, then CLI overrides; validated before returning."""
-    cfg = JobConfig()
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config: no such file {path}")
-        try:
-            with open(path, "rb") as f:
-                raw = tomli.load(f)
-        except tomli.TOMLDecodeError as e:
-            raise ConfigError(f"--config: {path} is not valid TOML ({e})") from None
-        apply_tables(cfg, raw)
-    file_data = dataclasses.replace(cfg.data)  # the data the config file names, for the dump folder's name
-    for key, value in parse_overrides(overrides or [], is_flag=lambda key: key_type(cfg, key) is bool,
-                                      check=lambda key: check_key(cfg, key)):
-        set_key(cfg, key, value)
-    if cfg.job.dump_folder and cfg.job.run_name:
-        raise ConfigError("job.run_name: names the default dump folder, and job.dump_folder is set (set one of them)")
-    if not cfg.job.dump_folder:
-        cfg.job.dump_folder = default_dump_folder(cfg.job, cfg.data, path, file_data)
-    resolve_bundled_paths(cfg)
-    validate(cfg)
-    return cfg
-
-
-REPOSITORY = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPOSITORY / "train_configs" / "debug.toml"  # what `python train.py` runs with no --config
-BUNDLED_PATHS = ("data.path", "tokenizer.path")  # the shipped configs name files under data/
-
-
-def resolve_bundled_paths(cfg: JobConfig, cwd: Path | None = None) -> None:
-    """A relative data or tokenizer path that does not exist from the working directory but does
-    under the repository (the bundled data/) is made absolute there, so `python /path/to/train.py`
-    works from any directory. What exists from the working directory wins; config.json records the
-    path that was used."""
-    cwd = cwd or Path.cwd()
-    for key in BUNDLED_PATHS:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value and not Path(value).is_absolute() and not (cwd / value).exists() and (REPOSITORY / value).exists():
-            setattr(getattr(cfg, section), name, str(REPOSITORY / value))
-
-
-def config_from_dict(raw: dict) -> JobConfig:
-    """A JobConfig from `JobConfig.to_dict()` output, e.g. a run's config.json; validated. The run's
-    list of resume changes ("resumes", elr/train/resume.py) is history, not config: skipped."""
-    cfg = JobConfig()
-    apply_tables(cfg, {k: v for k, v in raw.items() if k != "resumes"})
-    validate(cfg)
-    return cfg

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from elr.tools.study.runs import Run, carried_note, final_record, latest_checkpoint
+from .runs import Run, carried_note, final_record, latest_checkpoint
 
 UNTIED_K = "untied_k4"  # the control as deep as k = K (variants.toml names it)
 MATCHED = "baseline_matched"
@@ -27,7 +27,7 @@ def extrapolate(folder: Path, factor: int, examples: int) -> dict[int, list[floa
     """Accuracy per difficulty at k = 1 .. factor x K of an unconditioned run's final weights."""
     from elr.infer.evaluate import task_accuracy
     from elr.infer.load import load_model
-    from elr.tasks import build_task
+    from elr.text.tasks import build_task
 
     model, cfg = load_model(latest_checkpoint(folder))
     d = cfg["data"]

@@ -1,6 +1,6 @@
 """The paper's side of the text suite: what each group of runs reproduces, the paper's own losses
 (arXiv 2610.12582; GPT-0.5B, K = 5, k = 1..5) and the comparisons it makes, against which
-elr/tools/study/text_report.py sets ours.
+scripts/study_tools/text_report.py sets ours.
 """
 
 from __future__ import annotations

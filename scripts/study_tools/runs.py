@@ -21,9 +21,9 @@ from pathlib import Path
 import tomli
 
 from elr.checkpoint import latest_step
-from elr.progress import duration
+from elr.console.progress import duration
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "train_configs/study"
 SUITES = ("text", "depth")
 

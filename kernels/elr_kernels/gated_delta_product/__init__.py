@@ -10,12 +10,12 @@ is the one-token form for decoding.
 
 import torch
 
-from kernels.gated_delta_product.chunk import chunk_gated_delta_product
-from kernels.gated_delta_product.naive import naive_gated_delta_product
+from elr_kernels.gated_delta_product.chunk import chunk_gated_delta_product
+from elr_kernels.gated_delta_product.naive import naive_gated_delta_product
 
 try:
-    from kernels.gated_delta_product.triton_decode import triton_gated_delta_product_step
-    from kernels.gated_delta_product.triton_op import triton_gated_delta_product
+    from elr_kernels.gated_delta_product.triton_decode import triton_gated_delta_product_step
+    from elr_kernels.gated_delta_product.triton_op import triton_gated_delta_product
 except ImportError as error:  # triton is a dependency, but keep the PyTorch forms usable without it
     _TRITON_IMPORT_ERROR = error
     triton_gated_delta_product = triton_gated_delta_product_step = None

@@ -12,7 +12,7 @@ id or a source, are ignored):
     prompt/completion   {"prompt": "...", "completion": "..."}: a user turn and an assistant turn; or
                         TRL's conversational form, {"prompt": [messages], "completion": [messages]}
 
-Which tokens train: the assistant turns, each with the <|endoftext|> that closes it (elr/chat.py);
+Which tokens train: the assistant turns, each with the <|endoftext|> that closes it (elr/text/chat.py);
 system, user and tool turns are context. In a prompt/completion record only the completion trains:
 an assistant turn inside the prompt is context, as TRL's completion-only loss has it.
 

@@ -8,7 +8,7 @@ loops from the run's own FLOPs.
 
 from __future__ import annotations
 
-from elr.tools.study.stats import paired, per_seed
+from .stats import paired, per_seed
 
 # (mode, variant) in the order the section shows them; the comparisons read the first against the others
 MODES = {"stratified": "sampling_strat", "independent": "sampling_indep", "synchronized": "sampling_sync"}
