@@ -26,54 +26,52 @@ STEP_INPUTS = ("state", "delta", "channel")
 
 @dataclass
 class RecurrenceOptions:
-    """[elr]: what each key means (the README table and --help are made from these lines).
-
-    max_loops: K: loop counts are drawn from 1..K; validation runs every k in 1..K
-    recurrent_input: `state`, `state_plus_input` (re-injection of h_in from loop 2 on, the Table 14 ablation; k = 1
-        stays the plain stack) or `state_plus_adapted_input` (s_{i-1} + W h_in on every loop, the first included, W
-        zero-initialised: the plain stack at init, and k = 1 may learn to differ)
-    update: `adaptive_delta` (learned step), `replace` (s_i = r_i) or `residual` (s_i = s_{i-1} + r_i; k = 1 is not
-        the plain stack)
-    step_input: what `adaptive_delta`'s step a = 2σ(W norm(x) + b) sees: `state` (x = s~_i), `delta` (x = r_i −
-        s_{i-1}) or `channel` (no input: one step per channel, a = 2σ(b))
-    conditioning: loop-index/budget embeddings with zero-initialised FiLM heads
-    conditioning_budget: the budget embedding E_budget[k] in the conditioning; false: the loop index alone, so the
-        first i loops of every budget are the same computation
-    conditioning_gate: FiLM's gate term (1 + gate) on each recurrent sublayer's output; false: scale and shift only
-    conditioning_first_loop: false: loop 1 unconditioned, so k=1 is exactly the shared block
-    conditioning_later_loops: false: loops 2..k unconditioned (only loop 1 has FiLM), so conditioning cannot scale
-        the later loops down; not both this and `conditioning_first_loop` false
-    conditioning_silu: a SiLU on c = E_loop[i] + E_budget[k] before the FiLM heads (as DiT's adaLN), so a head is
-        not additive in i and k
-    conditioning_exit: FiLM heads from E_budget[k] on the output block's layers too, so it reads each budget's last
-        state in its own way; with both loop options false it is the only conditioning and no loop can be scaled down
-    backprop_loops: n > 0: gradients flow through the last n loops of a forward only (the state entering loop k − n + 1
-        is detached; re-injected input still gets its gradient); 0: through every loop. Training only: the forward
-        is unchanged. Needs a re-injected input (`recurrent_input` other than `state`): with the state alone, the
-        input block and embeddings would learn nothing from any microbatch of k > n
-    state_norm: an RMSNorm on the state between loops (s_{i-1} before loop i >= 2); k = 1 is unchanged, no norm runs
-    depth_scaled_init: each layer's output projections start at std 0.02 / sqrt(2 depth) with depth its position in
-        the stack unrolled to K loops (a recurrent layer at its K-th loop); false: its position in the stack itself.
-        Either way k = 1 is the plain stack at init, though not the same initial weights when K > 1
-    initial_state_noise: sigma > 0: in training forwards of k >= 2 loops the state starts at s_0 = h_in + sigma ε, ε ~
-        N(0, I); k = 1 and every evaluation or inference forward start at h_in
-    """
+    """[elr]: each key's meaning is the string under its field."""
 
     max_loops: int = 3
+    """K: loop counts are drawn from 1..K; validation runs every k in 1..K"""
     recurrent_input: str = "state"
+    """`state`, `state_plus_input` (re-injection of h_in from loop 2 on, the Table 14 ablation; k = 1 stays the
+    plain stack) or `state_plus_adapted_input` (s_{i-1} + W h_in on every loop, the first included, W
+    zero-initialised: the plain stack at init, and k = 1 may learn to differ)"""
     update: str = "adaptive_delta"
+    """`adaptive_delta` (learned step), `replace` (s_i = r_i) or `residual` (s_i = s_{i-1} + r_i; k = 1 is not
+    the plain stack)"""
     step_input: str = "state"
+    """what `adaptive_delta`'s step a = 2σ(W norm(x) + b) sees: `state` (x = s~_i), `delta` (x = r_i − s_{i-1})
+    or `channel` (no input: one step per channel, a = 2σ(b))"""
     conditioning: bool = True
+    """loop-index/budget embeddings with zero-initialised FiLM heads"""
     conditioning_budget: bool = True
+    """the budget embedding E_budget[k] in the conditioning; false: the loop index alone, so the first i loops of
+    every budget are the same computation"""
     conditioning_gate: bool = True
+    """FiLM's gate term (1 + gate) on each recurrent sublayer's output; false: scale and shift only"""
     conditioning_first_loop: bool = True
+    """false: loop 1 unconditioned, so k=1 is exactly the shared block"""
     conditioning_later_loops: bool = True
+    """false: loops 2..k unconditioned (only loop 1 has FiLM), so conditioning cannot scale the later loops down;
+    not both this and `conditioning_first_loop` false"""
     conditioning_silu: bool = False
+    """a SiLU on c = E_loop[i] + E_budget[k] before the FiLM heads (as DiT's adaLN), so a head is not additive in
+    i and k"""
     conditioning_exit: bool = False
+    """FiLM heads from E_budget[k] on the output block's layers too, so it reads each budget's last state in its
+    own way; with both loop options false it is the only conditioning and no loop can be scaled down"""
     backprop_loops: int = 0
+    """n > 0: gradients flow through the last n loops of a forward only (the state entering loop k − n + 1 is
+    detached; re-injected input still gets its gradient); 0: through every loop. Training only: the forward is
+    unchanged. Needs a re-injected input (`recurrent_input` other than `state`): with the state alone, the input
+    block and embeddings would learn nothing from any microbatch of k > n"""
     state_norm: bool = False
+    """an RMSNorm on the state between loops (s_{i-1} before loop i >= 2); k = 1 is unchanged, no norm runs"""
     depth_scaled_init: bool = False
+    """each layer's output projections start at std 0.02 / sqrt(2 depth) with depth its position in the stack
+    unrolled to K loops (a recurrent layer at its K-th loop); false: its position in the stack itself. Either way
+    k = 1 is the plain stack at init, though not the same initial weights when K > 1"""
     initial_state_noise: float = 0.0
+    """sigma > 0: in training forwards of k >= 2 loops the state starts at s_0 = h_in + sigma ε, ε ~ N(0, I); k =
+    1 and every evaluation or inference forward start at h_in"""
 
     @classmethod
     def baseline(cls) -> RecurrenceOptions:

@@ -1,6 +1,6 @@
 """Every config key with its type, default and doc, read from the dataclasses of elr/config/job.py.
 
-One source: each section's docstring holds one `key: meaning` entry per field. `train.py --help`
+One source: the string under each field is its meaning, as torchtitan's config dataclasses do it. `train.py --help`
 prints them and the README's configuration table is this module's `markdown_table()` (a test
 checks the README holds exactly that table, and that every field has its entry).
 
@@ -9,31 +9,29 @@ checks the README holds exactly that table, and that every field has its entry).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import json
-import re
 import sys
+import textwrap
 import typing
 
 from elr.config import JobConfig
 
-_ENTRY = re.compile(r"^    (\w+): (.*)$")
-
-
 def key_docs(section_cls) -> dict[str, str]:
-    """{field name: its one-line doc} from the docstrings of the section and its bases (continuation
-    lines joined), bases first, as dataclass fields are ordered: [elr]'s recurrence options are
-    documented where they are defined (elr/config/recurrence.py)."""
-    docs, current = {}, None
-    lines = [line for cls in reversed(section_cls.__mro__) for line in (cls.__dict__.get("__doc__") or "").splitlines()]
-    for line in lines:
-        if m := _ENTRY.match(line):
-            current = m.group(1)
-            docs[current] = m.group(2).strip()
-        elif current and line.startswith("        "):
-            docs[current] += " " + line.strip()
-        else:
-            current = None
+    """{field name: its doc} from the string under each field (lines joined), bases first, as dataclass
+    fields are ordered: [elr]'s recurrence options are documented where they are defined
+    (elr/config/recurrence.py)."""
+    docs = {}
+    for cls in reversed(section_cls.__mro__):
+        if not dataclasses.is_dataclass(cls):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        for field_node, doc_node in zip(body, body[1:]):
+            if (isinstance(field_node, ast.AnnAssign) and isinstance(doc_node, ast.Expr)
+                    and isinstance(doc_node.value, ast.Constant) and isinstance(doc_node.value.value, str)):
+                docs[field_node.target.id] = " ".join(doc_node.value.value.split())
     return docs
 
 
