@@ -24,11 +24,9 @@ from elr.errors import CheckpointError, ConfigError, UserError
 from elr.infer.generate import generate, left_pad
 from elr.infer.load import load_model
 from elr.interop import hf_config, write_export
-from elr.models import ModelArgs, build_model
-from elr.models.from_config import model_args_from_config
+from elr.models import ModelArgs
 from elr.config.recurrence import RecurrenceOptions
-from elr.text.tokenizer import build_tokenizer
-from export_utils import one_error_line, reseal, script
+from export_utils import one_error_line, reseal, script, tiny_export
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -37,7 +35,6 @@ needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason='transforme
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
                                 reason='safetensors is not installed (pip install -e ".[hf]")')
 
-TOKENIZER = ROOT / "data" / "tokenizer" / "elr8k.tiktoken"
 PROMPTS = ["The king said", "Once upon a time there was"]
 
 
@@ -45,19 +42,9 @@ PROMPTS = ["The king said", "Once upon a time there was"]
 def model_and_export(tmp_path_factory):
     """The debug flavor at K = 3 with conditioning, weights perturbed (so the zero-initialised
     conditioning acts), exported with a 2 MB shard limit; then copied elsewhere."""
-    cfg = load_config(DEBUG_TOML, ["--training.seq_len", "64"])
-    tokenizer = build_tokenizer(str(TOKENIZER))
-    args = model_args_from_config(cfg, tokenizer.n_vocab)
-    torch.manual_seed(0)
-    model = build_model(args)
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    model.eval()
     folder = tmp_path_factory.mktemp("export")
-    write_export(model.state_dict(), args, cfg.to_dict(), tokenizer, folder / "hf", max_shard_bytes=2_000_000,
-                 kv="last_loop")  # the default chat template: the one SFT trains with
+    # the default chat template: the one SFT trains with
+    model, tokenizer, _ = tiny_export(folder / "hf", max_shard_bytes=2_000_000)
     shutil.copytree(folder / "hf", folder / "copied")
     shutil.rmtree(folder / "hf")  # the copy stands alone
     return model, tokenizer, folder / "copied"

@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 from elr.checkpoint import CONFIG, STEP_DIR, Stored, check_hashes, check_keys, committed_files, committed_steps
 from elr.checkpoint import first_nonfinite, hash_files, latest_step, marker_or_reason, read_config, save_plain
 from elr.checkpoint import split_state, step_folders, tensor_writer, write_marker, write_values
-from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir
+from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir, set_aside
 from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.interop import write_export
 from elr.console.progress import size
@@ -309,12 +309,7 @@ class CheckpointManager:
             for p in sorted(self.folder.iterdir()):
                 m = _STEP_OR_EXPORT.fullmatch(p.name)
                 if m and int(m[1]) > step and p.is_dir():
-                    target, n = p.with_name(f"{p.name}.abandoned-{stamp}"), 1
-                    while target.exists():
-                        n += 1
-                        target = p.with_name(f"{p.name}.abandoned-{stamp}-{n}")
-                    os.rename(p, target)
-                    moved.append(target.name)
+                    moved.append(set_aside(p, stamp).name)
             if moved:
                 what = f"resuming from step-{step}" if step >= 0 else "starting over"
                 logger.warning(f"{what} in {self.folder}: moved the {len(moved)} {'newer ' if step >= 0 else ''}"

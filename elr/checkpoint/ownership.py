@@ -66,3 +66,15 @@ def replace_dir(src: Path, dst: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def set_aside(path: Path, stamp: str) -> Path:
+    """Rename `path` to `<name>.abandoned-<stamp>` (with `-2`, `-3`, ... if taken): kept, never resumed,
+    pruned or overwritten, and never deleted. Returns the new path."""
+    target, n = path.with_name(f"{path.name}.abandoned-{stamp}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.abandoned-{stamp}-{n}")
+    os.rename(path, target)
+    return target
+

@@ -99,34 +99,31 @@ def _open_error(path: Path, e: Exception) -> CheckpointError:
     return CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__})")
 
 
+def _read_each(folder: Path, listed: set[str], read) -> dict:
+    """{key: read(file)[key]} over the export's weight files, each key in one file only."""
+    merged: dict = {}
+    for name in weight_files(folder, listed):
+        try:
+            part = read(str(folder / name))
+        except Exception as e:
+            raise _open_error(folder / name, e) from None
+        doubled = sorted(set(part) & set(merged))
+        if doubled:
+            raise CheckpointError(f"{folder}: {doubled[0]} is stored in more than one file")
+        merged.update(part)
+    return merged
+
+
 def weight_shapes(folder: Path, listed: set[str]) -> dict[str, tuple[int, ...]]:
     """Each stored tensor's shape, read from the safetensors headers alone (no tensor data)."""
     st = _safetensors()
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name in weight_files(folder, listed):
-        try:
-            with st.safe_open(str(folder / name), framework="pt") as f:
-                part = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-        except Exception as e:
-            raise _open_error(folder / name, e) from None
-        doubled = sorted(set(part) & set(shapes))
-        if doubled:
-            raise CheckpointError(f"{folder}: {doubled[0]} is stored in more than one file")
-        shapes.update(part)
-    return shapes
+
+    def shapes(path: str) -> dict[str, tuple[int, ...]]:
+        with st.safe_open(path, framework="pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    return _read_each(folder, listed, shapes)
 
 
 def read_weights(folder: Path, listed: set[str]) -> dict[str, torch.Tensor]:
     """Every tensor of the export's safetensors files (on CPU, as stored)."""
-    st = _safetensors()
-    tensors: dict[str, torch.Tensor] = {}
-    for name in weight_files(folder, listed):
-        try:
-            part = st.load_file(str(folder / name))
-        except Exception as e:
-            raise _open_error(folder / name, e) from None
-        doubled = sorted(set(part) & set(tensors))
-        if doubled:
-            raise CheckpointError(f"{folder}: {doubled[0]} is stored in more than one file")
-        tensors.update(part)
-    return tensors
+    return _read_each(folder, listed, _safetensors().load_file)

@@ -16,11 +16,11 @@ A folder that holds nothing gets one line saying a new run starts there.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
 from elr.checkpoint import step_folders
+from elr.checkpoint.ownership import set_aside
 from elr.config import JobConfig
 from elr.errors import ConfigError
 
@@ -64,10 +64,5 @@ def set_aside_run_files(dump_folder: Path) -> list[str]:
     for name in RUN_FILES:
         path = dump_folder / name
         if path.exists():
-            target, n = path.with_name(f"{name}.abandoned-{stamp}"), 1
-            while target.exists():
-                n += 1
-                target = path.with_name(f"{name}.abandoned-{stamp}-{n}")
-            os.rename(path, target)
-            moved.append(target.name)
+            moved.append(set_aside(path, stamp).name)
     return moved
