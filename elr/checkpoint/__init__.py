@@ -2,8 +2,10 @@
 
 `format` says what a committed folder holds (commit.json with sizes and SHA-256 of every file, the job's
 config.json) and checks it before anything in it is parsed; `storage` writes and reads the tensors
-(safetensors) and the other items (JSON): no pickle anywhere. The trainer's CheckpointManager
-(elr/checkpoint/manager.py) writes folders; elr/infer/load.py reads them.
+(safetensors) and the other items (JSON): no pickle anywhere; `ownership` decides what a save may remove
+or set aside. The trainer's CheckpointManager (`manager`: async saves, pruning, the model export at the
+end) writes folders; elr/infer/load.py reads them. It imports the models' state, the export format
+(elr.interop, beside it), config and elr.errors; training and inference import it, never the reverse.
 """
 
 from elr.checkpoint.format import (

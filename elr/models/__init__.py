@@ -1,3 +1,9 @@
+"""The single-device model: the four layer kinds (GDP, attention, dense FFN, MoE experts), the ELR
+recurrence (input block, a recurrent block run k times with its update, conditioning and exits, output
+block), the flavors and the mapping from a job config. Files read top to bottom and never communicate
+(no torch.distributed). It imports elr_kernels, config and elr.errors; everything above imports it.
+"""
+
 from elr.models.args import ModelArgs, flavors
 from elr.models.model import ELRModel
 

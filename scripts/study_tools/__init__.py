@@ -7,4 +7,7 @@ several seeds), and the reports that read them back (README, "Does the recipe wo
     paper.py         the paper's side of the text suite: its losses, its claims, the readings it leaves open
     depth_report.py  the depth suite: answer accuracy per difficulty and k, extrapolation past K
     byte_data.py     the bundled prose re-encoded as bytes (the text suite's data)
+
+Not part of the installed package: scripts/study.py imports it as `study_tools`, the tests as
+`scripts.study_tools`; it imports the library, never the reverse.
 """
