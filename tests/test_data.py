@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import logging
 import shutil
 import subprocess
@@ -393,9 +394,10 @@ def test_loader_errors_name_the_file(tmp_path):
         build_train_loader(str(make_token_file(tmp_path / "ok", 50)), 4, 1, 2, 2, 0)
 
 
-def test_token_ids_past_the_vocabulary_and_a_wrong_dtype_fail_when_the_data_is_opened(tmp_path):
-    """Caught by a max over the file (cached in meta.json), not by an IndexError (a device assert on
-    GPU) in the embedding at the first batch that holds one."""
+def test_token_ids_past_the_vocabulary_and_a_wrong_dtype_fail_when_the_data_is_opened(tmp_path, monkeypatch):
+    """Caught by a max over the file (cached per file content, outside the data folder), not by an
+    IndexError (a device assert on GPU) in the embedding at the first batch that holds one."""
+    monkeypatch.setenv("ELR_CACHE", str(tmp_path / "cache"))
     folder = tmp_path / "d"
     folder.mkdir()
     np.array([1, 2, 99, 3] * 8, dtype=np.uint16).tofile(folder / "train.bin")
@@ -403,7 +405,23 @@ def test_token_ids_past_the_vocabulary_and_a_wrong_dtype_fail_when_the_data_is_o
     (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="train.bin: holds token id 99, but .* gives vocab_size 64"):
         load_tokens(folder / "train.bin")
-    assert json.loads((folder / "meta.json").read_text())["splits"]["train"]["max_token_id"] == 99  # cached
+    assert list(json.loads((tmp_path / "cache" / "token_max.json").read_text()).values()) == [99]  # cached
+    before = (folder / "meta.json").read_text()
+    with pytest.raises(ValueError, match="holds token id 99"):
+        load_tokens(folder / "train.bin")  # from the cache
+    assert (folder / "meta.json").read_text() == before  # the data folder is never written
+
+    # the hole a meta.json-held maximum left: the file edited in place at the same size, meta.json saying 3
+    good = {**meta, "splits": {"train": {"file": "train.bin", "tokens": 32, "max_token_id": 3}}}
+    np.array([1, 2, 3, 3] * 8, dtype=np.uint16).tofile(folder / "train.bin")
+    (folder / "meta.json").write_text(json.dumps(good))
+    assert int(load_tokens(folder / "train.bin").max()) == 3
+    bad = np.array([1, 2, 3, 3] * 8, dtype=np.uint16)
+    bad[17] = 4000
+    bad.tofile(folder / "train.bin")
+    os.utime(folder / "train.bin", ns=(1, 1))  # any other modification time than the one cached
+    with pytest.raises(ValueError, match="holds token id 4000"):
+        load_tokens(folder / "train.bin")
 
     np.array([1, 2, 3, 4] * 8, dtype=np.uint16).tofile(folder / "train.bin")  # uint16 data, meta says uint32
     (folder / "meta.json").write_text(json.dumps({**meta, "dtype": "uint32", "splits": {}}))

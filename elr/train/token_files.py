@@ -69,7 +69,7 @@ def check_tokenizer(data_dir: Path, tokenizer: Tokenizer, cfg: JobConfig) -> Non
 
 def load_tokens(path: str | Path) -> np.memmap:
     """Open a token file read-only, with the dtype from the meta.json beside it; every token id must
-    be below meta.json's vocab_size (the largest id is computed once and cached in meta.json)."""
+    be below meta.json's vocab_size (the largest id is read once per file content: `largest_token_id`)."""
     path = Path(path)
     meta_path = path.parent / "meta.json"
     if not path.is_file():
@@ -90,27 +90,48 @@ def load_tokens(path: str | Path) -> np.memmap:
     tokens = np.memmap(path, dtype=dtype, mode="r")
     vocab = meta.get("vocab_size")
     if vocab is not None:
-        largest = meta.get("splits", {}).get(path.stem, {}).get("max_token_id")
-        # A refusal is always checked against the file: a meta.json copied from another tokenization
-        # (e.g. scripts/study.py's byte copy) may carry that data's value.
-        if not isinstance(largest, int) or largest >= vocab:
-            largest = int(tokens.max())
-            _cache_max_token_id(meta_path, path.stem, largest, n_tokens)
+        largest = largest_token_id(path, tokens)
         if largest >= vocab:
             raise DataError(f"{path}: holds token id {largest}, but {meta_path} gives vocab_size {vocab}: "
                             f"tokenized with another vocabulary, or not written as {dtype.name}")
     return tokens
 
 
-def _cache_max_token_id(meta_path: Path, split: str, largest: int, n_tokens: int) -> None:
-    """Record a split's largest token id in meta.json (atomically); a read-only folder keeps none."""
+CHUNK_TOKENS = 1 << 26  # a streamed max reads the memory map this many tokens at a time
+
+
+def check_cache() -> Path:
+    """Where the largest id of each token file is remembered: outside every data folder (which may be
+    read-only, or tracked by git), per user: $ELR_CACHE, else $XDG_CACHE_HOME/elr, else ~/.cache/elr."""
+    if os.environ.get("ELR_CACHE"):
+        return Path(os.environ["ELR_CACHE"]) / "token_max.json"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "elr" / "token_max.json"
+
+
+def largest_token_id(path: Path, tokens: np.ndarray) -> int:
+    """The file's largest token id: a streamed max over the memory map, once per file content. The cache
+    is keyed by the file's resolved path, dtype, size and modification time, so a file rewritten in place (even
+    at the same size) is read again; meta.json's own `max_token_id` is never trusted, since a copied
+    meta.json or an edited .bin would carry a stale one."""
+    stat = path.stat()
+    key = f"{path.resolve()}|{tokens.dtype.name}|{stat.st_size}|{stat.st_mtime_ns}"
+    cache_path = check_cache()
     try:
-        meta = json.loads(meta_path.read_text())
-        entry = meta.setdefault("splits", {}).setdefault(split, {})
-        entry.setdefault("tokens", n_tokens)
-        entry["max_token_id"] = largest
-        tmp = meta_path.with_name(f".meta.json.{os.getpid()}")
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(tmp, meta_path)
+        cache = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
+    if isinstance(cache.get(key), int):
+        return cache[key]
+    largest = max(int(tokens[i:i + CHUNK_TOKENS].max()) for i in range(0, len(tokens), CHUNK_TOKENS))
+    cache = {k: v for k, v in cache.items() if not k.startswith(f"{path.resolve()}|")}  # one entry per file
+    cache[key] = largest
+    try:  # atomically; where the cache cannot be written, the next open reads the file again
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=0) + "\n")
+        os.replace(tmp, cache_path)
     except OSError:
         pass
+    return largest
