@@ -88,7 +88,8 @@ def test_the_export_writes_every_option_and_reads_it_back():
 
 
 def test_a_bad_option_names_its_key():
-    for name, value in [("max_loops", 0), ("update", "gated"), ("step_input", "both"), ("backprop_loops", 4),
+    for name, value in [("max_loops", 0), ("max_loops", 1_000_000), ("initial_state_noise", float("inf")),
+                        ("initial_state_noise", float("nan")), ("update", "gated"), ("step_input", "both"), ("backprop_loops", 4),
                         ("backprop_loops", -1), ("backprop_loops", 1), ("initial_state_noise", -0.1)]:
         with pytest.raises(ConfigError, match=rf"^elr.{name}: "):
             dataclasses.replace(RecurrenceOptions(), **{name: value}).check()

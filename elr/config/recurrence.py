@@ -14,6 +14,7 @@ recurrence option").
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from elr.errors import ConfigError
@@ -22,6 +23,9 @@ from elr.errors import ConfigError
 UPDATE_RULES = ("adaptive_delta", "replace", "residual")
 RECURRENT_INPUTS = ("state", "state_plus_input", "state_plus_adapted_input")
 STEP_INPUTS = ("state", "delta", "channel")
+# Each loop count adds its own conditioning rows and a validation pass; the paper trains K = 4. A bound far
+# above any budget a model is served at, and far below what would build a model no machine holds.
+MAX_LOOPS = 64
 
 
 @dataclass
@@ -86,7 +90,7 @@ class RecurrenceOptions:
 
     def check(self) -> None:
         """Reject options no recurrence can be built from; one ConfigError naming the key."""
-        _check(self.max_loops >= 1, "max_loops", "must be >= 1", self.max_loops)
+        _check(1 <= self.max_loops <= MAX_LOOPS, "max_loops", f"must lie in 1..{MAX_LOOPS}", self.max_loops)
         for key, allowed in (("update", UPDATE_RULES), ("recurrent_input", RECURRENT_INPUTS),
                              ("step_input", STEP_INPUTS)):
             _check(getattr(self, key) in allowed, key, f"must be one of {', '.join(allowed)}", getattr(self, key))
@@ -96,7 +100,8 @@ class RecurrenceOptions:
                "needs elr.recurrent_input = state_plus_input or state_plus_adapted_input: with the state alone the "
                "detached state cuts the input block and embeddings off from every microbatch of k > backprop_loops",
                self.backprop_loops)
-        _check(self.initial_state_noise >= 0, "initial_state_noise", "must be >= 0 (0: off)", self.initial_state_noise)
+        _check(math.isfinite(self.initial_state_noise) and self.initial_state_noise >= 0, "initial_state_noise",
+               "must be finite and >= 0 (0: off)", self.initial_state_noise)
         loops_conditioned = self.conditioning_first_loop or self.conditioning_later_loops
         _check(loops_conditioned or self.conditioning_exit, "conditioning_later_loops",
                "and elr.conditioning_first_loop are both false and elr.conditioning_exit is off: nothing is "
