@@ -10,6 +10,7 @@ hashes rewritten to match (`reseal`), so only reading the files themselves can t
 
 import hashlib
 import importlib.util
+import errno
 import json
 import logging
 import multiprocessing
@@ -686,3 +687,24 @@ def test_sigterm_with_checkpoints_disabled_saves_nothing(tmp_path, caplog):
 def test_a_learning_rate_that_is_not_finite_fails_the_config_check(value):
     with pytest.raises(ConfigError, match=f"^optimizer.lr: must be a finite number \\(got {value}\\)$"):
         load_config(DEBUG_TOML, ["--optimizer.lr", value])
+
+
+def test_a_folder_that_cannot_be_written_is_one_line_before_any_work(dump, monkeypatch):
+    """A read-only (or full, or forbidden) dump folder: a ConfigError naming the key and the errno's
+    text, from the lock, before a model is built; nothing is left behind."""
+    from elr.train import run_lock
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(run_lock.os, "open", read_only)
+    with pytest.raises(ConfigError, match=r"^job.dump_folder: cannot write in .* \(Read-only file system\)"):
+        run_lock.RunLock.acquire({"job.dump_folder": dump}, rank=0)
+    assert not (dump / "train.lock").exists()
+
+    blocked = dump / "a-file"
+    blocked.write_text("")
+    result = subprocess.run([sys.executable, "train.py", *overrides(blocked / "run", 2)], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "cannot write in" in one_error_line(result.stderr)

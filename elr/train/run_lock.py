@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from elr.errors import FolderInUse
+from elr.errors import ConfigError, FolderInUse
 
 logger = logging.getLogger("elr")
 
@@ -85,16 +85,20 @@ class RunLock:
             lock = cls(me)
             try:
                 for key, folder in folders.items():
-                    lock._take(key, Path(folder))
-            except FolderInUse as e:
+                    try:
+                        lock._take(key, Path(folder))
+                    except OSError as e:  # read-only, no permission, no space: before any work starts
+                        raise ConfigError(f"{key}: cannot write in {folder} ({e.strerror or e}); a run needs a "
+                                          "writable folder for its lock, metrics and checkpoints") from None
+            except (FolderInUse, ConfigError) as e:
                 lock.release()
-                lock, error = None, str(e)
+                lock, error = None, (type(e).__name__, str(e))
         if dist.is_initialized():
             box = [error]
             dist.broadcast_object_list(box, src=0)
             error = box[0]
         if error:
-            raise FolderInUse(error)
+            raise (ConfigError if error[0] == "ConfigError" else FolderInUse)(error[1])
         return lock
 
     def _take(self, key: str, folder: Path) -> None:
