@@ -292,12 +292,24 @@ def prepare(
                 Path(f.name).unlink(missing_ok=True)
 
 
+def check_out(out: Path, replace: bool) -> None:
+    """--out must be a folder to write into: not a file, and not a prepared dataset unless --replace."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out: {out} is a file, not a folder")
+    if (out / "meta.json").exists() and not replace:
+        raise InputError(f"--out: {out} already holds a prepared dataset (meta.json); pass --replace to write "
+                         "over it, or choose another folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories")
     parser.add_argument("--tokenizer", default=str(BUNDLED_TOKENIZER),
                         help="ranks file or tiktoken encoding name (default: the bundled 8k BPE, %(default)s)")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", required=True, help="output directory (a new or empty one, or a prepared one with --replace)")
+    parser.add_argument("--replace", action="store_true",
+                        help="write over the prepared dataset --out already holds (default: refuse; runs that "
+                             "trained on it could no longer resume on the same data)")
     parser.add_argument(
         "--split",
         choices=SPLIT_CHOICES,
@@ -316,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     start = time.monotonic()
+    try:
+        check_out(Path(args.out), args.replace)
+    except InputError as e:
+        print(f"prepare_data: error: {e}", file=sys.stderr)
+        return 1
     if args.format == "chat":
         return main_chat(args, start)
     try:

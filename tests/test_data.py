@@ -20,6 +20,7 @@ import torch
 from elr.train.data import WindowPermutation, build_train_loader, val_batches
 from elr.train.token_files import load_tokens
 from elr.text.tokenizer import build_tokenizer, file_sha256
+from export_utils import script
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizer" / "elr8k.tiktoken"
@@ -107,18 +108,44 @@ def test_prepare_data_errors_leave_no_partial_output(tmp_path):
     assert prepare("--out", str(out), "--val-fraction", VAL_FRACTION, str(CORPUS)).returncode == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
-    missing = prepare("--out", str(out), str(CORPUS), str(tmp_path / "nope.jsonl"))
+    missing = prepare("--out", str(out), "--replace", str(CORPUS), str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 1 and "nope.jsonl: no such file" in missing.stderr
     (tmp_path / "empty.txt").write_text("\n\n")
-    empty = prepare("--out", str(out), str(CORPUS), str(tmp_path / "empty.txt"))
+    empty = prepare("--out", str(out), "--replace", str(CORPUS), str(tmp_path / "empty.txt"))
     assert empty.returncode == 1 and "empty.txt: no non-empty documents" in empty.stderr
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
-    bad = prepare("--out", str(out), str(tmp_path / "bad.jsonl"))
+    bad = prepare("--out", str(out), "--replace", str(tmp_path / "bad.jsonl"))
     assert bad.returncode == 1 and "bad.jsonl:2" in bad.stderr
     # Fails only after writing temporary files: none may be left, the old outputs stay.
-    no_val = prepare("--out", str(out), "--val-fraction", "1e-9", str(CORPUS))
+    no_val = prepare("--out", str(out), "--replace", "--val-fraction", "1e-9", str(CORPUS))
     assert no_val.returncode == 1 and "no document fell into the val split" in no_val.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_prepare_data_never_replaces_a_prepared_dataset_or_a_file_unasked(tmp_path, capsys):
+    """--out naming a file, or a folder that holds a prepared dataset, is one line and exit 1 before any
+    reading; --replace writes over the dataset."""
+    prepare_data = script("prepare_data")
+    src = tmp_path / "a.txt"
+    src.write_text("one document.\n\nanother document, a little longer than the first.\n" * 20)
+    out = tmp_path / "d"
+    argv = ["--tokenizer", str(TOKENIZER), "--out", str(out), "--split", "tail", "--val-fraction", "0.2", str(src)]
+    assert prepare_data.main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    src.write_text("different text now.\n" * 50)
+    assert prepare_data.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a prepared dataset" in err[0] and "--replace" in err[0], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert prepare_data.main([*argv, "--replace"]) == 0
+    assert (out / "train.bin").read_bytes() != before["train.bin"]
+
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert prepare_data.main(["--tokenizer", str(TOKENIZER), "--out", str(a_file), str(src)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file, not a folder" in err[0], err
 
 
 def split_parts(path: Path, eot_id: int) -> list[list[int]]:
@@ -205,7 +232,7 @@ def test_prepare_data_tail_split_errors_leave_no_partial_output(tmp_path):
     assert prepare(*args, "--val-fraction", VAL_FRACTION, str(CORPUS)).returncode == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     # Every fixture document has fewer than 10^4 tokens: none gives val a token.
-    too_short = prepare(*args, "--val-fraction", "1e-4", str(CORPUS))
+    too_short = prepare(*args, "--replace", "--val-fraction", "1e-4", str(CORPUS))
     assert too_short.returncode == 1 and "no document is long enough" in too_short.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     bogus = prepare("--out", str(out), "--split", "random", str(CORPUS))
