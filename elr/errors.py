@@ -47,3 +47,8 @@ class OldCheckpointFormat(CheckpointError):
 
 class FolderInUse(UserError):
     """Another run holds the lock of a folder this run would write."""
+
+
+class RunWriteFailed(UserError):
+    """A file of the run (metrics, config.json) could not be written (no space, no permission): the run
+    stopped after a checkpoint where it could save one, so the same command resumes once it can write."""

@@ -88,6 +88,7 @@ class MetricsLogger:
     def __init__(self, dump_folder: Path, enable_tensorboard: bool, rank: int, start_step: int = 0,
                  enable_wandb: bool = False, config: dict | None = None):
         self.enabled = rank == 0
+        self.failed = ""  # what could not be written, once a write failed: the trainer stops after a save
         self.writer = None
         self.jsonl = None
         self.wandb = None
@@ -110,20 +111,26 @@ class MetricsLogger:
 
     def log(self, step: int, scalars: dict[str, float], record: dict | None = None) -> None:
         """TensorBoard scalars, plus one jsonl line holding the scalars and any extra fields."""
-        if not self.enabled:
+        if not self.enabled or self.failed:
             return
-        if self.writer is not None:
-            for name, value in scalars.items():
-                self.writer.add_scalar(name, value, step)
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
-        self.jsonl.write(json.dumps({"step": step, **scalars, **(record or {})}) + "\n")
+        try:
+            if self.writer is not None:
+                for name, value in scalars.items():
+                    self.writer.add_scalar(name, value, step)
+            if self.wandb is not None:
+                self.wandb.log(scalars, step=step)
+            self.jsonl.write(json.dumps({"step": step, **scalars, **(record or {})}) + "\n")
+        except OSError as e:  # a full or read-only disk: not a reason to lose the steps since the last save
+            self.failed = f"could not write {self.jsonl.name} at step {step} ({e.strerror or e})"
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
         if self.jsonl is not None:
-            self.jsonl.close()
+            try:
+                self.jsonl.close()
+            except OSError:  # the buffered tail of a disk that is full: the resume drops the torn line
+                pass
         if self.wandb is not None:
             self.wandb.finish()
 

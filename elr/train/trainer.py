@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from elr.checkpoint import dcp_note
 from elr.config import JobConfig
-from elr.errors import CheckpointError, ConfigError
+from elr.errors import CheckpointError, ConfigError, RunWriteFailed
 from elr.interop import check_fits, differences, is_export, read_export
 from elr.interop.hf_weights import check_installed
 from elr.models import build_model
@@ -159,9 +160,16 @@ class Trainer:
             self.resume_history.append({"step": step, "changes": self.resume_changes})
 
     def _write_run_config(self) -> None:
+        """config.json, atomically (a full disk leaves the previous one, never a torn one)."""
         if self.rank == 0:
-            config = run_config(self.cfg, self.resume_history)
-            (self.dump_folder / "config.json").write_text(json.dumps(config, indent=2))
+            path = self.dump_folder / "config.json"
+            tmp = path.with_name(f".config.json.{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps(run_config(self.cfg, self.resume_history), indent=2))
+                os.replace(tmp, path)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise RunWriteFailed(f"job.dump_folder: could not write {path} ({e.strerror or e})") from None
 
     def _build(self, mixed_depth: bool) -> None:
         """Model, optimizer and schedule for one phase: one loop (no conditioning) or mixed depth.
@@ -442,16 +450,24 @@ class Trainer:
                     if cfg.validation.freq and (step % cfg.validation.freq == 0 or step == t.steps):
                         self._log_validation(step)
 
+                    if self.metrics.failed:  # every rank stops after this step, with a checkpoint
+                        self.stop.requested = True
                     stop = self.stop.now()
                     if step == self.depths.switch_step and step < t.steps:
                         self._switch_to_mixed_depth(step)
                     elif cfg.checkpoint.enable:
                         self.checkpointer.maybe_save(step, step == t.steps, self._states_to_save, force=stop)
                     if stop:
-                        logger.info(f"stopped at step {step}; resume with the same command" if cfg.checkpoint.enable
-                                    else f"stopped at step {step} without saving (checkpoint.enable is false)")
+                        if not self.metrics.failed:
+                            logger.info(f"stopped at step {step}; resume with the same command" if cfg.checkpoint.enable
+                                        else f"stopped at step {step} without saving (checkpoint.enable is false)")
                         break
                 self.checkpointer.wait()
+                if self.metrics.failed:
+                    kept = (f"saved checkpoint step-{self.step} in {self.checkpointer.folder}; the same command resumes "
+                            "there once the folder can be written" if cfg.checkpoint.enable
+                            else f"stopped at step {self.step} without a checkpoint (checkpoint.enable is false)")
+                    raise RunWriteFailed(f"metrics: {self.metrics.failed}; {kept}")
                 export = None
                 if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
                     export = self._export()

@@ -1,0 +1,52 @@
+"""Faults during a run: a write of the run's own files that fails for space or permission stops the
+run after a checkpoint, in one line saying what failed and what was kept, and the same command then
+resumes exactly."""
+
+import errno
+import json
+
+import pytest
+
+from elr.errors import RunWriteFailed
+from elr.train.metrics import MetricsLogger
+from trainer_utils import losses, run
+
+CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+
+
+class FullFrom:
+    """metrics.jsonl on a disk that fills up when the record of step `full_at` is written."""
+
+    def __init__(self, file, full_at: int):
+        self.file, self.full_at, self.name = file, full_at, file.name
+
+    def write(self, text: str) -> int:
+        if json.loads(text)["step"] >= self.full_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(text)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def test_a_full_metrics_disk_saves_a_checkpoint_and_the_resume_is_exact(tmp_path, monkeypatch):
+    reference = run(tmp_path / "reference", 6, *CKPT)
+
+    opened = MetricsLogger.__init__
+
+    def on_a_filling_disk(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        if self.jsonl is not None:
+            self.jsonl = FullFrom(self.jsonl, full_at=3)
+
+    monkeypatch.setattr(MetricsLogger, "__init__", on_a_filling_disk)
+    dump = tmp_path / "run"
+    with pytest.raises(RunWriteFailed, match=r"^metrics: could not write \S*metrics.jsonl at step 3 \(No space left "
+                                             r"on device\); saved checkpoint step-3 in \S+; the same command resumes"):
+        run(dump, 6, *CKPT)
+    assert (dump / "checkpoint" / "step-3").is_dir()
+    assert sorted(losses(dump)) == [1, 2]  # nothing torn
+
+    monkeypatch.undo()  # space freed
+    run(dump, 6, *CKPT)
+    assert losses(dump) == {s: loss for s, loss in reference.items() if s != 3}  # bit-exact; step 3's line is lost
