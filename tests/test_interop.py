@@ -249,6 +249,20 @@ def test_pickled_weights_in_an_export_are_never_opened(model_and_export, tmp_pat
     assert not (tmp_path / "again").exists() and not ran.exists()
 
 
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "extra.pt"])
+def test_a_pickled_file_beside_the_safetensors_is_refused_not_ignored(model_and_export, tmp_path, name):
+    _, _, folder = model_and_export
+    beside = tmp_path / "beside"
+    shutil.copytree(folder, beside)
+    ran = tmp_path / "ran"
+    (beside / name).write_bytes(pickle.dumps(RunsCode(ran)))
+    with pytest.raises(CheckpointError, match=rf"holds {name} beside its safetensors weights: pickled files are never"):
+        load_model(beside)
+    assert not ran.exists()
+    (beside / name).unlink()
+    load_model(beside)  # the same folder without it loads
+
+
 def test_a_poisoned_dcp_checkpoint_is_refused_by_export_and_warned_about(trained, tmp_path, capsys, caplog):
     step = tmp_path / "step-2"
     shutil.copytree(trained / "step-2", step)

@@ -16,7 +16,8 @@ from elr.interop.hf_hashes import MANIFEST, plain_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")  # never read
+PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")  # never read, by name or by suffix:
+PICKLED_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
@@ -81,12 +82,16 @@ def weight_files(folder: Path, listed: set[str]) -> list[str]:
 
 
 def check_some_weights(folder: Path) -> None:
-    """CheckpointError unless the folder holds model.safetensors or its index (by name only: nothing is
-    read); it names a pickled weight file it finds instead, which is never opened."""
+    """CheckpointError unless the folder holds model.safetensors or its index and no pickled weight file
+    (by name only: nothing is read). A pickled file beside the safetensors is refused too: which of two
+    weight sets a tool loads is then up to the tool, and the pickled one can run code."""
+    pickled = sorted({p.name for p in folder.iterdir() if p.name in PICKLED or p.suffix in PICKLED_SUFFIXES})
     if not any((folder / name).exists() or (folder / name).is_symlink() for name in (SINGLE, INDEX)):
-        pickled = [name for name in PICKLED if (folder / name).exists()]
         extra = f" ({', '.join(pickled)} is pickled and is never loaded)" if pickled else ""
         raise CheckpointError(f"{folder} holds no {SINGLE} or {INDEX}{extra}")
+    if pickled:
+        raise CheckpointError(f"{folder} holds {', '.join(pickled)} beside its safetensors weights: pickled files "
+                              "are never opened, and an export holds one weight set; remove them to load it")
 
 
 def _listed(path: Path, listed: set[str]) -> None:
