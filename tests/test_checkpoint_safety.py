@@ -331,6 +331,20 @@ def test_a_rollback_keeps_the_abandoned_checkpoint_aside(dump):
     assert (folder / "step-2" / MARKER).is_file()  # the rolled-back run's own step 2
 
 
+def test_a_rollback_leaves_a_users_own_step_folders_and_links_as_they_are(dump, tmp_path):
+    folder = dump / "checkpoint"
+    (folder / "step-5").mkdir()
+    (folder / "step-5" / "notes.txt").write_text("mine")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (folder / "step-6").symlink_to(elsewhere, target_is_directory=True)
+    t = trainer(dump, 1, "--checkpoint.load_step", "1")
+    t.close()
+    assert [p.name for p in folder.iterdir() if p.name.startswith("step-2.abandoned-")]  # ours: set aside
+    assert (folder / "step-5" / "notes.txt").read_text() == "mine" and (folder / "step-6").is_symlink()
+    assert not [p for p in folder.iterdir() if p.name.startswith(("step-5.", "step-6."))]
+
+
 def test_pruning_never_deletes_the_unreadable_newer_checkpoint(dump):
     folder = dump / "checkpoint"
     (folder / "step-2" / SHARD0).write_bytes(b"\x00" * 64)

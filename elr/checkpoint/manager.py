@@ -61,6 +61,7 @@ from elr.checkpoint import split_state, step_folders, tensor_writer, write_marke
 from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir, set_aside
 from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.interop import write_export
+from elr.interop.hf_hashes import MANIFEST
 from elr.console.progress import size
 
 logger = logging.getLogger(__name__)
@@ -299,17 +300,25 @@ class CheckpointManager:
         return source.load(states, step=int(named[1]) if named else None, allow_missing=allow_missing)
 
     def set_aside_after(self, step: int) -> list[str]:
-        """Rename every checkpoint and export newer than `step` (a rollback with `load_step`, a
-        fallback past unusable ones, or -1: a start over) to `<name>.abandoned-<time>`: kept, but never resumed,
-        pruned or overwritten. Returns the new names (logged in one line)."""
+        """Rename every checkpoint and export this project wrote newer than `step` (a rollback with
+        `load_step`, a fallback past unusable ones, or -1: a start over) to `<name>.abandoned-<time>`: kept,
+        but never resumed, pruned or overwritten. A user's folder or link of such a name is left as it is.
+        Returns the new names (logged in one line)."""
         moved = []
         self._checked.clear()  # the names now hold other folders
         if self._rank == 0 and self.folder.is_dir():
             stamp = time.strftime("%Y%m%d-%H%M%S")
+            left = []
             for p in sorted(self.folder.iterdir()):
                 m = _STEP_OR_EXPORT.fullmatch(p.name)
-                if m and int(m[1]) > step and p.is_dir():
+                if not (m and int(m[1]) > step):
+                    continue
+                if made_here(p) or (not p.is_symlink() and p.is_dir() and (p / MANIFEST).is_file()):
                     moved.append(set_aside(p, stamp).name)
+                else:  # a user's own folder or link of that name: theirs, left as it is
+                    left.append(p.name)
+            if left:
+                logger.warning(f"{self.folder}: left {', '.join(left)} as they are (not written by this project)")
             if moved:
                 what = f"resuming from step-{step}" if step >= 0 else "starting over"
                 logger.warning(f"{what} in {self.folder}: moved the {len(moved)} {'newer ' if step >= 0 else ''}"
