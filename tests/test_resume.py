@@ -1,10 +1,12 @@
 """Resume is explicit: frozen keys refused in one line, changed keys logged once and run, a finished
 run left untouched, metrics.jsonl and TensorBoard continuing one run after a kill."""
 
+import hashlib
 import importlib.util
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 
@@ -207,3 +209,18 @@ def test_kill_9_then_resume_logs_each_step_once(tmp_path):
     run(dump, logged + 2, *CKPT, "--checkpoint.interval", "3")
     steps = [r["step"] for r in records(dump)]
     assert steps == list(range(1, logged + 3)), (saved, logged, steps)
+
+
+def test_a_resume_refuses_data_prepared_again_since_the_run_began(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "data" / "tinyprose", data)
+    dump = tmp_path / "run"
+    run(dump, 2, "--data.path", str(data), "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    recorded = json.loads((dump / "config.json").read_text())["data"]["meta_sha256"]
+    assert recorded == hashlib.sha256((data / "meta.json").read_bytes()).hexdigest()
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "sources": ["another corpus"]}))  # prepared again
+    with pytest.raises(ConfigError, match=r"^data.meta_sha256: the data under \S+ changed since the run began"):
+        run(dump, 3, "--data.path", str(data), "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    with pytest.raises(ConfigError, match=r"^data.meta_sha256: .* not the 0{64} this job names"):
+        run(tmp_path / "pinned", 1, "--data.path", str(data), "--data.meta_sha256", "0" * 64)

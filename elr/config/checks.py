@@ -118,9 +118,9 @@ def validate(cfg: JobConfig) -> None:
     _check(0 < s.decay_fraction <= 1, "lr_scheduler.decay_fraction", "must lie in (0, 1]", s.decay_fraction)
     _check(0 <= s.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "must lie in [0, 1]", s.min_lr_ratio)
 
-    sha = cfg.tokenizer.sha256
-    _check(sha == "" or (len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha)), "tokenizer.sha256",
-           "must be empty or 64 lowercase hex digits", sha)
+    for key, sha in (("tokenizer.sha256", cfg.tokenizer.sha256), ("data.meta_sha256", cfg.data.meta_sha256)):
+        _check(sha == "" or (len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha)), key,
+               "must be empty or 64 lowercase hex digits", sha)
 
     c = cfg.checkpoint
     _check(c.interval >= 1, "checkpoint.interval", "must be >= 1", c.interval)

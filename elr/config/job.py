@@ -182,6 +182,9 @@ class Data:
     task_curriculum_steps: int = 0
     """updates over which the hardest difficulty drawn grows from 1 to the maximum in equal stages; 0: all from
     the start"""
+    meta_sha256: str = ""
+    """the SHA-256 of `path`'s meta.json (64 hex digits), checked when set; empty: the trainer records it here in
+    config.json, so a resume refuses a data folder that was prepared again since the run began"""
 
 
 @dataclass

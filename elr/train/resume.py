@@ -56,7 +56,7 @@ def config_changes(saved: dict, job: dict) -> dict[str, list]:
     for key, value in new.items():
         if key in IGNORED or key not in old or old[key] == value or (key == "data.path" and _same_folder(old[key], value)):
             continue
-        if key == "tokenizer.sha256" and not value:  # empty: recorded by the trainer, not a change
+        if key in ("tokenizer.sha256", "data.meta_sha256") and not value:  # empty: the trainer records it
             continue
         changes[key] = [old[key], value]
     return changes
@@ -65,6 +65,11 @@ def config_changes(saved: dict, job: dict) -> dict[str, list]:
 def check_resume(saved: dict, job: dict, step: int) -> dict[str, list]:
     """The allowed changes of a resume at `step`; a ConfigError naming every frozen key that changed."""
     changes = config_changes(saved, job)
+    if "data.meta_sha256" in changes:  # the same folder prepared again (prepare_data.py --replace): other data
+        was, now = changes["data.meta_sha256"]
+        raise ConfigError(f"data.meta_sha256: the data under {job['data']['path']} changed since the run began (its "
+                          f"meta.json has SHA-256 {now}, checkpoint step-{step} was saved with {was}): resume on the "
+                          "data it began with, or start a new run (another job.dump_folder, or --job.start_over true)")
     frozen = [k for k in changes if k in FROZEN]
     if frozen:
         listed = ", ".join(f"{k} {show_value(changes[k][0])} -> {show_value(changes[k][1])}" for k in frozen)

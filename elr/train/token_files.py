@@ -5,6 +5,7 @@ the files were made by the configured tokenizer. The batches drawn from them are
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -65,6 +66,18 @@ def check_tokenizer(data_dir: Path, tokenizer: Tokenizer, cfg: JobConfig) -> Non
             raise ConfigError(f"{key}: {'the data was tokenized by' if key == 'data.path' else 'expects'} a tokenizer "
                               f"with SHA-256 {want}, but tokenizer.path {tok.path} has {have}")
     tok.sha256 = tok.sha256 or have or ""
+
+
+def check_data_unchanged(data_dir: Path, cfg: JobConfig) -> None:
+    """The data folder is the one the job names: its meta.json (which prepare_data.py rewrites with the
+    sources, counts and sizes of every preparation) has the SHA-256 `data.meta_sha256` gives; an empty key
+    is filled in, so config.json and every checkpoint carry it and a resume compares (elr/train/resume.py)."""
+    have = hashlib.sha256((Path(data_dir) / "meta.json").read_bytes()).hexdigest()
+    want = cfg.data.meta_sha256
+    if want and want != have:
+        raise ConfigError(f"data.meta_sha256: {data_dir}'s meta.json has SHA-256 {have}, not the {want} this job "
+                          "names: another preparation of the data")
+    cfg.data.meta_sha256 = have
 
 
 def load_tokens(path: str | Path) -> np.memmap:

@@ -52,7 +52,7 @@ from elr.train.run_folder import claim_line, set_aside_run_files
 from elr.train.run_lock import RunLock
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.stop import StopOnSignal
-from elr.train.token_files import check_tokenizer, job_tokenizer_path
+from elr.train.token_files import check_data_unchanged, check_tokenizer, job_tokenizer_path
 from elr.train.train_state import ModelState, OptimizerState
 from elr.train.validate import Validator
 
@@ -92,6 +92,7 @@ class Trainer:
             self.tokenizer = tokenizer = build_tokenizer(cfg.tokenizer.path)
             self.vocab_size = tokenizer.n_vocab
             check_tokenizer(data_dir, tokenizer, cfg)
+            check_data_unchanged(data_dir, cfg)
             self.train_loader = build_train_loader(
                 str(data_dir / "train.bin"), t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world, t.seed,
                 cfg.data.shuffle,
