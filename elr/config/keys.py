@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 
 from elr.errors import ConfigError
@@ -41,11 +42,13 @@ def coerce(key: str, value, typ):
         accepted = int if typ is int else (int, float)
         if isinstance(value, bool) or not isinstance(value, accepted):
             raise ConfigError(f"{key}: expected {'an integer' if typ is int else 'a number'}, got {value!r}")
+        if not math.isfinite(value) or abs(value) >= 2**63:  # nan passes every `>=` check; no knob wants inf
+            raise ConfigError(f"{key}: expected a finite number below 2^63 in size, got {value!r}")
         return typ(value)
     if typ is str:
-        if isinstance(value, str):
+        if isinstance(value, str) and "\x00" not in value:
             return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
+        raise ConfigError(f"{key}: expected a string without NUL characters, got {value!r}")
     raise TypeError(f"unsupported config type {typ} for {key}")
 
 

@@ -30,6 +30,12 @@ def read_meta(data_dir: str | Path) -> dict:
         raise DataError(f"{meta_path} is not readable JSON ({e})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size", 0), int):
         raise DataError(f"{meta_path}: expected a JSON object with an integer vocab_size")
+    splits = meta.get("splits", {})
+    if not isinstance(splits, dict) or not all(isinstance(v, dict) for v in splits.values()):
+        raise DataError(f"{meta_path}: `splits` must map each split name to an object (see scripts/prepare_data.py)")
+    tokens = [v["tokens"] for v in splits.values() if "tokens" in v]
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in tokens):
+        raise DataError(f"{meta_path}: a split's `tokens` must be an integer")
     return meta
 
 
