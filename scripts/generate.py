@@ -35,7 +35,7 @@ from elr.infer import chat
 from elr.infer.cache import MODES
 from elr.infer.generate import AdaptiveDepth, Sampling, generate
 from elr.infer.load import load_model, load_tokenizer, run_config
-from elr.infer.memory import memory_table
+from elr.infer.memory import check_fits, memory_table
 from elr.infer.speculative import speculative_generate
 from elr.models import flavors
 from elr.models.early_exit import ExitRule
@@ -123,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.budgets is not None and len(args.budgets) != len(prompts):
                 raise ValueError(f"--budgets gives {len(args.budgets)} loop counts for {len(prompts)} prompts")
             longest = max(len(t) for t in prompts) + args.max_new_tokens
-        model, _ = load_model(args.checkpoint, args.device, dtype,
-                              max_seq_len=None if args.memory is not None else longest)
+        model, _ = load_model(args.checkpoint, args.device, dtype)
+        if args.memory is None:  # the cache is sized up front: refuse what the device cannot hold, in one line
+            loops = model.args.recurrence.max_loops if args.exit else max(args.budgets or args.loops)
+            check_fits(model.args, loops, longest, args.kv, dtype, len(prompts), args.device)
+            model.extend_positions(longest)
     except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"generate: error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -92,6 +93,18 @@ def test_generate_script_budgets_per_prompt_and_self_speculative(trained, capsys
     assert "--budgets gives 2 loop counts for 1 prompts" in capsys.readouterr().err
     assert script("generate").main([*common, "--draft-loops", "1", "--temperature", "0.7"]) == 2
     assert "--draft-loops decodes greedily" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-new-tokens", "100000000000", r"need [\d.]+ [GMK]iB of inference state, more than the [\d.]+ [GMK]iB free"),
+    ("--temperature", "nan", "temperature must be finite and >= 0, got nan"),
+    ("--top-p", "nan", "top_p must lie in"),
+])
+def test_generate_refuses_what_the_machine_cannot_hold_or_sample_in_one_line(trained, capsys, flag, value, message):
+    argv = ["--checkpoint", str(trained / "step-2"), "--prompt", "The king", "--max-new-tokens", "5", flag, value]
+    assert script("generate").main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ after `max_new_tokens`; finished rows keep stepping (their tokens are dropped) u
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,8 +25,8 @@ class Sampling:
     top_p: float = 1.0  # 1 = no nucleus cut
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan passes `< 0`
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -10,6 +10,9 @@ mode keeps its kind's state per loop and one otherwise (elr/infer/cache.py). Mat
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 from elr.infer.cache import MODES, keeps_per_loop
@@ -36,6 +39,32 @@ def inference_state_bytes(args: ModelArgs, loops: int, context_len: int, mode: s
     return {LAYER_KINDS[letter].inference_state.name:
             batch * count * LAYER_KINDS[letter].inference_state.bytes(args, context_len, size)
             for letter, count in entry_counts(args, loops, mode).items()}
+
+
+def free_bytes(device: torch.device | str) -> int:
+    """Memory a new allocation can take: the GPU's free memory, or the machine's MemAvailable on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(args: ModelArgs, loops: int, context_len: int, mode: str, dtype: torch.dtype, batch: int,
+               device: torch.device | str) -> None:
+    """A ValueError, before anything is allocated, when `batch` requests of `context_len` tokens at k=loops
+    need more inference state (and RoPE table) than the device has free: one line, not an allocator crash."""
+    need = sum(inference_state_bytes(args, loops, context_len, mode, dtype, batch).values())
+    need += context_len * args.rope_dim * 4  # the RoPE table grown to the context (float32 cos and sin)
+    free = free_bytes(device)
+    if need > free:
+        raise ValueError(f"{batch} prompt(s) of up to {context_len} tokens at k={loops} ({mode}) need "
+                         f"{human_bytes(need)} of inference state, more than the {human_bytes(free)} free on "
+                         f"{torch.device(device)}: lower --max-new-tokens, the prompts or the loop count")
 
 
 def human_bytes(n: int) -> str:
