@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 8 train.py --config train_configs/koi4b.toml
 
 Installed, the same command is `elr-train`. A run resumes from its newest checkpoint when started
-again (README, Checkpoints); one already at its last step exits 0 and changes nothing.
+again (docs/checkpoints.md); one already at its last step exits 0 and changes nothing.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype in the export")
     p.add_argument("--loops", type=int, help="default loop count of forward/generate (default: the model's max_loops)")
     p.add_argument("--kv", choices=MODES, default="per_loop",
-                   help="default KV cache mode of generate (measure a model before serving last_loop_kv: README, "
-                        "'Using a trained model')")
+                   help="default KV cache mode of generate (measure a model before serving last_loop_kv: "
+                        "docs/inference.md)")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="split weights above this (default 5GB)")
     p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizer_config.json "
                    "(default: the template SFT trains with, elr/text/chat.py)")

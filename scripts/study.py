@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The evidence study: matched baselines, untied controls and ELR variants trained alike, each
-evaluated at every loop count k (README "Does the recipe work?"; the library is scripts/study_tools/).
+evaluated at every loop count k (docs/study/README.md; the library is scripts/study_tools/).
 
     python scripts/study.py --suite depth --quick       # pointer chasing, one seed: under 15 min on 2 cores
     python scripts/study.py --suite depth --seeds 0 1 2 # the depth suite -> docs/study/depth

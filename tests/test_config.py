@@ -143,7 +143,7 @@ def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, key, 
     assert not dump.exists()
 
 
-def test_train_py_lets_an_internal_error_keep_its_traceback(monkeypatch):
+def test_train_py_lets_an_internal_error_keep_its_traceback(monkeypatch, tmp_path):
     """Only user errors become one line: a bug (here a ValueError from inside setup) propagates."""
     import elr.train.trainer
 
@@ -156,7 +156,7 @@ def test_train_py_lets_an_internal_error_keep_its_traceback(monkeypatch):
 
     monkeypatch.setattr(elr.train.trainer, "Trainer", broken_setup)
     with pytest.raises(ValueError, match="an internal bug"):
-        train_script.main(["--training.steps", "1"])
+        train_script.main(["--training.steps", "1", "--job.dump_folder", str(tmp_path / "run")])
 
 
 def test_torchtitan_spellings_bare_booleans_dashes_and_lists():

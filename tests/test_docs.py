@@ -1,5 +1,7 @@
-"""The README's configuration reference is the table made from the config dataclasses, which name
-every key, and `train.py --help` lists every key with its type, default and doc."""
+"""The docs: a short README that begins with the two commands and links every page; every relative link
+resolves; every script a page runs exists and takes the flags it is shown with; the configuration page
+is the table made from the config dataclasses, which name every key, and `train.py --help` lists every
+key with its type, default and doc."""
 
 import contextlib
 import dataclasses
@@ -18,10 +20,61 @@ def all_keys():
     return {f"{s.name}.{f.name}" for s in dataclasses.fields(JobConfig) for f in dataclasses.fields(s.default_factory())}
 
 
-def test_readme_documents_every_config_key():
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "study" / "README.md"]
+HISTORY = ROOT / "docs" / "LOG.md"  # dated entries: each command as it ran then
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+
+
+def test_the_readme_is_short_begins_with_the_two_commands_and_links_every_page():
     readme = (ROOT / "README.md").read_text()
-    reference = readme[readme.index("| key | default | meaning |"):]
-    reference = reference[: reference.index("\n\n")]
+    lines = readme.splitlines()
+    assert len(lines) <= 250, len(lines)
+    top = "\n".join(lines[:30])
+    setup = 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev,hf]"'
+    assert f"{setup} && python train.py" in top and f'{setup} && python -m pytest -q -m "not slow" tests' in top
+    assert 'python -m pytest -q -m "not slow" tests' in (ROOT / ".ci" / "run").read_text()
+    linked = set(re.findall(r"\]\(docs/([\w/.-]+\.md)", readme))
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in PAGES[1:]}
+    assert pages <= linked, sorted(pages - linked)
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path = target.split("#")[0]
+            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+def test_every_command_a_page_shows_names_a_script_and_flags_it_has(monkeypatch):
+    from test_cli import parser_of
+
+    shown = {}
+    for page in PAGES:
+        if page == HISTORY:
+            continue
+        for script, rest in re.findall(r"python (train\.py|scripts/\w+\.py)((?: +[^\s`|#&;]+)*)", page.read_text()):
+            shown.setdefault(script, set()).update(  # --section.key overrides are the config's, checked above
+                flag for flag in re.findall(r"(?<![\w-])(--[a-z][\w.-]*)", rest) if "." not in flag)
+    assert "train.py" in shown and "scripts/rehearse.py" in shown
+    unknown = []
+    for script, flags in sorted(shown.items()):
+        path = ROOT / script
+        assert path.is_file(), f"a page runs {script}, which does not exist"
+        if script == "train.py":  # its --section.key flags are the config's (checked above)
+            continue
+        with monkeypatch.context() as m:
+            options = {o for action in parser_of(path, m)._actions for o in action.option_strings}
+        unknown += [f"{script} {flag}" for flag in sorted(flags - options)]
+    assert not unknown, unknown
+
+
+def test_the_configuration_page_documents_every_config_key():
+    page = CONFIGURATION.read_text()
+    reference = page[page.index("| key | default | meaning |"):]
+    reference = reference.split("\n\n")[0]
     documented, section = set(), None
     for line in reference.splitlines():
         if m := re.match(r"\| \*\*\[(\w+)\]", line):
@@ -32,14 +85,14 @@ def test_readme_documents_every_config_key():
     assert documented == keys, (sorted(keys - documented), sorted(documented - keys))
 
 
-def test_every_key_has_its_doc_line_and_the_readme_holds_the_generated_table():
+def test_every_key_has_its_doc_line_and_the_configuration_page_holds_the_generated_table():
     for s in dataclasses.fields(JobConfig):
         docs = key_docs(s.default_factory)
         names = [f.name for f in dataclasses.fields(s.default_factory)]
         assert list(docs) == names, (s.name, names, list(docs))  # every field, in order, nothing else
         assert all(docs.values()), s.name
-    readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "README table is stale: paste `python -m elr.config.reference --markdown`"
+    assert markdown_table() in CONFIGURATION.read_text(), (
+        "docs/configuration.md's table is stale: paste `python -m elr.config.reference --markdown`")
 
 
 def test_help_lists_every_key_with_type_default_and_doc():

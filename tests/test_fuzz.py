@@ -62,7 +62,7 @@ def ends_cleanly(call) -> None:
 
 
 def overrides_property(examples: int):
-    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(st.tuples(st.one_of(st.sampled_from(KEYS), text), values), min_size=1, max_size=4))
     def prop(pairs):
         argv = [x for key, value in pairs for x in (f"--{key}", cli_value(value))]
@@ -73,7 +73,7 @@ def overrides_property(examples: int):
 def toml_property(examples: int, folder: Path):
     table = st.dictionaries(st.one_of(st.sampled_from([k.split(".")[1] for k in KEYS]), text), values, max_size=4)
 
-    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.dictionaries(st.one_of(st.sampled_from(SECTIONS), text), table, max_size=3), st.binary(max_size=40))
     def prop(doc, noise):
         path = folder / "job.toml"
@@ -92,7 +92,7 @@ def token_file_property(examples: int, folder: Path):
         "splits": st.one_of(st.just({}), st.fixed_dictionaries({"train": st.fixed_dictionaries({}, optional={
             "tokens": st.integers(-1, 100), "max_token_id": st.integers(-1, 2**20)})}), text)})
 
-    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.binary(max_size=64), st.one_of(meta.map(json.dumps), text))
     def prop(data, meta_text):
         data_dir = folder / "data"
@@ -110,7 +110,7 @@ def chat_property(examples: int, folder: Path):
                        st.fixed_dictionaries({"prompt": text, "completion": st.one_of(text, st.integers())}),
                        st.dictionaries(text, text, max_size=2))
 
-    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(st.one_of(record.map(json.dumps), text), min_size=1, max_size=6), st.floats(0.0, 1.0))
     def prop(lines, val_fraction):
         src = folder / "c.jsonl"

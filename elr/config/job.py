@@ -34,7 +34,7 @@ class Model:
     """[model]: each key's meaning is the string under its field."""
 
     flavor: str = "debug"
-    """a flavor of elr/models/args.py (README, Models: `debug`, `gpt_0p5b`, `gdp_hybrid_4b`, ...)"""
+    """a flavor of elr/models/args.py (docs/models.md: `debug`, `gpt_0p5b`, `gdp_hybrid_4b`, ...)"""
     gdp_impl: str = "auto"
     """the Gated DeltaProduct op's implementation: `auto` (`triton` on CUDA, `chunk` elsewhere), `triton`,
     `chunk` or `naive` (the oracle); decoding one token at a time takes the one-token step of the same choice

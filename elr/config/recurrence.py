@@ -7,8 +7,7 @@ network, so every field is frozen on resume (elr/train/resume.py) and written in
 export's config (elr/interop/hf_config.py); both read the list from here.
 
 Plain data on purpose: elr/config/job.py imports it and must not import the models. Adding an option is
-a field with its doc line and its check here, its use in the recurrence, its test (README, "Adding a
-recurrence option").
+a field with its doc line and its check here, its use in the recurrence, its test (docs/extending.md, "Adding a recurrence option").
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Every config key with its type, default and doc, read from the dataclasses of elr/config/job.py.
 
 One source: the string under each field is its meaning, as torchtitan's config dataclasses do it. `train.py --help`
-prints them and the README's configuration table is this module's `markdown_table()` (a test
-checks the README holds exactly that table, and that every field has its entry).
+prints them and the configuration table of docs/configuration.md is this module's `markdown_table()` (a test
+checks the page holds exactly that table, and that every field has its entry).
 
-    python -m elr.config.reference --markdown     # the README table, to paste after a change
+    python -m elr.config.reference --markdown     # docs/configuration.md's table, to paste after a change
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def help_text() -> str:
 
 
 def markdown_table() -> str:
-    """The README's configuration table."""
+    """The configuration table of docs/configuration.md."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for section, _, keys in config_keys():
         rows.append(f"| **[{section}]** | | |")

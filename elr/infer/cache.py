@@ -13,7 +13,7 @@ recurrent and short-conv state for GDP). Two modes:
   paper's ("GDP layers keep per-loop state ... below 25 MiB per request at four loops").
 - `last_loop`: the same for attention, and a GDP layer also keeps one state (our reading, by the same
   rule): every loop of a chunk starts from the state the previous chunk's final loop left. Smaller
-  by (k - 1) GDP states; what it costs in loss: README, "Using a trained model".
+  by (k - 1) GDP states; what it costs in loss: docs/inference.md.
 
 Mixed budgets (`loops` a LongTensor [B], one k per row): the cache holds entries for the largest
 k, and while the recurrent block runs loops past a row's budget it says so (`set_rows`): the entries

@@ -10,7 +10,7 @@ Importing this module registers the model name "elr" (lm-eval 0.4.13 finds model
 no entry-point discovery), and running it as a module is lm-eval's own command line with "elr"
 registered. `checkpoint` is any folder elr.infer.load reads: a DCP checkpoint, a step-N-model export
 or a Hugging Face export (which plain `lm_eval --model hf ... trust_remote_code=True` also reads, see
-README). Log-likelihoods come from the same scoring as scripts/evaluate.py; generation is the
+docs/interop.md). Log-likelihoods come from the same scoring as scripts/evaluate.py; generation is the
 KV-cached decoder (`kv`: one of elr.infer.cache.MODES), `batch_size` requests at a time. Tested against
 lm-eval 0.4.13's `LM` API (requests, rolling windows, generation)."""
 

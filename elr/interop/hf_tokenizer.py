@@ -10,7 +10,7 @@ both and refuses an export on which they differ.
 
 A prompt begins with `<|endoftext|>`, as every training document does: the tokenizer adds it (a
 post-processor, `add_bos_token`) unless called with `add_special_tokens=False`; generate.py and both
-lm-eval paths add it too (README, "Sharing a model"). `tokenizer_from_json` reads the vocabulary back
+lm-eval paths add it too (docs/interop.md). `tokenizer_from_json` reads the vocabulary back
 into tiktoken ranks, for a folder re-saved by transformers, which keeps tokenizer.json but not the
 ranks file.
 """

@@ -55,7 +55,7 @@ def read_record(record, where: str) -> tuple[list[dict], list[bool]]:
         return _prompt_completion(record["prompt"], record["completion"], where)
     keys = ", ".join(sorted(map(str, record))) or "none"
     raise DataError(f"{where}: not a conversation of a known shape (keys: {keys}); expected \"messages\", ShareGPT "
-                    "\"conversations\", or \"prompt\" with \"completion\" (README, Post-training)")
+                    "\"conversations\", or \"prompt\" with \"completion\" (docs/stages.md)")
 
 
 def _conversations(record: dict, where: str) -> tuple[list[dict], list[bool]]:

@@ -1,5 +1,5 @@
 """The evidence study: suites of ordinary train.py runs (a base config plus each variant's overrides,
-several seeds), and the reports that read them back (README, "Does the recipe work?").
+several seeds), and the reports that read them back (docs/study/README.md).
 
     runs.py          suites, run folders, training them --jobs at a time, reading their results
     stats.py         means, spreads and paired differences over seeds

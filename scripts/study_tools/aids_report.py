@@ -1,5 +1,5 @@
 """The text suite's training-aid rows: each aid on the recommended recipe, set beside what untied depth
-buys (README "Text: untied depth against loops"). A loop gain is worth reading against that yardstick:
+buys (docs/study/README.md, "Text: untied depth against loops"). A loop gain is worth reading against that yardstick:
 the untied 2/8/2 stack's loss below the matched baseline is what looping the recurrent block could buy.
 """
 

@@ -1,5 +1,5 @@
 """The depth suite's report: answer accuracy at each difficulty and loop count k, against untied
-models of the same effective depth (docs/study/depth/results.md, README evidence section).
+models of the same effective depth (docs/study/depth/results.md, docs/study/README.md).
 
 The verdict follows the depth issue's yardstick: h* is the hardest difficulty that the untied model
 as deep as k = K solves (>= 90%, mean of seeds) while the matched baseline does not (<= 50%); at h*

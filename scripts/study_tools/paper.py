@@ -66,7 +66,7 @@ CLAIMS = ([(f"{a}_uncond", f"{b}_uncond", sign, at, claim) for a, b, sign, at, c
           + [(s, "default", -1, "K",
               f"Figure 6: a late switch at {pct} beats mixed depth from scratch at K (conditioned)")
              for s, pct in (("switch75", "75%"), ("switch50", "50%"))])
-# The readings the paper leaves open (README "The paper's rows as it ran them"): (option, alternative, what is read)
+# The readings the paper leaves open (docs/study/README.md, "The paper's rows as it ran them"): (option, alternative, what is read)
 READINGS = [
     ("cond_silu", "default",
      "conditioning head: FiLM through a SiLU (can single out the last loop of k) vs additive in i and k"),

@@ -1,5 +1,5 @@
 """The text suite's sampling rows: the recommended recipe under each loop-sampling mode, its loss seed
-by seed and the time its draws make data-parallel ranks wait (README "Loop sampling and its cost").
+by seed and the time its draws make data-parallel ranks wait (docs/study/README.md).
 
 The wait is the sampler's own expectation (elr.train.loop_sampler.expected_wait): a microbatch costs
 what its slowest rank's k costs, the fixed part (embedding, input and output blocks, head) counted in

@@ -1,5 +1,5 @@
 """The text suite's report: validation loss at every k against the paper's tables, and the per-loop
-statistics that show whether the later loops work (docs/study/text/results.md, README evidence section)."""
+statistics that show whether the later loops work (docs/study/text/results.md, docs/study/README.md)."""
 
 from __future__ import annotations
 
