@@ -1,12 +1,12 @@
 """Generate text from a trained ELR checkpoint at one or several loop counts k.
 
-    python scripts/generate.py        # right after `python train.py`: its newest checkpoint, k = 1, one prompt
+    python scripts/generate.py        # right after `python train.py`: its newest checkpoint, k = K, one prompt
     python scripts/generate.py --checkpoint outputs/debug/checkpoint/step-150 --loops 3 \\
         --kv last_loop --prompt "Once upon a time" --max-new-tokens 64 --temperature 0
     python scripts/generate.py --checkpoint ... --loops 1,2,3 --prompt "..."   # the same prompt at each depth
     python scripts/generate.py --checkpoint ... --budgets 1,3 --prompt "A" --prompt "B"   # a k per prompt, one batch
     python scripts/generate.py --checkpoint ... --loops 3 --draft-loops 1 --prompt "..."   # self-speculative
-    python scripts/generate.py --checkpoint ... --loops 4 --exit kl:0.01 --prompt "..."   # adaptive depth, cap 4
+    python scripts/generate.py --checkpoint ... --exit kl:0.01 --prompt "..."   # adaptive depth, capped at K
     python scripts/generate.py --checkpoint ... --memory 131072                # KV/state bytes per request
     python scripts/generate.py --flavor koi_4b --loops 4 --memory 131072 --dtype bfloat16
     python scripts/generate.py --checkpoint outputs/sft_debug/checkpoint/step-80 --chat --loops 3   # REPL
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", help="step-N (DCP), step-N-model or Hugging Face export folder (default: the newest "
                    "checkpoint of `python train.py` run from this directory, outputs/debug/checkpoint)")
-    p.add_argument("--loops", type=parse_loops, default=[1], help="k, or several as 1,2,3 (default 1)")
+    p.add_argument("--loops", type=parse_loops,
+                   help="k, or several as 1,2,3 (default: the model's K, max_loops, as evaluate.py and the export)")
     p.add_argument("--budgets", type=parse_loops,
                    help="one k per --prompt (mixed budgets in one batch; replaces --loops)")
     p.add_argument("--draft-loops", type=int, metavar="J",
@@ -93,11 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action="store_true", help="chat on stdin with the chat template (elr/infer/chat.py)")
     p.add_argument("--messages", help="JSON list of messages: print the assistant's reply at each k")
     args = p.parse_args(argv)
+    if args.exit is not None and args.loops is not None and max(args.loops) < 2:
+        p.error("--exit stops each token's loops early: it needs a cap of at least 2 loops (drop --loops for K)")
     if (args.chat or args.messages) and args.checkpoint:
         return chat_main(args)
     if args.memory is not None and args.flavor:
         dtype = getattr(torch, args.dtype)
-        print(memory_table(flavors[args.flavor], max(args.loops), args.memory, dtype))
+        flavor = flavors[args.flavor]
+        print(memory_table(flavor, max(args.loops or [flavor.recurrence.max_loops]), args.memory, dtype))
         return 0
     if not args.checkpoint:
         args.checkpoint = quick_start_checkpoint()
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--budgets gives {len(args.budgets)} loop counts for {len(prompts)} prompts")
             longest = max(len(t) for t in prompts) + args.max_new_tokens
         model, _ = load_model(args.checkpoint, args.device, dtype)
+        args.loops = args.loops or [model.args.recurrence.max_loops]
         if args.memory is None:  # the cache is sized up front: refuse what the device cannot hold, in one line
             loops = model.args.recurrence.max_loops if args.exit else max(args.budgets or args.loops)
             check_fits(model.args, loops, longest, args.kv, dtype, len(prompts), args.device)
@@ -174,6 +179,7 @@ def chat_main(args) -> int:
         messages = chat.read_messages(args.messages) if args.messages else None
         tokenizer = load_tokenizer(run_config(args.checkpoint), args.tokenizer)
         model, _ = load_model(args.checkpoint, args.device, getattr(torch, args.dtype))
+        args.loops = args.loops or [model.args.recurrence.max_loops]
         generator = torch.Generator(args.device).manual_seed(args.seed)
         if messages is None:
             chat.repl(model, tokenizer, args.loops[0], args.max_new_tokens, sys.stdin, sys.stdout, args.kv, sampling,

@@ -213,3 +213,15 @@ def test_lm_eval_adapter_scores_as_evaluate_does(trained):
     assert lm.loglikelihood_rolling([request("loglikelihood_rolling", (text,))])[0] == pytest.approx(rolling, abs=1e-3)
     generated = generate(model, [[tok.eot_id] + tok.encode("The king")], 2, 6, tok.eot_id, "last_loop")[0]
     assert lm.generate_until([request("generate_until", ("The king", {"until": []}))]) == [tok.decode(generated)]
+
+
+def test_generate_defaults_to_the_models_K_and_an_exit_rule_needs_a_cap_above_one(trained, capsys):
+    """One default loop count for generate, evaluate and the export: the model's K (max_loops)."""
+    argv = ["--checkpoint", str(trained / "step-2"), "--prompt", "The king", "--max-new-tokens", "2"]
+    assert script("generate").main(argv) == 0
+    assert capsys.readouterr().out.startswith("--- k=3 ")  # the debug flavor's K
+    assert script("generate").main([*argv, "--exit", "kl:0.01"]) == 0
+    assert "exit kl:0.01" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        script("generate").main([*argv, "--loops", "1", "--exit", "kl:0.01"])
+    assert done.value.code == 2 and "needs a cap of at least 2 loops" in capsys.readouterr().err
