@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.checkpoint or not args.out:
         p.error("--checkpoint and --out are required (or --seal FOLDER)")
     try:
-        model, cfg = load_model(args.checkpoint)
+        model, cfg = load_model(args.checkpoint, note=False)
         tokenizer = load_tokenizer(cfg, args.tokenizer)
         template = {"chat_template": args.chat_template.read_text()} if args.chat_template else {}
         out = write_export(model.state_dict(), model.args, cfg, tokenizer, args.out, dtype=getattr(torch, args.dtype),

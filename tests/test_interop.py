@@ -263,6 +263,22 @@ def test_a_pickled_file_beside_the_safetensors_is_refused_not_ignored(model_and_
     load_model(beside)  # the same folder without it loads
 
 
+def test_the_dcp_note_is_printed_once_per_checkpoint_and_never_by_the_export(trained, tmp_path, caplog):
+    step = tmp_path / "once" / "step-2"
+    shutil.copytree(trained / "step-2", step)
+
+    def notes():
+        return sum("is a DCP checkpoint, meant for your own runs" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.WARNING):
+        load_model(step)
+        load_model(step)
+        assert notes() == 1
+        caplog.clear()
+        assert script("export_hf").main(["--checkpoint", str(step), "--out", str(tmp_path / "hf")]) == 0
+        assert notes() == 0
+
+
 def test_a_poisoned_dcp_checkpoint_is_refused_by_export_and_warned_about(trained, tmp_path, capsys, caplog):
     step = tmp_path / "step-2"
     shutil.copytree(trained / "step-2", step)

@@ -56,11 +56,15 @@ def run_config(checkpoint: str | Path, marker: dict | None = None) -> dict:
     return config_from_dict(raw).to_dict()  # validated, and keys added since it was written at their defaults
 
 
+_NOTED: set[str] = set()  # the DCP note is printed once per checkpoint and process
+
+
 def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               max_seq_len: int | None = None) -> tuple[ELRModel, dict]:
+               max_seq_len: int | None = None, note: bool = True) -> tuple[ELRModel, dict]:
     """Model (eval mode) and run config. `max_seq_len` enlarges the RoPE table past the training
     length (positions beyond it were never trained). Any problem with the checkpoint is a
-    CheckpointError (a UserError) naming it."""
+    CheckpointError (a UserError) naming it. `note`: say once that a DCP checkpoint is for one's own
+    runs (the export, which is the answer to that note, passes False)."""
     checkpoint = Path(checkpoint)
     if is_export(checkpoint):
         return load_export(checkpoint, device, dtype, max_seq_len)
@@ -87,7 +91,9 @@ def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype
     load_module(checkpoint, model, stored, root=prefix.rstrip("."), what="the model its config describes")
     if max_seq_len is not None:
         model.extend_positions(max_seq_len)
-    logger.warning(dcp_note(checkpoint))  # once it loaded: a checkpoint that fails says only why
+    if note and str(checkpoint.resolve()) not in _NOTED:  # once it loaded: one that fails says only why
+        _NOTED.add(str(checkpoint.resolve()))
+        logger.warning(dcp_note(checkpoint))
     return model.to(dtype).eval(), cfg
 
 
