@@ -1,7 +1,8 @@
 """Evaluate one checkpoint at several loop counts k: validation loss, multiple-choice accuracy, latency.
 
     python scripts/evaluate.py --checkpoint outputs/debug/checkpoint/step-150 --loops 1,2,3 \\
-        --tasks data/tasks/piqa.jsonl data/tasks/openbookqa.jsonl --limit 200 --out outputs/debug/eval.json
+        --tasks outputs/tasks/piqa.jsonl outputs/tasks/openbookqa.jsonl --limit 200 --out outputs/debug/eval.json
+        # the task files: python scripts/convert_mc_tasks.py ... --out outputs/tasks, or make_cloze_task.py
     python scripts/evaluate.py ... --baseline outputs/base/checkpoint/step-150   # adds a baseline column
 
 Validation loss uses the run's prepared data folder (or --data; a chat folder scores the assistant

@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         k = ",".join(map(str, k)) if isinstance(k, list) else k
         rate = f"{n_tokens} tokens in {elapsed:.2f} s, {n_tokens / elapsed:.1f} tokens/s"
         print(f"--- k={k} kv={args.kv}:{note} {rate}")
-        for out in outputs:
-            print(tokenizer.decode(out).replace("\n", " "))
+        for i, out in enumerate(outputs):  # with --budgets each row says its own k
+            label = f"[k={args.budgets[i]}] " if args.budgets is not None else ""
+            print(label + tokenizer.decode(out).replace("\n", " "))
     return 0
 
 

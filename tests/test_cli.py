@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import re
 import sys
 import tomllib
 
@@ -71,3 +72,16 @@ def test_every_flag_has_help_with_its_default(path, monkeypatch):
         has_default = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
         if has_default:
             assert shows_defaults or "%(default)" in action.help or "default" in action.help, f"{path.name} {name}"
+
+
+def test_every_repository_file_a_script_help_names_exists(monkeypatch):
+    """An example in --help that names a bundled file (data/..., train_configs/...) names one that exists."""
+    missing = []
+    for path in [*SCRIPTS, ROOT / "train.py"]:
+        with monkeypatch.context() as m:
+            parser = parser_of(path, m)
+        text = parser.format_help()
+        for name in re.findall(r"(?<![\w/.])((?:data|train_configs)/[\w./-]+\.(?:jsonl|toml|json|tiktoken|bin))", text):
+            if not (ROOT / name).exists():
+                missing.append(f"{path.name}: {name}")
+    assert not missing, missing

@@ -84,7 +84,7 @@ def test_generate_script_budgets_per_prompt_and_self_speculative(trained, capsys
     def alone(text, k):
         return tokenizer.decode(generate(model, [tokenizer.encode(text)], k, 5, tokenizer.eot_id)[0]).replace("\n", " ")
 
-    assert lines[1:] == [alone("The king", 3), alone("A cat", 1)]
+    assert lines[1:] == [f"[k=3] {alone('The king', 3)}", f"[k=1] {alone('A cat', 1)}"]
     assert script("generate").main([*common, "--loops", "3", "--draft-loops", "1", "--draft-tokens", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "draft k=1" in lines[0] and "accepted" in lines[0]
