@@ -47,7 +47,7 @@ from elr.train.loop_sampler import SAMPLING, LoopSampler, expected_wait
 from elr.train.token_files import job_tokenizer_path
 
 FORMULA = (
-    "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L,   "
+    "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L\n"
     "E[k] = f + (1 - f) * sum_k w_k * k"
 )
 
@@ -117,15 +117,18 @@ def main() -> int:
         return 2
     print(FORMULA)
     modes = [row.pop("wait x by sampling") for row in rows]
-    header = list(rows[0])
+    # one row per quantity, one column per config: as many configs as fit, and never wider than 100
+    # columns for a few
     cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    for line in (header, *cells):
-        print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
+    names = list(rows[0])
+    width = max(map(len, names))
+    col = [max(len(c[j]) for j in range(len(names))) for c in cells]
+    for i, name in enumerate(names):
+        print(name.ljust(width) + "".join("  " + c[i].rjust(w) for c, w in zip(cells, col)))
     for row, waits in zip(rows, modes):
         others = ", ".join(f"{mode} {w:.2f}x" for mode, w in waits.items() if mode != row["sampling"])
-        print(f"{row['config']} at {row['GPUs']} GPUs ({row['ranks x micro']} ranks x microbatches): {row['sampling']} "
-              f"sampling waits {row['wait x']:.2f}x per mixed-depth step ({others})")
+        print(f"{row['config']} at {row['GPUs']} GPUs ({row['ranks x micro']} ranks x microbatches):\n"
+              f"  {row['sampling']} sampling waits {row['wait x']:.2f}x per mixed-depth step ({others})")
     return 0
 
 

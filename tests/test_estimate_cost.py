@@ -73,7 +73,8 @@ def test_cli_prints_the_formula_and_takes_a_vocabulary():
     command = [sys.executable, "scripts/estimate_cost.py", "train_configs/debug.toml", "--vocab-size", "512", "--gpus", "2"]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "cost / baseline = s + (1 - s)" in out.stdout
-    assert " 512 " in out.stdout.splitlines()[2]  # the formula, the header, then the row
+    vocab = next(line for line in out.stdout.splitlines() if line.startswith("vocab "))
+    assert vocab.split() == ["vocab", "512"]  # one row per quantity, one column per config
 
 
 def test_wait_factor_at_8_gpus_from_the_configs_own_sampler():
@@ -103,3 +104,4 @@ def test_cli_takes_config_as_train_py_does():
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "koi4b.toml at 8 GPUs (8x96 ranks x microbatches)" in out.stdout and "sampling waits" in out.stdout
+    assert max(map(len, out.stdout.splitlines())) <= 100, "the table fits a 100-column terminal"
