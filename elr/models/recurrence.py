@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
+from elr.models.elastic import elastic_forward
 from elr.models.ffn import Route
 from elr.config.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES, RecurrenceOptions
 
@@ -211,75 +212,55 @@ class RecurrentBlock(nn.Module):
 
     def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops, cache=None, every_loop: bool = False,
                 exit_rule=None, readout=None) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
-        """(s_k, the output block's FiLM for budget k or None without exit heads); with `every_loop`,
-        ([s_1, ..., s_k], each exit's FiLM) (needs a prefix-consistent block). `cache` (inference
-        only) hands each layer its cache entry for loop i (keys and values, or a state).
+        """s_0 = h_in; s_i = update(s_{i-1}, L(cond(s~_{i-1}, i, k))) for i = 1..k. Returns (s_k, the
+        output block's FiLM for budget k or None without exit heads); with `every_loop`, ([s_1, ..., s_k],
+        each exit's FiLM) (needs a prefix-consistent block).
 
-        `loops` is k, or a LongTensor [B] of budgets, one per row (mixed budgets in one batch): the
-        forward runs the largest; a row whose budget is spent passes through the later loops unchanged
-        (its state is kept, the cache is told not to store its results), so it gets exactly what it
-        gets alone, FiLM and exit FiLM of its own budget included.
+        A budget per row (`loops` a LongTensor [B]), a cache, or an exit rule is elastic depth
+        (elr/models/elastic.py): the same loop body, with rows that stop early held in place."""
+        if torch.is_tensor(loops) or cache is not None or exit_rule is not None:
+            return elastic_forward(self, h_in, rope, loops, cache, every_loop, exit_rule, readout)
+        self.check_loops(loops, loops, every_loop, per_row=False)
+        self._recorded, self.loops_used = [], None
+        routes = self.new_routes()
+        s, states = self.initial_state(h_in, loops), []
+        injected = self.input_adapter(h_in) if self.input_adapter is not None else None
+        for i in range(1, loops + 1):
+            s = self.step(s, i, loops, loops, h_in, injected, rope, routes)
+            states.append(s)
+        return (states if every_loop else s), self.exit_films(loops, h_in.shape[0] if every_loop else 0)
 
-        `exit_rule` (adaptive depth, elr/models/early_exit.py; `loops` is then the cap): each token
-        stops after the loop the rule lets it go, and passes the later loops unchanged in the same way;
-        `readout(s, exit_films)` gives the logits of a state, for rules that compare them. The loops
-        each token ran are left in `loops_used` [B, T]. Through a cache it runs one token at a time."""
-        budgets = loops if torch.is_tensor(loops) else None
-        least, most = (int(budgets.min()), int(budgets.max())) if budgets is not None else (loops, loops)
+    def step(self, s, i: int, loops, most: int, h_in, injected, rope, routes, cache=None, running=None):
+        """Loop i of a `most`-loop forward for budget(s) `loops`: s~ = the loop's input from s, r = the
+        layers on s~ conditioned on (i, k), s_i = the update of s by r with the learned step. `running`
+        (elastic depth): the rows or tokens still looping; the others keep their state."""
+        kept = s
+        s = self._between_loops(s, i, most)
+        s_in = self._loop_input(s, h_in, injected, i)
+        films = self.conditioning(i, loops) if self.conditioning is not None else [None] * len(self.layers)
+        r = s_in
+        for layer, film, route in zip(self.layers, films, routes):
+            r = layer(r, rope, film=film, route=route, cache=cache.entry(layer, i) if cache is not None else None)
+        a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
+        s_next = self._update(s, r, a)
+        if running is not None:
+            s_next = torch.where(running.view(*running.shape, *[1] * (s.ndim - running.ndim)), s_next, kept)
+        if self.record_statistics:
+            self._recorded.append(self._record(s, s_next, a, films))
+        return s_next
+
+    def check_loops(self, least: int, most: int, every_loop: bool, per_row: bool) -> None:
         if least < 1 or (most > self.max_loops and self.conditioning is not None):
             raise ValueError(f"loops={most if least >= 1 else least} is outside 1..{self.max_loops}, the loop counts "
                              "this model's conditioning embeddings cover (an unconditioned model runs any k >= 1; "
                              "beyond its max_loops it extrapolates)")
-        routes = [Route() if self.route_replay and "route" in layer.inputs else None for layer in self.layers]
-        no_film = [None] * len(self.layers)
-        if every_loop and (not self.prefix_consistent or budgets is not None):
+        if every_loop and (not self.prefix_consistent or per_row):
             raise ValueError("every_loop needs one loop count and loop conditioning without the budget embedding "
                              "(conditioning_budget = False)")
-        exited = logp = self.loops_used = None
-        if exit_rule is not None:
-            if budgets is not None or every_loop or (cache is not None and h_in.shape[1] != 1):
-                raise ValueError("an exit rule takes one loop count (its cap), and decodes one token at a time "
-                                 "through a cache (prefill at a fixed k)")
-            exited = torch.zeros(h_in.shape[:2], dtype=torch.bool, device=h_in.device)
-            self.loops_used = torch.full_like(exited, most, dtype=torch.long)
-        self._recorded = []
-        s, states = self._initial_state(h_in, most), []
-        injected = self.input_adapter(h_in) if self.input_adapter is not None else None
-        for i in range(1, most + 1):
-            running = budgets >= i if budgets is not None and i > least else None  # rows still looping (None: all)
-            if exited is not None and i > 1:
-                running = ~exited  # tokens still looping
-            if cache is not None:
-                cache.set_rows(running if running is None or running.ndim == 1 else running[:, 0], loop=i)
-            kept = s  # a row or token that has stopped keeps its state as it left its last loop
-            s = self._between_loops(s, i, most)
-            s_in = self._loop_input(s, h_in, injected, i)
-            films = self.conditioning(i, loops) if self.conditioning is not None else no_film
-            r = s_in
-            for layer, film, route in zip(self.layers, films, routes):
-                entry = cache.entry(layer, i) if cache is not None else None
-                r = layer(r, rope, film=film, route=route, cache=entry)
-            a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
-            s_next = self._update(s, r, a)
-            if running is not None:
-                s_next = torch.where(running.view(*running.shape, *[1] * (s.ndim - running.ndim)), s_next, kept)
-            if self.record_statistics:
-                self._recorded.append(self._record(s, s_next, a, films))
-            if exited is not None and i < most:
-                logp_next = (readout(s_next, self.exit_films(i)).float().log_softmax(-1)
-                             if exit_rule.needs_logits else None)
-                stop = exit_rule.exits(kept, s_next, logp, logp_next) & ~exited
-                self.loops_used.masked_fill_(stop, i)
-                exited, logp = exited | stop, logp_next
-            s = s_next
-            states.append(s)
-            if exited is not None and bool(exited.all()):
-                break
-        if cache is not None:
-            cache.set_rows(None)
-        budget = self.loops_used if exited is not None else loops
-        exit_films = self.exit_films(budget, h_in.shape[0] if every_loop else 0)
-        return (states if every_loop else s), exit_films
+
+    def new_routes(self) -> list:
+        """One MoE route store per layer that replays loop 1's routes on later loops (route_replay)."""
+        return [Route() if self.route_replay and "route" in layer.inputs else None for layer in self.layers]
 
     def exit_films(self, loops, rows: int = 0) -> list | None:
         """The output block's FiLM for the state after `loops` loops (an int, or per row or token), or
@@ -287,7 +268,7 @@ class RecurrentBlock(nn.Module):
         c = self.conditioning
         return c.exit(loops, rows) if c is not None and c.exit_heads else None
 
-    def _initial_state(self, h_in: torch.Tensor, loops: int) -> torch.Tensor:
+    def initial_state(self, h_in: torch.Tensor, loops: int) -> torch.Tensor:
         """s_0: h_in, plus sigma ε in a training forward of k >= 2 loops (initial_state_noise). The noise
         is seeded from the CPU generator, which checkpoints save, so a resumed run draws the same noise
         on any device; the seed is drawn at every k, so all ranks' generators advance alike."""
