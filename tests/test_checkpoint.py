@@ -358,7 +358,7 @@ def test_export_model_full_tensors_in_dtype(tmp_path):
     assert ckpt.latest_step() is None  # an export is not a training checkpoint
 
 
-@pytest.mark.slow  # multi-process: the slow tier (the default tier keeps one 2-rank FSDP check)
+@pytest.mark.slow  # multi-process: the slow tier
 def test_reshard_with_torchrun(tmp_path):
     """2 FSDP2 ranks <-> 1 plain process, model and AdamW state bit-identical (one launch)."""
     model = make_model(7)

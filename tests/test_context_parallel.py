@@ -30,7 +30,7 @@ def test_lower_right_causal_mask_allocates_nothing_of_its_size():
     assert torch.equal(lower_right_causal(2, 4)._materialize(), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]).bool())
 
 
-@pytest.mark.slow  # multi-process: the slow tier (the default tier keeps one 2-rank FSDP check)
+@pytest.mark.slow  # multi-process: the slow tier
 def test_two_cp_ranks_equal_one_process_and_keep_what_the_memory_plan_traces():
     """Attention, a GDP layer with convolutions, the GDP op with and without an initial state, and
     the debug model at k = 1 and 3, all to 1e-5 (tests/distributed/cp_layers.py; ~10 s). The memory

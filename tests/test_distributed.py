@@ -51,7 +51,7 @@ def test_two_ranks_match_one_process_and_reshard_both_ways(tmp_path):
         assert one_to_two[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step
 
 
-@pytest.mark.slow  # multi-process: the slow tier (the default tier keeps one 2-rank FSDP check)
+@pytest.mark.slow  # multi-process: the slow tier
 def test_hsdp_two_replicas_of_two_shards_match_one_process(tmp_path):
     run(tmp_path / "seed", 2, *CKPT, "--checkpoint.create_seed", "true")
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "hsdp")
@@ -64,7 +64,7 @@ def test_hsdp_two_replicas_of_two_shards_match_one_process(tmp_path):
         assert hsdp[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step
 
 
-@pytest.mark.slow  # multi-process: the slow tier (the default tier keeps one 2-rank FSDP check)
+@pytest.mark.slow  # multi-process: the slow tier
 def test_muon_under_fsdp_on_two_ranks_equals_one_process():
     """A row-split matrix is gathered for Newton-Schulz, an expert-split stack is not (tests/distributed/muon_fsdp.py)."""
     result = subprocess.run(

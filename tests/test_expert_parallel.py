@@ -64,7 +64,7 @@ def test_expert_groups_hold_one_rank_per_shard_position_at_fixed_replicate_cp_an
     assert expert_groups(grid, 2).tolist() == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
-@pytest.mark.slow  # multi-process: the slow tier (the default tier keeps one 2-rank FSDP check)
+@pytest.mark.slow  # multi-process: the slow tier
 def test_dispatch_combine_and_a_unit_called_k_times_on_two_ranks():
     """tests/distributed/expert_parallel_ops.py: all-to-all dispatch/combine vs the one-process grouped
     GEMM (forward and backward), and FSDP2 units called k times per forward vs one process."""
