@@ -8,6 +8,7 @@ evaluated at every loop count k (docs/study/README.md; the library is scripts/st
     python scripts/study.py --seeds 0 1 2               # the text grid -> docs/study/text
     python scripts/study.py ... --report-only           # tables and figures from the finished runs
     python scripts/study.py ... --carry docs/study/text/results.json  # rows of runs not kept here, named as such
+    python scripts/study.py --corpus code --variants ...  # the text suite on Python source as bytes
 
 A suite is train_configs/study/<suite>.toml plus the variants of <suite>_variants.toml. Runs live in
 outputs/study/<suite>[-quick|-custom]/runs/<variant>/seed<N>: finished ones are skipped, interrupted
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from elr.cli import HelpFormatter
 from study_tools import depth_report, text_report
-from study_tools.byte_data import bundled_prose_as_bytes
+from study_tools.byte_data import bundled_prose_as_bytes, python_source_as_bytes
 from study_tools.runs import ROOT, SUITES, Run, Suite, earlier_rows, log, train_all
 
 COMMITTED = {"text": ROOT / "docs/study/text", "depth": ROOT / "docs/study/depth"}
@@ -38,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", help="only these variants (default: all, or the quick subset)")
     p.add_argument("--steps", type=int, help="updates per run (default: the suite's, or [quick] steps)")
     p.add_argument("--val-steps", type=int, help="validation microbatches per k (default: the suite config's)")
-    p.add_argument("--data", type=Path, help="text suite: prepared data folder (default: the bundled prose as bytes)")
+    p.add_argument("--corpus", choices=("prose", "code"), default="prose",
+                   help="text suite: the bundled prose as bytes, or the Python standard library's source as bytes "
+                   "(a second kind of data, made on first use; runs under outputs/study/text-code)")
+    p.add_argument("--data", type=Path, help="text suite: prepared data folder (default: the --corpus as bytes)")
     p.add_argument("--runs", type=Path, help="where the runs live (default: outputs/study/<suite>[-quick|-custom]/runs)")
     p.add_argument("--out", type=Path, help="where results and figures go (default: docs/study/<suite> for the "
                    "full grid, else beside the runs)")
@@ -60,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown variants {unknown}; the {args.suite} suite has {', '.join(suite.variants)}")
     variants = {v: suite.variants[v] for v in names}
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
-    full_grid = not args.quick and args.variants is None and steps == suite.steps
-    tag = "" if full_grid else ("-quick" if args.quick and args.steps is None else "-custom")
+    code = args.suite == "text" and args.corpus == "code"
+    full_grid = not args.quick and args.variants is None and steps == suite.steps and not code
+    tag = "-code" * code + ("" if full_grid else ("-quick" if args.quick and args.steps is None else "-custom"))
     base = ROOT / "outputs/study" / f"{args.suite}{tag}"
     runs_dir = args.runs or base / "runs"
     out = args.out or (COMMITTED[args.suite] if full_grid else base)
@@ -75,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     data = None
     if args.suite == "text":
-        data = args.data or bundled_prose_as_bytes(ROOT / "outputs/study/data")
+        data = args.data or (python_source_as_bytes(ROOT / "outputs/study/code-data") if code
+                             else bundled_prose_as_bytes(ROOT / "outputs/study/data"))
         if not (data / "meta.json").is_file():
             p.error(f"--data {data}: no meta.json (make it with scripts/prepare_data.py)")
 

@@ -1,9 +1,13 @@
-"""The bundled prose re-encoded as bytes: the text suite's data (same documents, same split)."""
+"""The text suite's two corpora as bytes: the bundled prose re-encoded (same documents, same split), and
+Python source the repository does not hold (the standard library of the interpreter that runs the study)."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import sysconfig
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -48,4 +52,39 @@ def bundled_prose_as_bytes(folder: Path) -> Path:
     """`folder` holding the byte-level copy of data/tinyprose, made on first use."""
     if not (folder / "meta.json").is_file():
         byte_level_copy(ROOT / "data/tinyprose", folder, ROOT / "data/tokenizer/elr8k.tiktoken")
+    return folder
+
+
+# Parts of the standard library that are tests, vendored code or GUI demos rather than library source.
+SKIPPED_STDLIB_PARTS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "tkinter",
+                        "__pycache__", "ensurepip", "distutils"}
+
+
+def stdlib_sources() -> list[Path]:
+    """The interpreter's standard-library .py files (about 10 MB on CPython 3.11), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [f for f in sorted(root.rglob("*.py"))
+            if not SKIPPED_STDLIB_PARTS.intersection(f.relative_to(root).parts)]
+
+
+def python_source_as_bytes(folder: Path) -> Path:
+    """`folder` holding the standard library's source as bytes, one document per file, the last 2% of each
+    file's bytes for validation (the prose's split): a second kind of data, made on first use. The stdlib
+    differs between Python versions, so meta.json names the version it was cut from."""
+    if (folder / "meta.json").is_file():
+        return folder
+    import prepare_data  # scripts/prepare_data.py: the trainer's token-file writer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        docs = Path(tmp) / "stdlib.jsonl"
+        with docs.open("w", encoding="utf-8") as f:
+            for path in stdlib_sources():
+                text = path.read_bytes().decode("utf-8", errors="replace")
+                f.write(json.dumps({"text": text}) + "\n")
+        prepare_data.prepare([str(docs)], str(BYTES_TOKENIZER), str(folder), val_fraction=0.02, split="tail")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["sources"] = [f"Python {sys.version.split()[0]} standard library ({len(stdlib_sources())} files)"]
+    tmp = folder / ".meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, folder / "meta.json")
     return folder
