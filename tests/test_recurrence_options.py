@@ -15,7 +15,7 @@ from elr.train.resume import FROZEN, check_resume
 # The [elr] keys that are not recurrence options: they steer training (the draws of k, the loss, the
 # step's optimizer group, the late switch), or pick the backbone's split. A new key lands here only
 # on purpose; one that changes the network belongs in RecurrenceOptions.
-TRAINING_KEYS = {"enabled", "partition", "step_lr_scale", "step_weight_decay", "loss_every_loop", "sampling", "emulated_ranks",
+TRAINING_KEYS = {"enabled", "partition", "step_lr_scale", "step_weight_decay", "loop_gate_lr_scale", "loss_every_loop", "sampling", "emulated_ranks",
                  "one_loop_override", "loop_weights", "loop_weights_start", "loop_schedule_steps", "switch_at",
                  "switch_conditioning"}
 
@@ -25,7 +25,7 @@ OTHER_VALUE = {
     "conditioning": False, "conditioning_budget": False, "conditioning_gate": False,
     "conditioning_first_loop": False, "conditioning_later_loops": False, "conditioning_silu": True,
     "conditioning_exit": True, "backprop_loops": 2, "state_norm": True, "depth_scaled_init": True,
-    "initial_state_noise": 0.5,
+    "initial_state_noise": 0.5, "identity_loops": True,
 }
 # Options whose test value needs another option set too (truncated backprop needs a re-injected input).
 NEEDS = {"backprop_loops": {"recurrent_input": "state_plus_input"}}

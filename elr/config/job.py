@@ -58,6 +58,9 @@ class ELR(RecurrenceOptions):
     """the step's parameters train at `optimizer.lr` × this (their own optimizer group)"""
     step_weight_decay: float = 0.0
     """weight decay of the step's parameters (pulls W towards 0, the step towards 1)"""
+    loop_gate_lr_scale: float = 1.0
+    """`identity_loops`' gates train at `optimizer.lr` × this, undecayed (their own optimizer group): a short run
+    can let them open as far as a long one would"""
     loss_every_loop: bool = False
     """the loss at the exit of every loop 1..k of a slot (their mean), not k's alone; needs `conditioning_budget
     = false` or no conditioning"""

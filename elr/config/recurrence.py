@@ -75,6 +75,11 @@ class RecurrenceOptions:
     initial_state_noise: float = 0.0
     """sigma > 0: in training forwards of k >= 2 loops the state starts at s_0 = h_in + sigma ε, ε ~ N(0, I); k =
     1 and every evaluation or inference forward start at h_in"""
+    identity_loops: bool = False
+    """loops 2..K start as the identity: loop i >= 2 moves the state through a zero-initialised per-channel gate,
+    s_i = s_{i-1} + γ_i ⊙ (u_i − s_{i-1}) with u_i the update rule's result, and the conditioning of loop index or
+    budget j >= 2 is that of 1 plus a zero-initialised offset; so at init, and at a late switch after a one-loop
+    phase, every k computes exactly what k = 1 computes (function-preserving growth)"""
 
     @classmethod
     def baseline(cls) -> RecurrenceOptions:

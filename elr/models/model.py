@@ -30,6 +30,7 @@ PARAMETER_ROLES = {
     "vector": "biases and other one-dimensional parameters (GDP's A_log, dt_bias)",
     "step_size": "the ELR adaptive step's parameters (elr/models/recurrence.py, AdaptiveStep)",
     "conditioning": "the loop conditioning's embeddings and FiLM heads (LoopConditioning)",
+    "loop_gate": "the zero-initialised gates of loops 2..K (`identity_loops`, LoopGates)",
 }
 
 
@@ -153,6 +154,7 @@ class ELRModel(nn.Module):
         declare(self.output, "head")
         declare(self.recurrent.step_size, "step_size")
         declare(self.recurrent.conditioning, "conditioning")
+        declare(self.recurrent.loop_gates, "loop_gate")
         for module in self.modules():
             if isinstance(module, MoE):
                 declare(module.router, "router")

@@ -6,7 +6,7 @@
         s~_i = s_{i-1}                 (state_plus_input: s_{i-1} + h_in from loop 2 on;
                                         state_plus_adapted_input: s_{i-1} + W h_in on every loop, W = 0 at init)
         r_i  = R(s~_i ; c_{i,k})       c_{i,k} = E_loop[i] + E_budget[k] drives per-layer FiLM heads
-        s_i  = update(s_{i-1}, s~_i, r_i)
+        s_i  = update(s_{i-1}, s~_i, r_i)   (identity_loops: s_{i-1} + γ_i (s_i - s_{i-1}) for i >= 2, γ = 0 at init)
 
 r_i is the recurrent block's full output: its layers are pre-norm residual, so r_i = s~_i + (what
 the layers add). The update rules (the paper's Figure 4a compares a learned step with parameter-free
@@ -22,7 +22,9 @@ block 2 h_in. So k=1 is the plain stack with either input (Table 14 has them nea
 The training aids of the looped-model literature (issue 35) are options too, each an identity at
 init or outside k = 1: the adapter W starts at zero, the state norm and the noise act only between or
 before loops 2..k, and truncated backprop changes gradients, not the forward. `depth_scaled_init`
-changes only the initial weights (elr/models/model.py).
+changes only the initial weights (elr/models/model.py). `identity_loops` makes every loop past the first an
+identity at init (zero gates, conditioning offsets from index 1 that start at zero), so a model grown from a
+one-loop phase at a late switch computes at every k what it computed at k = 1.
 
 The block and its loop are one module, so FSDP can make it one unit that is called exactly once
 per microbatch whatever k is (a unit called a different number of times on different ranks
@@ -81,6 +83,22 @@ class AdaptiveStep(nn.Module):
         return 2 * torch.sigmoid(self.proj(self.norm(x)))
 
 
+class LoopGates(nn.Module):
+    """γ_i for loops i = 2..K, one per channel, zero at init: loop i moves the state by γ_i times what its
+    update rule proposes, so a loop past the first starts as the identity and opens as training finds it
+    useful (the growth of Net2Net and ReZero: the grown network computes what the smaller one did)."""
+
+    def __init__(self, max_loops: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(max_loops - 1, dim))
+
+    def init_weights(self):
+        nn.init.zeros_(self.weight)
+
+    def forward(self, s: torch.Tensor, s_next: torch.Tensor, i: int) -> torch.Tensor:
+        return torch.lerp(s, s_next, self.weight[i - 2].to(s_next.dtype))
+
+
 class LoopConditioning(nn.Module):
     """c_{i,k} = E_loop[i] + E_budget[k], mapped per recurrent layer to FiLM (scale, shift, gate).
 
@@ -97,7 +115,8 @@ class LoopConditioning(nn.Module):
     single out a pair such as "the last loop of k". `conditioning_exit` gives the output block's
     `exit_layers` layers heads of their own, fed E_budget[k] alone: the output block can read the
     state of each budget in its own way, and with both loop options false that is the only
-    conditioning, so no loop can be scaled down.
+    conditioning, so no loop can be scaled down. `identity_loops`: the embedding of index j >= 2 is row 1's
+    plus a zero-initialised row of its own, so every loop and budget starts with budget 1's conditioning.
     """
 
     def __init__(self, n_layers: int, dim: int, cond_dim: int, options: RecurrenceOptions, exit_layers: int):
@@ -105,6 +124,7 @@ class LoopConditioning(nn.Module):
         o = options
         self.budget, self.gate, self.silu = o.conditioning_budget, o.conditioning_gate, o.conditioning_silu
         self.first_loop, self.later_loops = o.conditioning_first_loop, o.conditioning_later_loops
+        self.offsets = o.identity_loops
         self.n_layers = n_layers
         loops_conditioned = self.first_loop or self.later_loops
         exit_layers = exit_layers if o.conditioning_exit else 0
@@ -119,6 +139,8 @@ class LoopConditioning(nn.Module):
         for embed in (self.loop_embed, self.budget_embed):
             if embed is not None:
                 nn.init.normal_(embed.weight, std=0.02)
+                if self.offsets:
+                    nn.init.zeros_(embed.weight[1:])
         for head in [*self.heads, *self.exit_heads]:
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
@@ -131,9 +153,9 @@ class LoopConditioning(nn.Module):
             return self._exit_films(loops, rows)
         if not (self.first_loop if loop == 1 else self.later_loops):
             return [None] * self.n_layers
-        c = self.loop_embed.weight[loop - 1]
+        c = self._row(self.loop_embed, loop)
         if self.budget:
-            c = c + self.budget_embed.weight[loops - 1]
+            c = c + self._row(self.budget_embed, loops)
         return self._films(self.heads, c, per_row=True)
 
     def exit(self, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...]]:
@@ -146,9 +168,19 @@ class LoopConditioning(nn.Module):
 
     def _exit_films(self, loops: int, rows: int) -> list[tuple[torch.Tensor, ...]]:
         if not rows:
-            return self._films(self.exit_heads, self.budget_embed.weight[loops - 1], per_row=True)
-        per_exit = self._films(self.exit_heads, self.budget_embed.weight[:loops])  # each [loops, dim]
+            return self._films(self.exit_heads, self._row(self.budget_embed, loops), per_row=True)
+        budgets = torch.arange(1, loops + 1, device=self.budget_embed.weight.device)
+        per_exit = self._films(self.exit_heads, self._row(self.budget_embed, budgets))  # each [loops, dim]
         return [tuple(t.repeat_interleave(rows, 0)[:, None] for t in film) for film in per_exit]
+
+    def _row(self, embed: nn.Embedding, index) -> torch.Tensor:
+        """E[index] (an int or a LongTensor of 1-based indices); with offsets, E[1] + the offset row for index >= 2."""
+        row = embed.weight[index - 1]
+        if not self.offsets:
+            return row
+        if not torch.is_tensor(index):
+            return row if index == 1 else row + embed.weight[0]
+        return row + (index > 1).unsqueeze(-1).to(row.dtype) * embed.weight[0]
 
     def _films(self, heads: nn.ModuleList, c: torch.Tensor, per_row: bool = False) -> list[tuple[torch.Tensor, ...]]:
         """c: [..., cond_dim]; `per_row` (c is [B, cond_dim], one budget per row): FiLM [B, 1, dim]."""
@@ -182,6 +214,7 @@ class RecurrentBlock(nn.Module):
         self.input_adapter = (nn.Linear(args.dim, args.dim, bias=False)
                               if o.recurrent_input == "state_plus_adapted_input" else None)
         self.state_norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if o.state_norm else None
+        self.loop_gates = LoopGates(o.max_loops, args.dim) if o.identity_loops and o.max_loops > 1 else None
         self.route_replay = args.moe_route_replay
         # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
         self.record_statistics = False
@@ -202,6 +235,8 @@ class RecurrentBlock(nn.Module):
             nn.init.zeros_(self.input_adapter.weight)
         if self.state_norm is not None:
             self.state_norm.reset_parameters()
+        if self.loop_gates is not None:
+            self.loop_gates.init_weights()
 
     @property
     def prefix_consistent(self) -> bool:
@@ -243,6 +278,8 @@ class RecurrentBlock(nn.Module):
             r = layer(r, rope, film=film, route=route, cache=cache.entry(layer, i) if cache is not None else None)
         a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
         s_next = self._update(s, r, a)
+        if self.loop_gates is not None and i > 1:
+            s_next = self.loop_gates(kept, s_next, i)
         if running is not None:
             s_next = torch.where(running.view(*running.shape, *[1] * (s.ndim - running.ndim)), s_next, kept)
         if self.record_statistics:

@@ -175,7 +175,7 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: 
         plan.update({f"sublayer.{name}" if name else "sublayer": style
                      for name, style in sublayer_plan(split, experts_elsewhere).items()})
         parallelize_module(layer, mesh, plan)
-    for name in ("step_size", "conditioning", "input_adapter", "state_norm"):
+    for name in ("step_size", "conditioning", "input_adapter", "state_norm", "loop_gates"):
         if getattr(model.recurrent, name) is not None:
             parallelize_module(model.recurrent, mesh, {name: LocalCompute(gather=False)})
 

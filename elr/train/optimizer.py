@@ -30,30 +30,34 @@ from elr.config import ELR, LRScheduler, Optimizer
 from elr.models.ffn import MoE
 
 # Roles (ELRModel.parameter_roles) whose parameters decay: matrices, not norms, vectors, embeddings or
-# the loop conditioning, which must stay free to sit at its identity values. The ELR step has its own
-# group; Muon takes the hidden matrices, AdamW the head, gates, router and everything else.
+# the loop conditioning, which must stay free to sit at its identity values. The ELR step and the loop
+# gates have groups of their own; Muon takes the hidden matrices, AdamW the head, gates, router and everything else.
 DECAYED_ROLES = ("matrix", "gate", "router", "head", "conv")
 MUON_ROLES = ("matrix",)
 
 
 def param_groups(model: nn.Module, weight_decay: float, lr: float, elr: ELR | None = None) -> list[dict]:
-    """Decayed matrices, undecayed rest, and the ELR step size with its own lr and decay (from `elr`)."""
+    """Decayed matrices, undecayed rest, then the ELR roles with an lr and decay of their own (from `elr`):
+    the adaptive step, and `identity_loops`' gates."""
+    elr = elr or ELR()
+    own = {"step_size": (elr.step_lr_scale, elr.step_weight_decay), "loop_gate": (elr.loop_gate_lr_scale, 0.0)}
     roles = model.parameter_roles()
-    decay, no_decay, step_size_params = [], [], []
+    decay, no_decay, by_role = [], [], {role: [] for role in own}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if roles[name] == "step_size":
-            step_size_params.append(p)
+        if roles[name] in own:
+            by_role[roles[name]].append(p)
         else:
             (decay if roles[name] in DECAYED_ROLES else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay, "lr": lr},
         {"params": no_decay, "weight_decay": 0.0, "lr": lr},
     ]
-    if step_size_params:
-        elr = elr or ELR()
-        groups.append({"params": step_size_params, "weight_decay": elr.step_weight_decay, "lr": lr * elr.step_lr_scale})
+    for role, params in by_role.items():
+        if params:
+            scale, decay_rate = own[role]
+            groups.append({"params": params, "weight_decay": decay_rate, "lr": lr * scale})
     return groups
 
 
@@ -134,7 +138,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) ->
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, **kwargs)
-    decay, no_decay, *step_size = groups
+    decay, no_decay, *own = groups
     muon_ids = {id(p) for p in muon_params(model)}
     muon = [p for p in decay["params"] if id(p) in muon_ids]
     assert len(muon) == len(muon_ids), "every Muon matrix must be a decayed matrix"
@@ -142,7 +146,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) ->
         {**decay, "params": muon, "muon": True, "momentum": cfg.muon_momentum},
         {**decay, "params": [p for p in decay["params"] if id(p) not in muon_ids], "muon": False},
         {**no_decay, "muon": False},
-        *({**group, "muon": False} for group in step_size),
+        *({**group, "muon": False} for group in own),
     ], **kwargs)
 
 
