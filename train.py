@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from elr.train.resume import finished_step
     from elr.train.nonfinite import NonFiniteLossError
     from elr.train.trainer import Trainer
+    from elr.rl.trainer import RLTrainer
 
     # A user's mistake (bad config, missing or mismatched files, unusable checkpoint) is one line and
     # exit code 2; anything else is a bug and keeps its traceback.
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         if (done := finished_step(cfg)) is not None:  # before the lock or any file is opened for writing
             logging.info(f"run already finished at step {done} (training.steps = {cfg.training.steps}); nothing to do")
             return 0
-        trainer = Trainer(cfg)
+        trainer = RLTrainer(cfg) if cfg.rl.enable else Trainer(cfg)
     except user_errors as e:
         logging.error(f"error: {e}")
         return 2

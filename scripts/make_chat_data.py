@@ -6,7 +6,11 @@ repository, so the tiny SFT run (train_configs/sft_debug.toml) has data with a k
 Four kinds, drawn uniformly, each with or without a system line, some two turns long: sums of small
 numbers, spelling a word backwards, facts about the bundled prose (Shakespeare's plays, the State of
 the Union addresses) and counting letters. Every answer follows from the question by a fixed rule, so
-the assistant-token loss on held-out conversations can fall.
+the assistant-token loss on held-out conversations can fall. `--kinds sum` writes the RLVR stage's
+arithmetic instead (elr/text/arithmetic.py): three-term sums answered worked or direct, half each,
+leaving out the questions the stage holds out for evaluation:
+
+    python scripts/make_chat_data.py --kinds sum --count 8000 --out outputs/arith_chat/conversations.jsonl
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import sys
 from pathlib import Path
 
 from elr.cli import HelpFormatter
+from elr.rl.prompts import from_question, is_held_out
+from elr.text import arithmetic
 
 WORDS = ("king", "crown", "storm", "night", "sword", "honour", "letter", "garden", "nation", "union",
          "river", "winter", "castle", "music", "ghost", "friend", "market", "harvest", "ship", "forest")
@@ -30,7 +36,7 @@ FACTS = [("Who wrote Hamlet?", "William Shakespeare wrote Hamlet."),
 SYSTEMS = ("You are a helpful assistant.", "Answer briefly.", "You answer questions in one sentence.")
 
 
-def arithmetic(rng: random.Random) -> tuple[str, str]:
+def arithmetic_question(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(0, 50), rng.randint(0, 50)
     return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
 
@@ -52,13 +58,26 @@ def letters(rng: random.Random) -> tuple[str, str]:
     return f"How many letters are in the word {word}?", f"The word {word} has {len(word)} letters."
 
 
-KINDS = (arithmetic, reverse, fact, letters)
+def three_term_sum(rng: random.Random) -> tuple[str, str]:
+    """A sum the RLVR stage asks (never one it holds out), answered with its partial sums or directly."""
+    while True:
+        terms = arithmetic.draw_sum(rng)
+        question = arithmetic.question(terms)
+        if not is_held_out(from_question(question, str(sum(terms)))):
+            break
+    return question, (arithmetic.worked_answer(terms) if rng.random() < 0.5 else arithmetic.direct_answer(terms))
 
 
-def conversation(rng: random.Random) -> dict:
+KINDS = {"arithmetic": arithmetic_question, "reverse": reverse, "fact": fact, "letters": letters}
+
+
+def conversation(rng: random.Random, kinds: list[str]) -> dict:
+    if kinds == ["sum"]:  # the RLVR stage's prompts: one user turn, no system line
+        question, answer = three_term_sum(rng)
+        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
     messages = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.3 else []
     for _ in range(2 if rng.random() < 0.25 else 1):
-        question, answer = rng.choice(KINDS)(rng)
+        question, answer = KINDS[rng.choice(kinds)](rng)
         messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return {"messages": messages}
 
@@ -68,9 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("data/chat/conversations.jsonl"), help="the JSONL file to write")
     p.add_argument("--count", type=int, default=400, help="conversations")
     p.add_argument("--seed", type=int, default=0, help="seed of the templated questions and answers")
+    p.add_argument("--kinds", nargs="+", choices=[*KINDS, "sum"], default=list(KINDS),
+                   help="the kinds drawn (uniformly); `sum` alone: the RLVR stage's arithmetic")
     args = p.parse_args(argv)
+    if "sum" in args.kinds and len(args.kinds) > 1:
+        p.error("--kinds sum stands alone (the RLVR stage's arithmetic, one user turn each)")
     rng = random.Random(args.seed)
-    lines = [json.dumps(conversation(rng)) for _ in range(args.count)]
+    lines = [json.dumps(conversation(rng, args.kinds)) for _ in range(args.count)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text("\n".join(lines) + "\n")

@@ -26,6 +26,10 @@ CHOICES = {
     "checkpoint.export_dtype": ("none", "float32", "bfloat16"),
     "checkpoint.export_format": ("dcp", "hf"),
     "activation_checkpoint.mode": ("none", "selective", "full"),
+    "rl.rollout_kv": ("last_loop_kv", "per_loop", "last_loop"),  # elr/infer/cache.py's MODES (a test holds them equal)
+    "rl.advantage": ("grpo", "dr_grpo"),
+    "rl.loop_credit": ("last", "every_loop"),
+    "rl.answer_format": ("last_number", "boxed", "text"),
 }
 
 
@@ -176,6 +180,44 @@ def validate(cfg: JobConfig) -> None:
            f"x context_parallel_degree must divide training.seq_len = {t.seq_len} (sequence parallelism splits "
            "every context-parallel slice evenly)", p.tensor_parallel_degree)
 
+    if cfg.rl.enable:
+        _check_rl(cfg)
+
     ac = cfg.activation_checkpoint.selective_ac_option
     _check(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option",
            'must be "op" or a layer interval N >= 1', ac)
+
+
+def _check_rl(cfg: JobConfig) -> None:
+    """The RLVR stage's keys (elr/rl), and what the rest of the job must be for it."""
+    r, t, e = cfg.rl, cfg.training, cfg.elr
+    _check(r.prompts != "", "rl.prompts", "must name a JSONL file of {\"prompt\", \"answer\"} or `arithmetic`", r.prompts)
+    _check(cfg.checkpoint.initial_load_path != "", "checkpoint.initial_load_path",
+           "must name the model the RLVR stage starts from (the SFT stage's checkpoint or export)", "")
+    _check(r.group_size >= 2, "rl.group_size", "must be >= 2 (a group's advantages compare its completions)", r.group_size)
+    _check(t.global_batch_size > 0 and t.global_batch_size % r.group_size == 0, "training.global_batch_size",
+           f"must be set to a multiple of rl.group_size = {r.group_size} (the completions of one batch of rollouts: "
+           "prompts x group size)", t.global_batch_size)
+    _check(r.max_new_tokens >= 1, "rl.max_new_tokens", "must be >= 1", r.max_new_tokens)
+    _check(r.temperature > 0, "rl.temperature", "must be > 0 (rollouts sample)", r.temperature)
+    _check(0 < r.top_p <= 1, "rl.top_p", "must lie in (0, 1]", r.top_p)
+    _check(0 < r.clip_low < 1, "rl.clip_low", "must lie in (0, 1)", r.clip_low)
+    _check(r.clip_high > 0, "rl.clip_high", "must be > 0", r.clip_high)
+    _check(r.kl_coeff >= 0, "rl.kl_coeff", "must be >= 0 (0: no reference model)", r.kl_coeff)
+    _check(r.updates_per_batch >= 1, "rl.updates_per_batch", "must be >= 1", r.updates_per_batch)
+    _check(r.eval_prompts >= 1, "rl.eval_prompts", "must be >= 1", r.eval_prompts)
+    _check(r.samples_every >= 0, "rl.samples_every", "must be >= 0 (0: never)", r.samples_every)
+    module, _, function = r.reward.partition(":")
+    _check(r.reward == "exact" or (module and function and all(part.isidentifier() for part in module.split("."))
+                                   and function.isidentifier()),
+           "rl.reward", "must be `exact` or `module:function` (a Python function of prompt, completion, answer)", r.reward)
+    _check(r.loop_credit == "last" or e.prefix_consistent, "rl.loop_credit",
+           "every_loop needs a prefix-consistent recurrence (no budget embedding in the loops: elr.conditioning_budget "
+           "= false, or FiLM on the output block only)", r.loop_credit)
+    _check(not cfg.data.task, "data.task", "is not an RLVR prompt source (use rl.prompts)", cfg.data.task)
+    _check(e.switch_at == 0 and not e.loss_every_loop, "elr.switch_at",
+           "and elr.loss_every_loop are pretraining options; the RLVR stage draws one k per group", e.switch_at)
+    p = cfg.parallelism
+    _check(p.context_parallel_degree == 1 and p.tensor_parallel_degree == 1 and p.expert_parallel_degree == 1,
+           "parallelism", "the RLVR stage runs under data parallelism only (rollouts decode through the inference "
+           "cache, which runs without TP, CP or EP groups)", "tp/cp/ep > 1")

@@ -260,6 +260,58 @@ class Validation:
 
 
 @dataclass
+class RL:
+    """[rl]: each key's meaning is the string under its field. The RLVR stage (elr/rl, docs/rl.md): groups of
+    completions sampled from prompts with verifiable answers, a group-relative policy-gradient update. Its batch
+    is `training.global_batch_size` completions (prompts x `group_size`), `training.local_batch_size` of them per
+    forward and backward; `training.steps` counts batches of rollouts, each at one k per group drawn from
+    `elr.loop_weights` (the paper's 4:1:1:1) by `elr.sampling`."""
+
+    enable: bool = False
+    """true: train.py runs the RLVR stage (needs `checkpoint.initial_load_path`, the SFT model) instead of
+    next-token prediction on `data.path`"""
+    prompts: str = ""
+    """a JSONL file of `{"prompt": text or chat messages, "answer": text}`, or `arithmetic` (sums generated on the
+    fly, as the bundled chat data asks them); 1 prompt in 16 (by a hash of its text) is held out for evaluation"""
+    group_size: int = 8
+    """completions per prompt (G >= 2: a group's advantages compare its completions)"""
+    max_new_tokens: int = 64
+    """a completion's length limit; it stops earlier at <|endoftext|>"""
+    temperature: float = 1.0
+    """rollout sampling temperature (> 0)"""
+    top_p: float = 1.0
+    """rollout nucleus sampling (1: off)"""
+    rollout_kv: str = "last_loop_kv"
+    """the rollouts' inference cache: `last_loop_kv` (the paper's: attention KV at its one-loop size), `per_loop`
+    (exact) or `last_loop`; the update recomputes every log-prob with the training forward whatever it is"""
+    advantage: str = "grpo"
+    """`grpo` (reward minus the group mean, over the group's std; loss averaged over the batch's completion tokens)
+    or `dr_grpo` (no std; loss summed over tokens and divided by completions x max_new_tokens: no length bias)"""
+    clip_low: float = 0.2
+    """the ratio's lower clip, 1 - clip_low"""
+    clip_high: float = 0.28
+    """the ratio's upper clip, 1 + clip_high (DAPO's clip-higher)"""
+    kl_coeff: float = 0.0
+    """> 0: a KL penalty to the stage's initial model (a frozen copy; k3 estimator); 0: no reference model"""
+    updates_per_batch: int = 1
+    """optimizer updates on each batch of rollouts (after the first the ratio departs from 1 and the clip acts)"""
+    loop_credit: str = "last"
+    """`last` (the policy is the readout after the group's k loops) or `every_loop` (the objective averaged over
+    the readouts after each loop 1..k, each its own policy at that budget: credit to every loop, our reading of
+    RLTT, arXiv 2602.10520; needs a prefix-consistent recurrence)"""
+    reward: str = "exact"
+    """`exact` (1 if the extracted answer equals the normalised reference, else 0) or `module:function`, a Python
+    function (prompt, completion, answer) -> number that this config names and so runs"""
+    answer_format: str = "last_number"
+    """how `exact` extracts a completion's answer: `last_number`, `boxed` (the last \\boxed{...}) or `text` (the
+    whole completion)"""
+    eval_prompts: int = 64
+    """held-out prompts answered greedily at every k at each evaluation (`validation.freq`)"""
+    samples_every: int = 50
+    """steps between the table of sample completions written to samples.jsonl (and TensorBoard); 0: never"""
+
+
+@dataclass
 class Parallelism:
     """[parallelism]: each key's meaning is the string under its field."""
 
@@ -342,6 +394,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    rl: RL = field(default_factory=RL)
     parallelism: Parallelism = field(default_factory=Parallelism)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

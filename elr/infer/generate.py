@@ -33,8 +33,10 @@ class Sampling:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, vocab] -> next token ids [B]."""
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None,
+           uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, vocab] -> next token ids [B]. `uniforms` [B] in [0, 1): each row's draw, by the inverse of
+    its distribution's CDF, instead of the generator's (draws that do not depend on how rows are batched)."""
     if sampling.temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / sampling.temperature
@@ -47,7 +49,12 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         # Drop a token when the tokens ranked above it already hold top_p; the first always stays.
         drop = probs.cumsum(-1) - probs >= sampling.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(-1)
+    if uniforms is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.double().cumsum(-1)
+    picked = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return picked.clamp(max=logits.shape[-1] - 1)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,13 +102,16 @@ def generate(model, prompts: list[list[int]], loops: int | list[int], max_new_to
              kv_mode: str = "per_loop", sampling: Sampling = Sampling(),
              generator: torch.Generator | None = None,
              stop: Callable[[list[list[int]]], list[bool]] | None = None,
-             adaptive: AdaptiveDepth | None = None) -> list[list[int]]:
+             adaptive: AdaptiveDepth | None = None, uniforms: Callable[[int], torch.Tensor] | None = None,
+             all_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
     """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
     (without the end-of-text token). `loops`: k for all, or one k per prompt (mixed budgets in one
     batch, each row decoded as it would be alone). `stop`, given the new tokens so far, says which
     rows are done (e.g. a stop string was generated); their tokens so far are kept. `adaptive`: the
     prompt is read at k = loops, every new token decides its own depth by the exit rule, capped at k
-    (it counts the loops of the tokens kept)."""
+    (it counts the loops of the tokens kept). `uniforms(t)`: the rows' draws for new token t (see `sample`).
+    `all_done(mine)`: whether every process's rows are done, given this one's (a collective), so processes
+    that share the model's weights (FSDP) run the same number of forwards."""
     if adaptive is not None and not isinstance(loops, int):
         raise ValueError("adaptive depth caps every row at one k: give one loop count")
     device = model.output.weight.device
@@ -113,14 +123,17 @@ def generate(model, prompts: list[list[int]], loops: int | list[int], max_new_to
     out = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        nxt = sample(logits, sampling, generator)
+        nxt = sample(logits, sampling, generator, uniforms(step) if uniforms is not None else None)
         done |= nxt == eot_id
         for row, tok in enumerate(nxt.tolist()):
             if not done[row]:
                 out[row].append(tok)
         if stop is not None:
             done |= torch.tensor(stop(out), dtype=torch.bool, device=device)
-        if done.all() or step == max_new_tokens - 1:
+        finished = bool(done.all())
+        if all_done is not None:
+            finished = all_done(finished)
+        if finished or step == max_new_tokens - 1:
             break
         logits = model(nxt[:, None], loops, cache, exit_rule=adaptive.rule if adaptive else None)[:, -1]
         if adaptive is not None:

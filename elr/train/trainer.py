@@ -78,27 +78,7 @@ class Trainer:
         self.global_batch, self.n_micro = microbatches(t, self.dp_world)
 
         self.dump_folder = Path(cfg.job.dump_folder)
-        self.task = job_task(cfg) if cfg.data.task else None
-        self.tokenizer = None
-        if self.task is not None:  # generated examples in the task's own vocabulary: no files, no tokenizer
-            self.vocab_size = self.task.vocab_size
-            self.train_loader = build_task_loader(
-                self.task, t.local_batch_size, self.dp_rank, self.dp_world, t.seed, self.global_batch,
-                cfg.data.task_curriculum_steps,
-            )
-        else:
-            data_dir = Path(cfg.data.path)
-            cfg.tokenizer.path = job_tokenizer_path(cfg)  # config.json records the one used
-            self.tokenizer = tokenizer = build_tokenizer(cfg.tokenizer.path)
-            self.vocab_size = tokenizer.n_vocab
-            check_tokenizer(data_dir, tokenizer, cfg)
-            check_data_unchanged(data_dir, cfg)
-            self.train_loader = build_train_loader(
-                str(data_dir / "train.bin"), t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world, t.seed,
-                cfg.data.shuffle,
-            )
-        self.data_iter = iter(self.train_loader)
-        self.validator = Validator(cfg, self.task, self.dp_rank, self.dp_world, self.device)
+        self._build_data()
         self.depths = DepthSchedule(cfg, self.dp_world, self.n_micro, group_size=self.dims.ep)
         checkpoint_folder = self.dump_folder / cfg.checkpoint.folder
         # The manager checks each step's hashes once (a collective); its config is the run's, set once the
@@ -147,6 +127,31 @@ class Trainer:
                 self.lock.release()
             raise
 
+    def _build_data(self) -> None:
+        """The tokenizer, the training stream and the validator: token files (data.path) or a task."""
+        cfg, t = self.cfg, self.cfg.training
+        self.task = job_task(cfg) if cfg.data.task else None
+        self.tokenizer = None
+        if self.task is not None:  # generated examples in the task's own vocabulary: no files, no tokenizer
+            self.vocab_size = self.task.vocab_size
+            self.train_loader = build_task_loader(
+                self.task, t.local_batch_size, self.dp_rank, self.dp_world, t.seed, self.global_batch,
+                cfg.data.task_curriculum_steps,
+            )
+        else:
+            data_dir = Path(cfg.data.path)
+            cfg.tokenizer.path = job_tokenizer_path(cfg)  # config.json records the one used
+            self.tokenizer = tokenizer = build_tokenizer(cfg.tokenizer.path)
+            self.vocab_size = tokenizer.n_vocab
+            check_tokenizer(data_dir, tokenizer, cfg)
+            check_data_unchanged(data_dir, cfg)
+            self.train_loader = build_train_loader(
+                str(data_dir / "train.bin"), t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world, t.seed,
+                cfg.data.shuffle,
+            )
+        self.data_iter = iter(self.train_loader)
+        self.validator = Validator(cfg, self.task, self.dp_rank, self.dp_world, self.device)
+
     # ---- setup -------------------------------------------------------------------------------
 
     def _check_resume(self, step: int) -> None:
@@ -193,7 +198,11 @@ class Trainer:
         f1 = model.num_flops_per_token(cfg.training.seq_len, 1)
         self.fixed_cost = f1 / max(model.num_flops_per_token(cfg.training.seq_len, 2) - f1, 1) - 1
         self.optimizer = build_optimizer(model, cfg.optimizer, cfg.elr)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self._optimizer_updates())
+
+    def _optimizer_updates(self) -> int:
+        """The optimizer updates of the whole run, the schedule's length: one per step."""
+        return self.cfg.training.steps
 
     def _build_and_resume(self) -> None:
         """Build the phase the checkpoint to resume from belongs to, then load it.
@@ -267,11 +276,13 @@ class Trainer:
             apply_job_settings(self.optimizer, self.lr_scheduler, settings)  # logged as config changes
         return loaded
 
-    def _load_initial(self, path: str) -> None:
-        """Start from another run's weights (a later stage of training); everything else is fresh."""
+    def _load_initial(self, path: str, model=None) -> None:
+        """Start from another run's weights (a later stage of training); everything else is fresh. `model`:
+        load them into that model instead of the one trained (a frozen reference)."""
+        model = model if model is not None else self.model
         if is_export(path):
-            return self._load_initial_export(path)
-        loaded = self.checkpointer.load_initial(path, {"model": ModelState(self.model)},
+            return self._load_initial_export(path, model)
+        loaded = self.checkpointer.load_initial(path, {"model": ModelState(model)},
                                                 allow_missing=self._missing_before_switch())
         if loaded is None:
             raise ConfigError(f"checkpoint.initial_load_path: no committed checkpoint at {path}")
@@ -279,7 +290,7 @@ class Trainer:
             logger.warning(dcp_note(path))
         logger.info(f"started from the weights of {path} (step {loaded}); optimizer, schedule and data position fresh")
 
-    def _load_initial_export(self, path: str) -> None:
+    def _load_initial_export(self, path: str, model) -> None:
         """Start from a Hugging Face export's weights (safetensors: nothing unpickled), read by every rank
         and placed into this job's (possibly sharded) model; one line names what differs from its config."""
         args, _, state = read_export(path)
@@ -287,13 +298,13 @@ class Trainer:
         if diff and self.rank == 0:
             logger.warning("checkpoint.initial_load_path: the export's model differs from this job's: " + "; ".join(diff))
         try:
-            check_fits(self.model, state, path, allow_missing=self._missing_before_switch())
+            check_fits(model, state, path, allow_missing=self._missing_before_switch())
         except CheckpointError as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}" + (f"; its config differs: {'; '.join(diff)}"
                                                                           if diff else "")) from None
-        dtypes = {k: v.dtype for k, v in self.model.state_dict().items()}
+        dtypes = {k: v.dtype for k, v in model.state_dict().items()}
         state = {k: v.to(dtypes[k]) for k, v in state.items()}
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
         logger.info(f"started from the weights of the export {path}; optimizer, schedule and data position fresh")
 
     def _log_setup(self) -> None:
@@ -429,9 +440,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         if cfg.checkpoint.create_seed:
             return self.create_seed_checkpoint()
-        tokens_per_update = self.global_batch * t.seq_len
-        reporter = StepReporter(cfg, self.metrics, self.world_size, self.device, tokens_per_update,
-                                lambda: self.loop_timer)
+        reporter = self._reporter()
         profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
         try:
             with self.stop, profiler:
@@ -442,7 +451,7 @@ class Trainer:
                     start = time.perf_counter()
                     stats = self.train_step(step)
                     seconds = time.perf_counter() - start
-                    self.step, self.tokens_seen = step, self.tokens_seen + tokens_per_update
+                    self.step, self.tokens_seen = step, self.tokens_seen + self._tokens(stats)
                     reporter.report(step, stats, seconds, self.model, self.tokens_seen)
                     if self.config_pending:  # the resumed step ran with this config: now config.json says so
                         self._write_run_config()
@@ -475,6 +484,15 @@ class Trainer:
                 self._log_outputs(export)
         finally:
             self.metrics.close()
+
+    def _reporter(self) -> StepReporter:
+        """What turns each step's StepStats into metrics and console lines."""
+        return StepReporter(self.cfg, self.metrics, self.world_size, self.device,
+                            self.global_batch * self.cfg.training.seq_len, lambda: self.loop_timer)
+
+    def _tokens(self, stats: StepStats) -> int:
+        """The tokens a step trained on (every slot's whole sequence)."""
+        return self.global_batch * self.cfg.training.seq_len
 
     def _export(self) -> Path:
         """The model weights alone, as checkpoint.export_dtype and export_format ask, after the last step."""

@@ -1,0 +1,61 @@
+"""Per-token log-probabilities of completions under the model at a loop count, as the update needs them.
+
+Sequences are prompt + completion, right-padded: causal layers never read a later position, so padding
+after a row's end changes none of its log-probs, and every row starts at position 0 as it did when it
+was sampled. The head runs a chunk of tokens at a time under activation checkpointing when
+`training.loss_chunk_tokens` asks (one chunk's [tokens x vocab] logits alive at once, recomputed in
+backward), else on the whole microbatch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def right_padded(rows: list[list[int]], pad_id: int, device) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
+def scored_positions(starts: list[int], ends: list[int], width: int, device) -> torch.Tensor:
+    """[B, width - 1]: position t predicts token t + 1; it counts when that token is a completion token
+    (index in [start, end) of its row)."""
+    t = torch.arange(1, width, device=device)[None]
+    return (t >= torch.tensor(starts, device=device)[:, None]) & (t < torch.tensor(ends, device=device)[:, None])
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = logits.float().log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets[..., None]).squeeze(-1), entropy.detach()
+
+
+def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    return _logprobs(F.linear(hidden, weight), targets)
+
+
+def token_logprobs(model, tokens: torch.Tensor, loops, chunk_tokens: int = 0,
+                   every_loop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p of tokens[:, 1:] given what precedes each, the distribution's entropy there), both [B, T - 1];
+    with every_loop [k, B, T - 1]: at the exit of each loop 1..k (the model at each budget up to k)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if every_loop:
+        targets = targets.expand(loops, *targets.shape)
+    if chunk_tokens == 0:
+        return _logprobs(model(inputs, loops=loops, every_loop=every_loop), targets)
+    hidden = model(inputs, loops=loops, head=False, every_loop=every_loop)
+    shape = targets.shape
+    hidden, targets = hidden.flatten(0, -2), targets.flatten()
+    logp, entropy = [], []
+    # Under FSDP the root unit keeps the head gathered from forward until its backward (elr/train/loss.py).
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        lp, ent = checkpoint(_head_logprobs, hidden[rows], model.output.weight, targets[rows], use_reentrant=False)
+        logp.append(lp)
+        entropy.append(ent)
+    return torch.cat(logp).view(shape), torch.cat(entropy).view(shape)
