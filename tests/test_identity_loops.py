@@ -92,6 +92,13 @@ def test_gates_learn_from_the_later_loops_only_in_their_own_optimizer_group():
     assert gates.grad is None or not gates.grad.any()  # k = 1 runs no gate
     F.cross_entropy(model(x, loops=3).flatten(0, 1), x.flatten()).backward()
     assert gates.grad[0].abs().sum() > 0 and gates.grad[1].abs().sum() > 0
+    torch.nn.init.normal_(gates)
+    model.record_loop_statistics(True)
+    with torch.no_grad():
+        model(x, loops=3)
+    stats = model.loop_statistics()
+    assert "loop_gate_mean" not in stats[0] and [s["loop_gate_mean"].item() for s in stats[1:]] == pytest.approx(
+        gates.mean(1).tolist())
     group = next(g for g in param_groups(model, 0.1, 1e-3, ELR(loop_gate_lr_scale=20.0))
                  if any(p is gates for p in g["params"]))
     assert len(group["params"]) == 1 and group["lr"] == pytest.approx(2e-2) and group["weight_decay"] == 0.0

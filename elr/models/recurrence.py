@@ -218,7 +218,7 @@ class RecurrentBlock(nn.Module):
         self.route_replay = args.moe_route_replay
         # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
         self.record_statistics = False
-        self._recorded: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._recorded: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
         self.loops_used: torch.Tensor | None = None  # [B, T]: loops each token ran, after an exit-rule forward
         # The ranks each sequence is split over (TP / CP): a hook set by elr/parallel/parallelize.py,
         # over which `loop_statistics` sums, so the statistics describe whole sequences.
@@ -283,7 +283,7 @@ class RecurrentBlock(nn.Module):
         if running is not None:
             s_next = torch.where(running.view(*running.shape, *[1] * (s.ndim - running.ndim)), s_next, kept)
         if self.record_statistics:
-            self._recorded.append(self._record(s, s_next, a, films))
+            self._recorded.append(self._record(s, s_next, a, films, i))
         return s_next
 
     def check_loops(self, least: int, most: int, every_loop: bool, per_row: bool) -> None:
@@ -345,19 +345,23 @@ class RecurrentBlock(nn.Module):
         return r
 
     @torch.no_grad()
-    def _record(self, s, s_next, a, films) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _record(self, s, s_next, a, films, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One loop as this rank sees it: the squared norms of the update and of the state summed
-        over its tokens, and its mean step size; the mean FiLM gate (the same on every rank), if any."""
+        over its tokens, and its mean step size; and the values the same on every rank: the mean FiLM
+        gate and the mean loop gate (identity_loops), where the block has them."""
         parts = torch.stack([(s_next - s).float().square().sum(), s.float().square().sum(),
                              a.float().mean() if a is not None else s.new_zeros((), dtype=torch.float32)])
-        gate = None
+        shared = {}
         if self.conditioning is not None and self.conditioning.gate and films[0] is not None:
-            gate = torch.stack([1 + film[2].float().mean() for film in films]).mean()
-        return parts, gate
+            shared["film_gate_mean"] = torch.stack([1 + film[2].float().mean() for film in films]).mean()
+        if self.loop_gates is not None and i > 1:
+            shared["loop_gate_mean"] = self.loop_gates.weight[i - 2].float().mean()
+        return parts, shared
 
     def loop_statistics(self) -> list[dict[str, torch.Tensor]]:
-        """Per loop of the last recorded forward: update_norm ||s_i - s_{i-1}|| / ||s_{i-1}||, and
-        step_size_mean and film_gate_mean where the block has them. With `sequence_shards` the parts
+        """Per loop of the last recorded forward: update_norm ||s_i - s_{i-1}|| / ||s_{i-1}|| (s_{i-1} after
+        the state norm, where there is one), and step_size_mean, film_gate_mean and loop_gate_mean where
+        the block has them. With `sequence_shards` the parts
         are summed over the ranks that split each sequence (a collective on each of them; their
         slices are of equal size), so they describe whole sequences, as in one process."""
         if not self._recorded:
@@ -367,11 +371,9 @@ class RecurrentBlock(nn.Module):
             parts = self.sequence_shards.sum(parts)
             parts[:, 2] /= self.sequence_shards.size
         statistics = []
-        for (update_sq, state_sq, step_size_mean), (_, gate) in zip(parts, self._recorded):
+        for (update_sq, state_sq, step_size_mean), (_, shared) in zip(parts, self._recorded):
             stats = {"update_norm": update_sq.sqrt() / state_sq.sqrt().clamp(min=1e-12)}
             if self.step_size is not None:
                 stats["step_size_mean"] = step_size_mean
-            if gate is not None:
-                stats["film_gate_mean"] = gate
-            statistics.append(stats)
+            statistics.append({**stats, **shared})
         return statistics
