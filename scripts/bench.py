@@ -6,6 +6,7 @@
     python scripts/bench.py replay --flavor study_moe --seq-len 128 --batch 8 --max-loops 4
     python scripts/bench.py sampling --ranks 2 4       # gloo, one thread a rank: what waiting costs
     python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
+    python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-600 --batch 64 --new-tokens 32
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """
@@ -348,6 +349,58 @@ def bench_speculative(args):
           "outputs identical to plain decoding")
 
 
+def bench_rollout(args):
+    """The RLVR stage's rollouts: its in-process batched decoding (elr/infer/generate.py, the last-loop KV
+    cache, one batch) against transformers' `generate` on the same model exported to the Hugging Face format,
+    the same prompts (the stage's arithmetic, chat-encoded and left-padded), batch, k and greedy decoding,
+    timed interleaved; then whether both decoded the same tokens."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    import elr.interop.hf_model  # noqa: F401  (registers the export's classes with transformers)
+    from elr.infer.generate import generate, left_pad
+    from elr.infer.load import load_model, load_tokenizer
+    from elr.interop import write_export
+    from elr.rl.prompts import load_prompts
+
+    if not args.checkpoint:
+        raise SystemExit("rollout: --checkpoint is required (a model trained with the chat template)")
+    model, cfg = load_model(args.checkpoint, "cpu")
+    model.eval()
+    tokenizer = load_tokenizer(cfg)
+    prompts = [p.encode(tokenizer) for p in load_prompts("arithmetic")[:: 97][:args.batch]]
+    K, new, eot = args.max_loops, args.new_tokens, tokenizer.eot_id
+    with tempfile.TemporaryDirectory() as tmp:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        folder = write_export(state, model.args, cfg, tokenizer, Path(tmp) / "export", loops=K, kv=args.kv)
+        hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+        tokens, pad = left_pad(prompts, eot, "cpu")
+        mask = (torch.arange(tokens.shape[1])[None] >= pad[:, None]).long()
+
+        def ours():
+            return generate(model, prompts, K, new, eot, kv_mode=args.kv)
+
+        def theirs():
+            with torch.no_grad():
+                out = hf.generate(tokens, attention_mask=mask, max_new_tokens=new, do_sample=False, loops=K,
+                                  kv=args.kv, pad_token_id=eot, eos_token_id=eot)
+            return [[t for t in row[tokens.shape[1]:].tolist()] for row in out]
+
+        a, b = ours(), theirs()
+        b = [row[:row.index(eot)] if eot in row else row for row in b]
+        same = sum(x == y for x, y in zip(a, b))
+        generated = sum(len(x) for x in a)
+        t_ours, t_theirs = interleaved_medians([ours, theirs], repeats=args.repeats)
+    print(f"rollouts at k={K}, kv={args.kv}: {len(prompts)} prompts in one batch, up to {new} new tokens, greedy, "
+          f"median of {args.repeats}")
+    print_table(["decoder", "tokens/s", "seconds"], [
+        ["elr generate (in-process)", f"{generated / t_ours:.1f}", f"{t_ours:.2f}"],
+        ["transformers generate (export)", f"{generated / t_theirs:.1f}", f"{t_theirs:.2f}"]])
+    print(f"headline: in-process / transformers tokens/s = {t_theirs / t_ours:.2f}x; {same}/{len(prompts)} "
+          "completions identical")
+
+
 def _decoding_model_and_prompts(args):
     """(model, prompts, end-of-text id) for the decoding benchmarks: a checkpoint and windows of its
     validation tokens, or a fresh --flavor and random prompts."""
@@ -455,7 +508,7 @@ def _sampling_rank(rank, world, port, args, results):
 
 
 BENCHMARKS = {"gdp": bench_gdp, "model": bench_model, "replay": bench_replay, "sampling": bench_sampling,
-              "speculative": bench_speculative}
+              "speculative": bench_speculative, "rollout": bench_rollout}
 
 
 def main():
@@ -471,11 +524,12 @@ def main():
     parser.add_argument("--max-loops", type=int, default=3, help="model: time ELR at k = 1..this")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="sampling: gloo world sizes to time")
     parser.add_argument("--micro", type=int, default=4, help="sampling: microbatches per rank per update")
-    parser.add_argument("--checkpoint", help="speculative: a checkpoint to decode with (default: a fresh --flavor)")
+    parser.add_argument("--checkpoint", help="speculative, rollout: a checkpoint to decode with (speculative's "
+                        "default: a fresh --flavor)")
     parser.add_argument("--draft-loops", type=int, default=1, help="speculative: the drafting k")
     parser.add_argument("--draft-tokens", type=int, default=4, help="speculative: tokens drafted per round")
-    parser.add_argument("--new-tokens", type=int, default=64, help="speculative: tokens generated per prompt")
-    parser.add_argument("--kv", default="per_loop", help="speculative: KV cache mode")
+    parser.add_argument("--new-tokens", type=int, default=64, help="speculative, rollout: tokens generated per prompt")
+    parser.add_argument("--kv", default="per_loop", help="speculative, rollout: KV cache mode")
     parser.add_argument("--json", help="model: also write the results to this JSON file (to compare commits)")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)

@@ -76,10 +76,10 @@ def test_exact_match_extracts_and_normalises():
 
 def test_a_reward_function_that_fails_names_the_prompt():
     with pytest.raises(RewardError, match=r"raised KeyError.*What is 1 plus 2"):
-        score(load_reward("rl_rewards:raises", "last_number"), "What is 1 plus 2?", "3", "3")
+        score(load_reward("tests.rl_rewards:raises", "last_number"), "What is 1 plus 2?", "3", "3")
     with pytest.raises(RewardError, match=r"returned 'high', not a finite number.*What is"):
-        score(load_reward("rl_rewards:not_a_number", "last_number"), "What is 1 plus 2?", "3", "3")
-    assert score(load_reward("rl_rewards:digits", "last_number"), "p", "a1", "x") == pytest.approx(1 / 3)
+        score(load_reward("tests.rl_rewards:not_a_number", "last_number"), "What is 1 plus 2?", "3", "3")
+    assert score(load_reward("tests.rl_rewards:digits", "last_number"), "p", "a1", "x") == pytest.approx(1 / 3)
 
 
 def test_jsonl_prompts_and_their_errors(tmp_path):
@@ -176,7 +176,7 @@ RECIPE = ["--elr.max_loops", "4", "--elr.conditioning_first_loop", "false", "--e
           "false", "--elr.conditioning_exit", "true", "--elr.state_norm", "true"]
 COMMON = ["--training.seq_len", "48", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
           "--tokenizer.path", str(ROOT / "data/tokenizer/elr8k.tiktoken"), "--lr_scheduler.warmup_steps", "1"]
-RL = [*RECIPE, *COMMON, "--rl.enable", "true", "--rl.prompts", "arithmetic", "--rl.reward", "rl_rewards:length",
+RL = [*RECIPE, *COMMON, "--rl.enable", "true", "--rl.prompts", "arithmetic", "--rl.reward", "tests.rl_rewards:length",
       "--rl.group_size", "4", "--rl.max_new_tokens", "6", "--rl.eval_prompts", "2", "--rl.samples_every", "1",
       "--elr.sampling", "stratified", "--elr.loop_weights", "4,1,1,1", "--elr.one_loop_override", "0",
       "--training.global_batch_size", "8", "--training.local_batch_size", "4", "--optimizer.lr", "1e-2",
@@ -235,9 +235,9 @@ def test_several_updates_per_batch_move_the_ratio_and_dr_grpo_runs(tmp_path, sft
 @pytest.mark.parametrize("extra, message", [
     (["--rl.prompts", "{bad}"], "bad.jsonl:2: not JSON"),
     (["--rl.prompts", "{no_answer}"], "needs an \"answer\""),
-    (["--rl.reward", "rl_rewards:raises"], "rl.reward raised KeyError"),
-    (["--rl.reward", "rl_rewards:not_a_number"], "rl.reward returned 'high'"),
-    (["--rl.reward", "rl_rewards:missing"], "rl.reward: rl_rewards has no function 'missing'"),
+    (["--rl.reward", "tests.rl_rewards:raises"], "rl.reward raised KeyError"),
+    (["--rl.reward", "tests.rl_rewards:not_a_number"], "rl.reward returned 'high'"),
+    (["--rl.reward", "tests.rl_rewards:missing"], "rl.reward: tests.rl_rewards has no function 'missing'"),
     (["--rl.group_size", "1"], "rl.group_size: must be >= 2"),
     (["--rl.max_new_tokens", "40"], "rl.max_new_tokens: the longest prompt"),
 ])

@@ -15,6 +15,12 @@
                                                             microbatch_bytes)
           + reserve                                        (CUDA context, NCCL, allocator slack: our choice)
 
+The RLVR stage (rl.enable) has a second peak, while it generates: no gradients (freed after each update)
+and no training activations, but this rank's rollouts' inference state (rl.rollout_kv's cache for its
+share of training.global_batch_size completions at training.seq_len tokens and k = K, in the compute
+dtype: elr/infer/memory.py) and one decoding step's logits; with rl.kl_coeff a frozen reference model's
+sharded weights sit beside both. The plan is the larger of the two peaks.
+
 Activations are not a formula: the model is built on the meta device in the compute dtype, tensor
 and context parallelism and AC are applied as the trainer applies them (TP and CP on fake ranks:
 collectives do nothing, every shape is a real rank's), and one forward + loss runs with `LiveTensors` counting what stays
@@ -44,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from elr.config import JobConfig
 from elr.errors import ConfigError
+from elr.infer.memory import inference_state_bytes
 from elr.models import build_model
 from elr.models.ffn import MoE
 from elr.models.model import ELRModel
@@ -78,11 +85,25 @@ class MemoryPlan:
     backward_work: float
     reserve: float
     gpu: float
+    reference: float = 0.0  # RLVR with a KL term: the frozen reference model's weights
+    rollout_cache: float = 0.0  # RLVR: the rollouts' inference state on this rank
+    rollout_logits: float = 0.0  # RLVR: one decoding step's logits (fp32, with their softmax)
+    rollout_rows: int = 0
+
+    @property
+    def training_total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.unsharded + self.activations
+                + self.backward_work + self.reserve + self.reference)
+
+    @property
+    def rollout_total(self) -> float:
+        """The peak while generating: no gradients or training activations, the cache and logits instead."""
+        return (self.params + self.optimizer + self.unsharded + self.reference + self.rollout_cache
+                + self.rollout_logits + self.reserve)
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.unsharded + self.activations
-                + self.backward_work + self.reserve)
+        return max(self.training_total, self.rollout_total)
 
     @property
     def fits(self) -> bool:
@@ -101,6 +122,16 @@ class MemoryPlan:
             f"  activations at k = {self.loops:<2}           {g(self.activations)}",
             f"  backward working set             {g(self.backward_work)}",
             f"  reserve                          {g(self.reserve)}",
+        ]
+        if self.rollout_rows:
+            lines += [
+                *([f"  reference model (frozen)         {g(self.reference)}"] if self.reference else []),
+                f"  training peak                    {g(self.training_total)}",
+                f"  rollouts: {self.rollout_rows} completions per rank, inference state {g(self.rollout_cache).strip()}, "
+                f"decoding logits {g(self.rollout_logits).strip()}",
+                f"  rollout peak (no gradients)      {g(self.rollout_total)}",
+            ]
+        lines += [
             f"  total per rank                   {g(self.total)}   of {self.gpu / GiB:.0f} GiB",
             f"  {'FITS' if self.fits else 'DOES NOT FIT'}: margin {(self.gpu - self.total) / GiB:+.2f} GiB",
         ]
@@ -297,6 +328,12 @@ def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp_mesh: DeviceMesh | 
         backward_work += 2 * t.local_batch_size * t.seq_len * kv_heads * args.head_dim * pd
 
     ac_name = ac.mode if ac.mode != "selective" else f"selective ({ac.selective_ac_option})"
+    rl = {}
+    if cfg.rl.enable:
+        rows = (t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_world) // dims.dp_world
+        cache = sum(inference_state_bytes(args, loops, t.seq_len, cfg.rl.rollout_kv, dtype, batch=rows).values())
+        rl = dict(rollout_rows=rows, rollout_cache=cache, rollout_logits=2 * 4 * rows * args.vocab_size,
+                  reference=4 * per_rank if cfg.rl.kl_coeff > 0 else 0.0)  # stored as the trained model is
     return MemoryPlan(
         config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
         + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
@@ -305,4 +342,5 @@ def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp_mesh: DeviceMesh | 
         params=4 * per_rank, grads=4 * per_rank, optimizer=optimizer, optimizer_name=optimizer_name,
         unsharded=unsharded, unsharded_unit=unit_text,
         activations=activations, backward_work=backward_work, reserve=RESERVE_GIB * GiB, gpu=gpu_memory_gib * GiB,
+        **rl,
     )
