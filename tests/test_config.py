@@ -66,6 +66,15 @@ def test_tokenizer_sha256_is_a_hex_digest_or_empty():
         ("[elr]\nstep_input = \"both\"\n", [], "elr.step_input"),
         ("[elr]\nswitch_at = 0.5\n", [], "checkpoint.enable"),  # the switch goes through a checkpoint
         ("[elr]\nswitch_conditioning = \"never\"\n", [], "elr.switch_conditioning"),
+        ("[elr]\nstop_at_switch = true\n", [], "elr.stop_at_switch"),  # no switch to stop at
+        ("[elr]\nloop_gate_lr_scale = 0\n", [], "elr.loop_gate_lr_scale"),
+        ("[rl]\nenable = true\n", [], "rl.prompts"),
+        ("[rl]\nenable = true\nprompts = \"arithmetic\"\n[checkpoint]\ninitial_load_path = \"x\"\n[training]\n"
+         "global_batch_size = 16\n[parallelism]\ntensor_parallel_degree = 2\n", [], "parallelism"),
+        ("[rl]\nenable = true\nprompts = \"arithmetic\"\nreward = \"not a function\"\n[checkpoint]\n"
+         "initial_load_path = \"x\"\n[training]\nglobal_batch_size = 16\n", [], "rl.reward"),
+        ("[rl]\nenable = true\nprompts = \"arithmetic\"\n[checkpoint]\ninitial_load_path = \"x\"\n",
+         [], "training.global_batch_size"),  # -1: a batch of rollouts needs its size
         ("[elr]\nswitch_conditioning = \"from_start\"\nswitch_at = 0.5\nconditioning = false\n"
          "[checkpoint]\nenable = true\n", [], "elr.switch_conditioning"),  # nothing to train from the start
         ("[elr]\nmax_loops = 3\nloop_weights_start = [0, 1]\nloop_schedule_steps = 5\n", [], "elr.loop_weights_start"),

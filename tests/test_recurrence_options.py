@@ -17,7 +17,7 @@ from elr.train.resume import FROZEN, check_resume
 # on purpose; one that changes the network belongs in RecurrenceOptions.
 TRAINING_KEYS = {"enabled", "partition", "step_lr_scale", "step_weight_decay", "loop_gate_lr_scale", "loss_every_loop", "sampling", "emulated_ranks",
                  "one_loop_override", "loop_weights", "loop_weights_start", "loop_schedule_steps", "switch_at",
-                 "switch_conditioning"}
+                 "stop_at_switch", "switch_conditioning"}
 
 # Per option, a valid value other than its default (with the other options at their defaults).
 OTHER_VALUE = {

@@ -18,7 +18,7 @@ from elr.infer.load import load_model
 from elr.train.optimizer import lr_lambda
 from elr.train.nonfinite import NonFiniteLossError
 from elr.train.trainer import Trainer
-from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, losses, overrides, records, run
+from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, losses, overrides, records, run, run_script
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0"]
 
@@ -165,6 +165,38 @@ def test_switch_with_conditioning_from_start_trains_it_at_one_loop_and_resumes_e
     trainer.train()
     trainer.close()
     assert trainer.model is model and trainer.mixed_depth  # switched without a rebuild
+
+
+def shipped_elr(name: str = "koi4b.toml") -> list[str]:
+    """A production config's [elr] as command-line overrides (on the debug model), with its late switch at 50%
+    if it ships none: the recipe the card's workflow runs."""
+    import tomli
+
+    with open(ROOT / "train_configs" / name, "rb") as f:
+        elr = tomli.load(f)["elr"]
+    elr.setdefault("switch_at", 0.5)
+    value = lambda v: ",".join(map(str, v)) if isinstance(v, list) else str(v).lower()  # noqa: E731
+    return [arg for key, v in elr.items() for arg in (f"--elr.{key}", value(v))]
+
+
+def test_the_shipped_recipe_stops_at_its_switch_and_resumes_with_the_same_config_exactly(tmp_path):
+    """The card's workflow in one process: koi4b.toml's [elr] runs to the switch, saves and stops
+    (elr.stop_at_switch); the same config resumes there; the losses equal an uninterrupted run's."""
+    card = [*CKPT, *shipped_elr(), "--checkpoint.interval", "100"]
+    whole = run(tmp_path / "whole", 6, *card)
+    first = run(tmp_path / "card", 6, *card, "--elr.stop_at_switch", "true")
+    assert sorted(first) == [1, 2, 3] and (tmp_path / "card" / "checkpoint" / "step-3").is_dir()
+    assert run(tmp_path / "card", 6, *card, "--elr.stop_at_switch", "true") == whole  # metrics.jsonl: steps 1..6
+
+
+@pytest.mark.slow  # three processes
+def test_the_cards_command_stops_at_the_switch_and_the_same_command_resumes_exactly(tmp_path):
+    """As a user types it: train.py with koi4b.toml's [elr] stops at the switch; the same command again
+    finishes the run; the losses equal an uninterrupted run's, to the bit."""
+    card = [*CKPT, *shipped_elr(), "--checkpoint.interval", "100", "--elr.stop_at_switch", "true"]
+    whole = run_script(tmp_path / "whole", 6, *card, "--elr.stop_at_switch", "false")
+    assert sorted(run_script(tmp_path / "card", 6, *card)) == [1, 2, 3]
+    assert run_script(tmp_path / "card", 6, *card) == whole
 
 
 def test_nonfinite_updates_are_skipped_then_abort(tmp_path):

@@ -189,3 +189,18 @@ def test_initial_state_noise_only_in_training_forwards_of_several_loops():
     before = torch.get_rng_state()
     noisy(x, loops=1)
     assert not torch.equal(before, torch.get_rng_state())  # drawn at k = 1 too: every rank's generator advances alike
+
+
+def test_one_process_gives_a_parameter_its_update_left_idle_zero_gradients_as_fsdp_does():
+    """The state norm runs from loop 2 on: after a k = 1 update it still has a gradient (zeros) and AdamW
+    state, as under FSDP (elr/parallel/gradients.py), so a checkpoint holds optimizer state for it."""
+    from elr.parallel.gradients import fill_unused
+
+    model, x = make(state_norm=True), tokens()
+    F.cross_entropy(model(x, loops=1).flatten(0, 1), x.flatten()).backward()
+    assert model.recurrent.state_norm.weight.grad is None
+    fill_unused(model)
+    assert torch.equal(model.recurrent.state_norm.weight.grad, torch.zeros_like(model.recurrent.state_norm.weight))
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.step()
+    assert "exp_avg" in optimizer.state[model.recurrent.state_norm.weight]

@@ -90,6 +90,8 @@ def validate(cfg: JobConfig) -> None:
         _check(0 < step < cfg.training.steps, "elr.switch_at",
                f"x training.steps = {cfg.training.steps} rounds to step {step}; the switch must fall after "
                f"step 0 and before the last step {cfg.training.steps}", e.switch_at)
+    _check(e.switch_at > 0 or not e.stop_at_switch, "elr.stop_at_switch", "needs a late switch (elr.switch_at > 0)",
+           e.stop_at_switch)
     _check(e.conditioning or e.switch_conditioning == "at_switch", "elr.switch_conditioning",
            "from_start needs elr.conditioning = true", e.switch_conditioning)
     if not e.enabled:

@@ -86,6 +86,9 @@ class ELR(RecurrenceOptions):
     (after the late switch, if any); 0 with an empty `loop_weights_start`"""
     switch_at: float = 0.0
     """fraction of `training.steps` trained at k=1 before mixed depth; needs checkpoints"""
+    stop_at_switch: bool = False
+    """the job saves at the late switch and exits (code 0), so the mixed-depth phase can start with other settings
+    (more nodes, say): the same command then resumes at the switch; false: it runs on"""
     switch_conditioning: str = "at_switch"
     """`at_switch` (the paper's: the one-loop phase has no conditioning, the switch adds it zero-initialised) or
     `from_start` (the conditioning exists and trains through the one-loop phase, at k = 1 seeing E_budget[1]; the

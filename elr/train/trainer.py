@@ -465,6 +465,10 @@ class Trainer:
                     stop = self.stop.now()
                     if step == self.depths.switch_step and step < t.steps:
                         self._switch_to_mixed_depth(step)
+                        if cfg.elr.stop_at_switch:
+                            logger.info(f"stopped at the switch (step {step}, elr.stop_at_switch); the same command "
+                                        "resumes here in the mixed-depth phase")
+                            break
                     elif cfg.checkpoint.enable:
                         self.checkpointer.maybe_save(step, step == t.steps, self._states_to_save, force=stop)
                     if stop:
