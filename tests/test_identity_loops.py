@@ -115,3 +115,25 @@ def test_budgets_per_row_with_identity_loops_equal_each_row_alone():
         mixed = model(x, loops=budgets)
         for row, k in enumerate(budgets.tolist()):
             torch.testing.assert_close(mixed[row], model(x[row:row + 1], loops=k)[0])
+
+
+def test_a_fully_faded_model_is_the_plain_recurrence_and_the_fade_follows_the_step():
+    """fade = 1 with learned gates at zero: every loop fully open, the model without identity_loops (same
+    weights) to the bit; the schedule: 0 at the first mixed-depth update, 1 after loop_fade_steps more."""
+    from elr.config import load_config
+    from elr.train.loop_sampler import DepthSchedule
+
+    gated, plain, x = make(identity_loops=True, **RECIPE), make(**RECIPE), tokens()
+    train_one_loop_path(plain)
+    keys = set(gated.state_dict())
+    gated.load_state_dict({k: v for k, v in plain.state_dict().items() if k in keys}, strict=False)
+    E = plain.recurrent.conditioning.budget_embed.weight.detach()
+    gated.recurrent.conditioning.budget_embed.weight.data[1:] = E[1:] - E[0]  # offsets that give plain's rows
+    gated.set_loop_fade(1.0)
+    with torch.no_grad():
+        for k in (1, 2, 3):
+            torch.testing.assert_close(gated(x, loops=k), plain(x, loops=k), rtol=0, atol=1e-5)  # E0 + (Ek - E0)
+    cfg = load_config(None, ["--elr.switch_at", "0.5", "--training.steps", "10", "--checkpoint.enable", "true",
+                             "--elr.identity_loops", "true", "--elr.loop_fade_steps", "4"])
+    depths = DepthSchedule(cfg, 1, 2)
+    assert [depths.loop_fade(s, 4) for s in range(5, 11)] == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0]

@@ -15,7 +15,7 @@ from elr.train.resume import FROZEN, check_resume
 # The [elr] keys that are not recurrence options: they steer training (the draws of k, the loss, the
 # step's optimizer group, the late switch), or pick the backbone's split. A new key lands here only
 # on purpose; one that changes the network belongs in RecurrenceOptions.
-TRAINING_KEYS = {"enabled", "partition", "step_lr_scale", "step_weight_decay", "loop_gate_lr_scale", "loss_every_loop", "sampling", "emulated_ranks",
+TRAINING_KEYS = {"enabled", "partition", "step_lr_scale", "step_weight_decay", "loop_gate_lr_scale", "loop_fade_steps", "loss_every_loop", "sampling", "emulated_ranks",
                  "one_loop_override", "loop_weights", "loop_weights_start", "loop_schedule_steps", "switch_at",
                  "stop_at_switch", "switch_conditioning"}
 

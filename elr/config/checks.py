@@ -80,6 +80,9 @@ def validate(cfg: JobConfig) -> None:
     _check(e.step_lr_scale > 0, "elr.step_lr_scale", "must be > 0", e.step_lr_scale)
     _check(e.step_weight_decay >= 0, "elr.step_weight_decay", "must be >= 0", e.step_weight_decay)
     _check(e.loop_gate_lr_scale > 0, "elr.loop_gate_lr_scale", "must be > 0", e.loop_gate_lr_scale)
+    _check(e.loop_fade_steps >= 0, "elr.loop_fade_steps", "must be >= 0 (0: no fade)", e.loop_fade_steps)
+    _check(e.identity_loops or not e.loop_fade_steps, "elr.loop_fade_steps", "needs elr.identity_loops = true (the "
+           "fade opens its gates)", e.loop_fade_steps)
     _check(0.0 <= e.switch_at < 1.0, "elr.switch_at", "must lie in [0, 1)", e.switch_at)
     if e.loss_every_loop:
         _check(e.prefix_consistent, "elr.loss_every_loop",

@@ -61,6 +61,10 @@ class ELR(RecurrenceOptions):
     loop_gate_lr_scale: float = 1.0
     """`identity_loops`' gates train at `optimizer.lr` × this, undecayed (their own optimizer group): a short run
     can let them open as far as a long one would"""
+    loop_fade_steps: int = 0
+    """`identity_loops`: the loops past the first fade in over this many updates after the late switch (from the
+    first update without one): each gate is its learned value plus a ramp from 0 to 1, so the model ends as one
+    whose loops are fully open, having started as the one-loop model; 0: the gates are learned alone"""
     loss_every_loop: bool = False
     """the loss at the exit of every loop 1..k of a slot (their mean), not k's alone; needs `conditioning_budget
     = false` or no conditioning"""

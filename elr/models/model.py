@@ -203,6 +203,13 @@ class ELRModel(nn.Module):
     def route_replay(self, on: bool) -> None:
         self.recurrent.route_replay = on
 
+    @torch.no_grad()
+    def set_loop_fade(self, value: float) -> None:
+        """The loop gates' scheduled part (identity_loops; elr.loop_fade_steps): 0 keeps every loop past
+        the first where its learned gate has it, 1 opens each by one more."""
+        if self.recurrent.loop_gates is not None:
+            self.recurrent.loop_gates.fade.fill_(value)
+
     def record_loop_statistics(self, on: bool) -> None:
         """Whether forward records the per-loop statistics `loop_statistics` reports (for the metrics)."""
         self.recurrent.record_statistics = on

@@ -86,17 +86,26 @@ class AdaptiveStep(nn.Module):
 class LoopGates(nn.Module):
     """γ_i for loops i = 2..K, one per channel, zero at init: loop i moves the state by γ_i times what its
     update rule proposes, so a loop past the first starts as the identity and opens as training finds it
-    useful (the growth of Net2Net and ReZero: the grown network computes what the smaller one did)."""
+    useful (the growth of Net2Net and ReZero: the grown network computes what the smaller one did).
+
+    γ_i = weight_i + fade: `fade` is a scalar the trainer raises from 0 to 1 after a late switch
+    (elr.loop_fade_steps) and that stays in the checkpoint, so a model read at any step computes what it
+    trained; 0 without a fade."""
 
     def __init__(self, max_loops: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(max_loops - 1, dim))
+        self.register_buffer("fade", torch.zeros(()))
 
     def init_weights(self):
         nn.init.zeros_(self.weight)
+        self.fade.zero_()
+
+    def gate(self, i: int) -> torch.Tensor:
+        return self.weight[i - 2] + self.fade
 
     def forward(self, s: torch.Tensor, s_next: torch.Tensor, i: int) -> torch.Tensor:
-        return torch.lerp(s, s_next, self.weight[i - 2].to(s_next.dtype))
+        return torch.lerp(s, s_next, self.gate(i).to(s_next.dtype))
 
 
 class LoopConditioning(nn.Module):
@@ -355,7 +364,7 @@ class RecurrentBlock(nn.Module):
         if self.conditioning is not None and self.conditioning.gate and films[0] is not None:
             shared["film_gate_mean"] = torch.stack([1 + film[2].float().mean() for film in films]).mean()
         if self.loop_gates is not None and i > 1:
-            shared["loop_gate_mean"] = self.loop_gates.weight[i - 2].float().mean()
+            shared["loop_gate_mean"] = self.loop_gates.gate(i).float().mean()
         return parts, shared
 
     def loop_statistics(self) -> list[dict[str, torch.Tensor]]:

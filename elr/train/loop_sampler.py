@@ -175,6 +175,11 @@ class DepthSchedule:
         """The phase of the model after `updates` optimizer steps."""
         return updates >= self.switch_step
 
+    def loop_fade(self, step: int, fade_steps: int) -> float:
+        """The loop gates' fade for update `step` (elr.loop_fade_steps): 0 at the first mixed-depth update (the
+        model the one-loop phase left), rising by 1 / fade_steps an update to 1."""
+        return min(1.0, max(0, step - 1 - self.switch_step) / fade_steps)
+
     def by_rank(self, ks: torch.Tensor) -> torch.Tensor:
         """An update's loop counts laid out as the ranks that run them: [ranks, microbatches], the
         emulated ranks' layout in a process standing in for a cluster."""

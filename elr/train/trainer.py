@@ -449,6 +449,8 @@ class Trainer:
                 while self.step < t.steps:
                     step = self.step + 1
                     start = time.perf_counter()
+                    if cfg.elr.loop_fade_steps:
+                        self.model.set_loop_fade(self.depths.loop_fade(step, cfg.elr.loop_fade_steps))
                     stats = self.train_step(step)
                     seconds = time.perf_counter() - start
                     self.step, self.tokens_seen = step, self.tokens_seen + self._tokens(stats)
