@@ -31,8 +31,9 @@ def scored_positions(starts: list[int], ends: list[int], width: int, device) -> 
 
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logp = logits.float().log_softmax(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, targets[..., None]).squeeze(-1), entropy.detach()
+    with torch.no_grad():  # a metric: no graph over another [tokens x vocab] tensor
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets[..., None]).squeeze(-1), entropy
 
 
 def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
