@@ -8,7 +8,7 @@ import json
 import pytest
 
 from elr.errors import RunWriteFailed
-from elr.train.metrics import MetricsLogger
+from elr.train.metrics import EventFile, MetricsLogger
 from trainer_utils import losses, run
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
@@ -50,3 +50,53 @@ def test_a_full_metrics_disk_saves_a_checkpoint_and_the_resume_is_exact(tmp_path
     monkeypatch.undo()  # space freed
     run(dump, 6, *CKPT)
     assert losses(dump) == {s: loss for s, loss in reference.items() if s != 3}  # bit-exact; step 3's line is lost
+
+
+class FullAt:
+    """A TensorBoard event file on a disk that fills up when the scalars of step `full_at` are written."""
+
+    def __init__(self, file, full_at: int):
+        self.file, self.full_at, self.full = file, full_at, False
+
+    def write(self, data: bytes) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def test_a_full_tensorboard_disk_is_one_line_after_a_checkpoint_and_the_resume_is_exact(tmp_path, monkeypatch, capfd):
+    """TensorBoard's events are written where the step is logged: a failure is the metrics.jsonl line (naming
+    the event file), never a writer thread's traceback with the run going on."""
+    tensorboard = [*CKPT, "--metrics.enable_tensorboard", "true"]
+    reference = run(tmp_path / "reference", 6, *tensorboard)
+
+    opened, scalars = EventFile.__init__, EventFile.add_scalars
+
+    def on_a_filling_disk(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        self.file = FullAt(self.file, full_at=3)
+
+    def fills_at(self, values, step):
+        self.file.full = step >= self.file.full_at
+        scalars(self, values, step)
+
+    monkeypatch.setattr(EventFile, "__init__", on_a_filling_disk)
+    monkeypatch.setattr(EventFile, "add_scalars", fills_at)
+    dump = tmp_path / "run"
+    with pytest.raises(RunWriteFailed, match=r"^metrics: could not write \S*/tb/events\.out\.tfevents\.\S* at step 3 "
+                                             r"\(No space left on device\); saved checkpoint step-3 in \S+; the same "
+                                             r"command resumes"):
+        run(dump, 6, *tensorboard)
+    assert "Traceback" not in capfd.readouterr().err  # no writer thread died
+    assert (dump / "checkpoint" / "step-3").is_dir()
+    assert sorted(losses(dump)) == [1, 2]  # metrics.jsonl holds the steps TensorBoard holds
+
+    monkeypatch.undo()  # space freed
+    run(dump, 6, *tensorboard)
+    assert losses(dump) == {s: loss for s, loss in reference.items() if s != 3}  # bit-exact
