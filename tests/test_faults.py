@@ -1,8 +1,9 @@
-"""Faults during a run: a write of the run's own files that fails for space or permission stops the
-run after a checkpoint, in one line saying what failed and what was kept, and the same command then
-resumes exactly."""
+"""Faults during a run: a write of the run's own files (metrics.jsonl, TensorBoard, the export at the end)
+that fails for space or permission stops the run after a checkpoint, in one line saying what failed and
+what was kept, and the same command then resumes exactly (or writes the missing export)."""
 
 import errno
+import importlib.util
 import json
 
 import pytest
@@ -100,3 +101,45 @@ def test_a_full_tensorboard_disk_is_one_line_after_a_checkpoint_and_the_resume_i
     monkeypatch.undo()  # space freed
     run(dump, 6, *tensorboard)
     assert losses(dump) == {s: loss for s, loss in reference.items() if s != 3}  # bit-exact
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("safetensors") is None, reason='needs safetensors (pip install -e ".[hf]")')
+def test_a_full_disk_during_the_final_export_keeps_the_checkpoint_and_the_same_command_writes_it(tmp_path, monkeypatch):
+    from elr.interop import hf_export
+
+    export = [*CKPT, "--checkpoint.export_dtype", "float32", "--checkpoint.export_format", "hf"]
+    dump = tmp_path / "run"
+    monkeypatch.setattr(hf_export, "write_tokenizer", no_space)  # the weights are written by then
+    with pytest.raises(RunWriteFailed, match=r"^export: could not write \S*/step-2-hf \(No space left on device\); the "
+                                             r"partial export was removed; checkpoint step-2 in \S+ is kept; the same "
+                                             r"command writes the export once the folder can be written$"):
+        run(dump, 2, *export)
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]  # no step-2-hf(.tmp)
+    metrics = (dump / "metrics.jsonl").read_bytes()
+
+    monkeypatch.undo()  # space freed
+    run(dump, 2, *export)
+    assert (dump / "checkpoint" / "step-2-hf" / "model.safetensors").is_file()
+    assert (dump / "metrics.jsonl").read_bytes() == metrics  # no step redone
+
+
+def test_a_full_disk_during_the_dcp_model_export_removes_the_partial_folder(tmp_path, monkeypatch):
+    """The model export written through DCP: its failure arrives wrapped in DCP's CheckpointException."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from elr.checkpoint import storage
+
+    class FullDisk(HuggingFaceStorageWriter):
+        def write_data(self, plan, planner):
+            no_space()
+
+    monkeypatch.setattr(storage, "tensor_writer", lambda folder: FullDisk(str(folder), save_distributed=True))
+    dump = tmp_path / "run"
+    with pytest.raises(RunWriteFailed, match=r"^export: could not write \S*/step-2-model \(No space left on device\); "
+                                             r"the partial export was removed; checkpoint step-2 in \S+ is kept"):
+        run(dump, 2, *CKPT, "--checkpoint.export_dtype", "bfloat16")
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]
