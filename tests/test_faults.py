@@ -8,9 +8,11 @@ import json
 
 import pytest
 
+from elr.config import load_config
 from elr.errors import RunWriteFailed
 from elr.train.metrics import EventFile, MetricsLogger
-from trainer_utils import losses, run
+from elr.train.resume import finished_step
+from trainer_utils import DEBUG_TOML, losses, overrides, run
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
 
@@ -120,11 +122,14 @@ def test_a_full_disk_during_the_final_export_keeps_the_checkpoint_and_the_same_c
         run(dump, 2, *export)
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]  # no step-2-hf(.tmp)
     metrics = (dump / "metrics.jsonl").read_bytes()
+    cfg = load_config(DEBUG_TOML, overrides(dump, 2, *export))
+    assert finished_step(cfg) is None  # train.py does not call the run finished: its export is missing
 
     monkeypatch.undo()  # space freed
     run(dump, 2, *export)
     assert (dump / "checkpoint" / "step-2-hf" / "model.safetensors").is_file()
     assert (dump / "metrics.jsonl").read_bytes() == metrics  # no step redone
+    assert finished_step(cfg) == 2
 
 
 def test_a_full_disk_during_the_dcp_model_export_removes_the_partial_folder(tmp_path, monkeypatch):
