@@ -50,5 +50,6 @@ class FolderInUse(UserError):
 
 
 class RunWriteFailed(UserError):
-    """A file of the run (metrics, config.json) could not be written (no space, no permission): the run
-    stopped after a checkpoint where it could save one, so the same command resumes once it can write."""
+    """A file of the run (metrics.jsonl, TensorBoard's events, config.json, the export at the end) could not
+    be written (no space, no permission): the run stopped after a checkpoint where it could save one, so the
+    same command resumes (or writes the missing export) once it can write."""

@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.exit is not None and args.loops is not None and max(args.loops) < 2:
         p.error("--exit stops each token's loops early: it needs a cap of at least 2 loops (drop --loops for K)")
+    if args.memory is not None and args.memory < 1:
+        p.error(f"--memory takes a token count of at least 1, not {args.memory}")
+    if not -(2**63) <= args.seed < 2**64:  # what torch's generator takes
+        p.error(f"--seed must lie in -2^63..2^64-1, not {args.seed}")
     if (args.chat or args.messages) and args.checkpoint:
         return chat_main(args)
     if args.memory is not None and args.flavor:

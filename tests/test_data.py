@@ -158,6 +158,28 @@ def split_parts(path: Path, eot_id: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
+def test_files_that_are_not_utf8_are_one_line_naming_the_file(tmp_path, capsys):
+    """A config, a text file and a chat file in another encoding (Latin-1 here): one line naming the file,
+    nothing written."""
+    from elr.config import load_config
+    from elr.errors import ConfigError
+
+    latin1 = "café".encode("latin-1")
+    (tmp_path / "job.toml").write_bytes(b'[job]\ndescription = "' + latin1 + b'"\n')
+    with pytest.raises(ConfigError, match=r"job\.toml is not valid TOML \(.utf-8. codec can.t decode"):
+        load_config(tmp_path / "job.toml")
+    prepare_data = script("prepare_data")
+    (tmp_path / "notes.txt").write_bytes(latin1 + b"\n")
+    (tmp_path / "chat.jsonl").write_bytes(b'{"prompt": "' + latin1 + b'", "completion": "x"}\n')
+    for name, fmt in (("notes.txt", "text"), ("chat.jsonl", "chat")):
+        out = tmp_path / f"out-{fmt}"
+        argv = ["--format", fmt, "--tokenizer", str(TOKENIZER), "--out", str(out), str(tmp_path / name)]
+        assert prepare_data.main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{name}: not valid UTF-8" in err[0], err
+        assert not out.exists() or not any(out.iterdir())
+
+
 def test_prepare_data_tail_split(tmp_path):
     out = tmp_path / "tail"
     result = prepare("--out", str(out), "--split", "tail", "--val-fraction", VAL_FRACTION,

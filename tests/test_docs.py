@@ -38,12 +38,35 @@ def test_the_readme_is_short_begins_with_the_two_commands_and_links_every_page()
     assert pages <= linked, sorted(pages - linked)
 
 
+def anchors(page) -> set[str]:
+    """The anchors GitHub gives a Markdown page's headings: lower case, punctuation dropped (an em dash
+    between two spaces leaves two hyphens), spaces as hyphens; a repeated heading gets -1, -2, ..."""
+    found, fenced = set(), False
+    for line in page.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if fenced or not (m := re.match(r"#{1,6} +(.+?) *#*$", line)):
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1))  # a link in a heading: its text
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in found:
+            n += 1
+            anchor = f"{slug}-{n}"
+        found.add(anchor)
+    return found
+
+
 def test_every_relative_link_of_the_docs_resolves():
+    """Every relative link's file exists, and a link to a heading of a Markdown page (`LOG.md#2026-12-05--...`)
+    names one the page has."""
     broken = []
     for page in PAGES:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-            path = target.split("#")[0]
-            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+            path, _, anchor = target.partition("#")
+            if re.match(r"[a-z]+:", path):
+                continue
+            linked = page.parent / path if path else page
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, broken
 

@@ -90,6 +90,36 @@ def test_greedy_generate_is_this_packages_decoder(export, hf):
                 assert row[:len(want)] == want, (k, kv)
 
 
+def test_generate_and_forward_print_no_deprecation(hf):
+    """The cache travels under `cache`, transformers' current name: neither generate (greedy, sampling, beam
+    search, the dict it returns) nor forward logs a line or raises a warning about `past_key_values`."""
+    import logging
+    import warnings
+
+    hf_model, hf_tokenizer = hf
+    batch = hf_tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("transformers")  # its own handler; records do not reach the root logger
+    logging.Logger.warning_once.cache_clear()  # a line an earlier test printed would not print again
+    library.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf_model.generate(**batch, max_new_tokens=3, loops=2)
+            hf_model.generate(**batch, max_new_tokens=3, loops=2, do_sample=True, kv="last_loop")
+            hf_model.generate(**batch, max_new_tokens=3, num_beams=2)
+            out = hf_model.generate(**batch, max_new_tokens=3, return_dict_in_generate=True)
+            assert out.cache is not None
+            with torch.no_grad():
+                hf_model(**batch, loops=2)
+    finally:
+        library.removeHandler(handler)
+    said = [r.getMessage() for r in records] + [str(w.message) for w in caught]
+    assert not [m for m in said if "past_key_values" in m or "deprecat" in m.lower()], said
+
+
 def test_beam_search_with_the_cache_equals_beam_search_without(hf):
     hf_model, hf_tokenizer = hf
     batch = hf_tokenizer(PROMPTS, return_tensors="pt", padding=True)

@@ -7,24 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from elr.config import ELR
-from elr.models import build_model, flavors
 from elr.train.optimizer import param_groups
-from trainer_utils import model_args
+from trainer_utils import looped_model as make, token_batch as tokens
 
-BASE = flavors["task_gpt"]  # 1/2/1, attention + SwiGLU: small and exact on CPU
 # koi4b.toml's recurrence: FiLM from the budget on the output block only, the state norm, the learned step
 RECIPE = dict(conditioning=True, conditioning_first_loop=False, conditioning_later_loops=False, conditioning_exit=True, state_norm=True)
-
-
-def make(seed=0, **options) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = build_model(model_args(BASE, max_seq_len=32, **{"max_loops": 3, "update": "adaptive_delta", **options}))
-    model.init_weights()
-    return model
-
-
-def tokens(B=2, T=12, seed=1):
-    return torch.randint(0, BASE.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()

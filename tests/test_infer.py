@@ -105,6 +105,8 @@ def test_sampling_rules():
     top_p = float(probs[1] + probs[3]) - 1e-3  # tokens 1 and 3 are needed to reach it
     draws = {sample(logits, Sampling(temperature=1.0, top_p=top_p), g).item() for _ in range(200)}
     assert draws == {1, 3}
+    for tiny in (Sampling(temperature=1e-300), Sampling(temperature=1.0, top_p=1e-50)):  # both 0 in float32
+        assert sample(logits, tiny, g).item() == 1  # the most likely token, not a NaN distribution
 
 
 def test_generate_batch_matches_single_prompts_and_stops():

@@ -107,6 +107,16 @@ def test_generate_refuses_what_the_machine_cannot_hold_or_sample_in_one_line(tra
     assert len(err) == 1 and re.search(message, err[0]), err
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--seed", str(10**23), "--seed must lie in -2^63..2^64-1, not 100000000000000000000000"),
+    ("--memory", "-5", "--memory takes a token count of at least 1, not -5"),
+])
+def test_generate_refuses_a_seed_or_token_count_out_of_range(trained, capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exit:
+        script("generate").main(["--checkpoint", str(trained / "step-2"), flag, value])
+    assert exit.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(message)
+
+
 @pytest.mark.slow
 def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys):
     base = tmp_path / "base"

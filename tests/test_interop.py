@@ -312,6 +312,22 @@ def test_a_failed_export_leaves_nothing(model_and_export, tmp_path, monkeypatch)
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_during_the_scripts_export_is_one_line_and_leaves_nothing(trained, tmp_path, monkeypatch, capsys):
+    """safetensors reports a failed write as its own error, "(os error 28)": named as the disk's."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    before = sorted(p.name for p in trained.iterdir())
+    assert script("export_hf").main(["--checkpoint", str(trained / "step-2"), "--out", str(tmp_path / "hf")]) == 2
+    assert one_error_line(capsys.readouterr().err) == (f"export_hf: error: export: could not write {tmp_path / 'hf'} "
+                                                       "(No space left on device); the partial export was removed")
+    assert list(tmp_path.iterdir()) == [] and sorted(p.name for p in trained.iterdir()) == before
+
+
 def test_a_malformed_export_config_is_one_error(model_and_export, tmp_path):
     _, _, folder = model_and_export
     bad = tmp_path / "bad"

@@ -6,23 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from elr.models import build_model, flavors
 from elr.models.layers import Layer
-from trainer_utils import model_args
+from trainer_utils import looped_model as make, token_batch as tokens
 
-BASE = flavors["task_gpt"]  # 1/2/1, attention + SwiGLU: small and exact on CPU
 LAYER_INIT = Layer.init_weights
-
-
-def make(seed=0, **options) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = build_model(model_args(BASE, max_seq_len=32, **{"max_loops": 3, "update": "adaptive_delta", **options}))
-    model.init_weights()
-    return model
-
-
-def tokens(B=2, T=12, seed=1):
-    return torch.randint(0, BASE.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def same_weights(src, dst):

@@ -1,4 +1,5 @@
-"""Shared helpers for the end-to-end trainer tests: a tiny debug job, run in-process or as a script."""
+"""Shared helpers for the end-to-end trainer tests: a tiny debug job, run in-process or as a script; and a
+small looped model with a batch of tokens for the tests of recurrence options."""
 
 import dataclasses
 import json
@@ -8,8 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from elr.config import load_config
 from elr.config.recurrence import names as recurrence_names
+from elr.models import build_model, flavors
 from elr.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +35,23 @@ def model_args(base, **changes):
     the rest are ModelArgs fields."""
     options = {k: changes.pop(k) for k in list(changes) if k in recurrence_names()}
     return dataclasses.replace(base, **changes).with_recurrence(**options)
+
+
+LOOPED_BASE = flavors["task_gpt"]  # 1/2/1, attention + SwiGLU: small and exact on CPU
+
+
+def looped_model(seed=0, **options) -> torch.nn.Module:
+    """LOOPED_BASE at K = 3 with the learned step, 32 positions, `options` on top; initialised from `seed`."""
+    torch.manual_seed(seed)
+    model = build_model(model_args(LOOPED_BASE, max_seq_len=32, **{"max_loops": 3, "update": "adaptive_delta",
+                                                                   **options}))
+    model.init_weights()
+    return model
+
+
+def token_batch(B=2, T=12, seed=1) -> torch.Tensor:
+    """[B, T] token ids of LOOPED_BASE's vocabulary, from `seed`."""
+    return torch.randint(0, LOOPED_BASE.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def overrides(dump: Path, steps: int, *extra: str) -> list[str]:

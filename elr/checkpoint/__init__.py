@@ -20,6 +20,7 @@ from elr.checkpoint.format import (
     check_sizes,
     committed_files,
     committed_steps,
+    export_path,
     first_nonfinite,
     hash_files,
     latest_step,
@@ -31,11 +32,12 @@ from elr.checkpoint.format import (
     write_marker,
 )
 from elr.checkpoint.storage import SHARD, VALUES, Stored, dcp_note, load_model_export, load_module, save_plain
-from elr.checkpoint.storage import split_state, tensor_writer, write_values
+from elr.checkpoint.storage import split_state, tensor_writer, write_failure, write_values
 
 __all__ = [
     "CONFIG", "CONVERT", "FORMAT", "MARKER", "SHARD", "STEP_DIR", "Stored", "VALUES", "check_format", "check_hashes",
-    "check_keys", "check_sizes", "committed_files", "committed_steps", "dcp_note", "first_nonfinite", "hash_files",
-    "latest_step", "load_model_export", "load_module", "marker_or_reason", "read_config", "read_marker",
-    "save_plain", "split_state", "step_folders", "tensor_writer", "verify", "write_marker", "write_values",
+    "check_keys", "check_sizes", "committed_files", "committed_steps", "dcp_note", "export_path", "first_nonfinite",
+    "hash_files", "latest_step", "load_model_export", "load_module", "marker_or_reason", "read_config", "read_marker",
+    "save_plain", "split_state", "step_folders", "tensor_writer", "verify", "write_failure", "write_marker",
+    "write_values",
 ]

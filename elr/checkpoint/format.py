@@ -242,6 +242,11 @@ def marker_or_reason(folder: Path, step: int) -> dict | str:
         return e.reason
 
 
+def export_path(folder: Path, step: int, export_format: str) -> Path:
+    """Where the model export at the end of a run goes (`checkpoint.export_format`: dcp or hf)."""
+    return folder / f"step-{step}-{'hf' if export_format == 'hf' else 'model'}"
+
+
 def latest_step(folder: str | Path) -> int | None:
     """The newest committed checkpoint in `folder` whose marker and sizes hold, or None: what a resume
     tries first (reads the folder; no collectives, no hashing)."""

@@ -56,8 +56,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from elr.checkpoint import CONFIG, STEP_DIR, Stored, check_hashes, check_keys, committed_files, committed_steps
-from elr.checkpoint import first_nonfinite, hash_files, latest_step, marker_or_reason, read_config, save_plain
-from elr.checkpoint import split_state, step_folders, tensor_writer, write_marker, write_values
+from elr.checkpoint import export_path, first_nonfinite, hash_files, latest_step, marker_or_reason, read_config
+from elr.checkpoint import save_plain
+from elr.checkpoint import split_state, step_folders, tensor_writer, write_failure, write_marker, write_values
 from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir, set_aside
 from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.interop import write_export
@@ -187,18 +188,28 @@ class CheckpointManager:
 
         Shards are gathered one tensor at a time (a collective) onto rank 0's CPU, which writes a
         plain set of full tensors: `load_model_export` reads it into any module, no process group.
+        A write that fails (no space, no permission) removes `step-{N}-model.tmp` and is one line.
         """
-        final = self.folder / f"step-{step}-model"
+        final = export_path(self.folder, step, "dcp")
         tmp = final.with_name(final.name + ".tmp")
         full = self._full_tensors(model, dtype)
 
         def write() -> None:  # rank 0
             claim_tmp(tmp)
-            save_plain(full, tmp)
-            if self.config is not None:
-                (tmp / CONFIG).write_text(json.dumps(self.config, indent=2))
-            write_marker(tmp, step, hash_files(tmp, committed_files(tmp)))
-            replace_dir(tmp, final)
+            try:
+                save_plain(full, tmp)
+                if self.config is not None:
+                    (tmp / CONFIG).write_text(json.dumps(self.config, indent=2))
+                write_marker(tmp, step, hash_files(tmp, committed_files(tmp)))
+                replace_dir(tmp, final)
+            except (Exception, CheckpointException) as e:
+                why = write_failure(e)
+                if why is None:
+                    raise
+                if made_here(tmp):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(f"export: could not write {final} ({why}); the partial export was "
+                                      "removed") from None
 
         self._rank0_or_raise(write)
         return final
@@ -206,11 +217,10 @@ class CheckpointManager:
     def export_hf(self, step: int, model: nn.Module, args, tokenizer, dtype: torch.dtype) -> Path:
         """Write the model as a Hugging Face folder `step-{N}-hf/` (elr/interop/hf_export.py: safetensors,
         config.json, tokenizer.json, remote code), gathered like `export_model`; rank 0 writes."""
-        final = self.folder / f"step-{step}-hf"
+        final = export_path(self.folder, step, "hf")
         full = self._full_tensors(model, dtype)
-        if self._rank == 0:
-            write_export(full, args, self.config or {}, tokenizer, final, dtype=dtype, overwrite=True)
-        self._barrier()
+        self._rank0_or_raise(lambda: write_export(full, args, self.config or {}, tokenizer, final, dtype=dtype,
+                                                  overwrite=True))
         return final
 
     def _full_tensors(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -76,6 +76,20 @@ def tensor_writer(folder: Path) -> HuggingFaceStorageWriter:
     return HuggingFaceStorageWriter(str(folder), save_distributed=True)
 
 
+def write_failure(error: BaseException) -> str | None:
+    """Why a write failed for space or permission ("No space left on device"), from the OSError that is
+    `error`, that DCP's CheckpointException wraps, or that safetensors reports as "(os error N)"; None
+    for any other error (a bug, which keeps its traceback)."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    for failure in getattr(error, "failures", {}).values():  # DCP: {rank: (exception, traceback)}
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, OSError):
+            return cause.strerror or str(cause)
+    code = re.search(r"\(os error (\d+)\)", str(error))
+    return os.strerror(int(code[1])) if code else None
+
+
 def save_plain(state_dict: dict[str, Any], folder: Path) -> None:
     """Write a whole state dict from this process alone (no process group): an export, a conversion."""
     tensors, values = split_state(state_dict)

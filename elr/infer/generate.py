@@ -39,7 +39,10 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     its distribution's CDF, instead of the generator's (draws that do not depend on how rows are batched)."""
     if sampling.temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / sampling.temperature
+    # Each row's largest logit becomes 0 before the division: a temperature below float32's range (1e-300
+    # is 0 there) then leaves the largest at 0 and the others at -inf (greedy in effect), never NaN.
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(sampling.temperature, torch.finfo(torch.float32).tiny)
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -48,6 +51,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens ranked above it already hold top_p; the first always stays.
         drop = probs.cumsum(-1) - probs >= sampling.top_p
+        drop[:, 0] = False  # a top_p below float32's range (1e-50 is 0 there) would drop every token
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
     if uniforms is None:

@@ -10,7 +10,7 @@
           README.md                   the model card: how to load it
 
 The folder is written beside `out` as `out.tmp` and renamed when complete: a failed export leaves
-nothing half-written. An `out.tmp` this code did not make (it lacks the marker file an export writes
+nothing half-written (a write that fails for space or permission is one CheckpointError line). An `out.tmp` this code did not make (it lacks the marker file an export writes
 first) is refused and left as it is; so is an existing `out` (with `overwrite`, only an ELR export is
 replaced). Weights are stored under "model." (the wrapper's name for the ELR model).
 """
@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-from elr.text.chat import CHAT_TEMPLATE
+from elr.checkpoint.storage import write_failure
 from elr.errors import CheckpointError
 from elr.interop.hf_config import CONFIG, hf_config, is_export
 from elr.interop.hf_hashes import seal
 from elr.interop.hf_tokenizer import write_tokenizer
 from elr.interop.hf_weights import DEFAULT_MAX_SHARD_BYTES, write_weights
 from elr.models.args import ModelArgs
+from elr.text.chat import CHAT_TEMPLATE
 from elr.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("elr")
@@ -101,8 +102,11 @@ def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict
     ranks = Path(tokenizer.source)
     config = hf_config(args, job, loops=loops, kv=kv, dtype=str(dtype).removeprefix("torch."),
                        eot_id=tokenizer.eot_id, tokenizer=RANKS if ranks.is_file() else tokenizer.source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = claim_tmp(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = claim_tmp(out)
+    except OSError as e:
+        raise CheckpointError(f"export: could not write {out} ({e.strerror or e}); nothing was written") from None
     try:
         write_weights({PREFIX + k: v.detach().to(dtype) for k, v in state_dict.items()}, tmp, max_shard_bytes)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
@@ -121,9 +125,12 @@ def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        why = write_failure(e) if isinstance(e, Exception) else None
+        if why is None:
+            raise
+        raise CheckpointError(f"export: could not write {out} ({why}); the partial export was removed") from None
     return out
 
 
@@ -141,5 +148,9 @@ def claim_tmp(out: Path) -> Path:
         tmp.mkdir()
     except FileExistsError:
         raise CheckpointError(f"{tmp} appeared meanwhile: is another export to {out} running?") from None
-    (tmp / PARTIAL).write_text("an ELR export being written; removed when it completes\n")
+    try:
+        (tmp / PARTIAL).write_text("an ELR export being written; removed when it completes\n")
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp

@@ -22,7 +22,6 @@ anything is allocated); `save_pretrained` writes the hashes of what it saves.
 from __future__ import annotations
 
 import copy
-import inspect
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +41,6 @@ from elr.models import ELRModel, build_model
 from elr.models.attention import rope_table
 from elr.models.ffn import MoE
 
-# the model input generate carries the cache in: `cache` from transformers 5.24, `past_key_values` before
-CACHE_NAME = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
-    else "past_key_values"
 # generate() options this model refuses rather than ignores: name -> why
 REFUSED = {
     "assistant_model": "assisted decoding rolls the cache back, which the ELR cache cannot do",
@@ -71,11 +67,11 @@ class ELRConfig(PretrainedConfig):
 
 @dataclass
 class ELROutput(ModelOutput):
-    """The cache goes under CACHE_NAME, the name generate hands to the next step."""
+    """The cache goes under `cache`, the name generate hands to the next step (transformers >= 5.24, which
+    the hf extra requires; `past_key_values`, its name before, is deprecated there)."""
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     cache: ELRCache | None = None
-    past_key_values: ELRCache | None = None
 
 
 @dataclass
@@ -186,10 +182,9 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids, attention_mask=None, labels=None, loops=None, cache=None, use_cache=None,
                 elr_decode: DecodePlan | None = None, return_dict=None, output_attentions=None,
-                output_hidden_states=None, past_key_values=None):
+                output_hidden_states=None):
         """Logits of `input_ids` at `loops` (default config.loops); with `labels`, the next-token loss.
         Inside generate (`elr_decode` set) each step continues the cache the first step built."""
-        cache = cache if cache is not None else past_key_values  # its name before transformers 5.24
         if output_attentions or output_hidden_states:
             raise ValueError("ELR models return logits only (no attentions or hidden states)")
         if return_dict is False:
@@ -198,12 +193,12 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
             if cache is None:
                 if attention_mask is not None and attention_mask.shape[1] != input_ids.shape[1]:
                     raise RuntimeError("transformers did not hand the cache back to the next step: "
-                                       "elr.interop.hf_model needs transformers >= 5.18")
+                                       "elr.interop.hf_model needs transformers >= 5.25")
                 pad = self._pad(input_ids, attention_mask)
                 cache = ELRCache(InferenceCache(self.model, input_ids.shape[0], elr_decode.capacity,
                                                 elr_decode.loops, elr_decode.kv, pad))
             logits = self.model(input_ids, elr_decode.loops, cache.inference)
-            return ELROutput(logits=logits, **{CACHE_NAME: cache})
+            return ELROutput(logits=logits, cache=cache)
         if cache is not None:
             raise ValueError("ELR models take a cache only inside generate()")
         loops = elr_decode.loops if elr_decode is not None else int(loops or self.config.loops)

@@ -5,6 +5,10 @@ compared line by line by any tool; TensorBoard gets the same scalars under the s
 run continues both: records past the resumed step are dropped first (elr/train/resume.py) and
 TensorBoard purges its events from there, so every step appears once.
 
+Both files are written in the calling thread (`EventFile`, not torch's SummaryWriter, whose writer
+thread dies on a full disk with a traceback while the run goes on): a write that fails for space or
+permission is caught in `MetricsLogger.log`, and the trainer stops after a checkpoint.
+
 What each step reports (FLOPs, throughput, the logging window and the console line) is made in
 elr/train/step_report.py; this module writes it.
 """
@@ -12,9 +16,12 @@ elr/train/step_report.py; this module writes it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
+import socket
+import time
 from pathlib import Path
 
 import torch
@@ -89,7 +96,7 @@ class MetricsLogger:
                  enable_wandb: bool = False, config: dict | None = None):
         self.enabled = rank == 0
         self.failed = ""  # what could not be written, once a write failed: the trainer stops after a save
-        self.writer = None
+        self.events = None
         self.jsonl = None
         self.wandb = None
         if not self.enabled:
@@ -99,13 +106,17 @@ class MetricsLogger:
         if dropped:
             logger.info(f"metrics.jsonl: dropped {dropped} record(s) past step {start_step}, which this run redoes")
         self.jsonl = open(dump_folder / "metrics.jsonl", "a", buffering=1)
-        if enable_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # one run in TensorBoard: events at or past the next step (a killed run's) are purged
-            self.writer = SummaryWriter(str(dump_folder / "tb"), purge_step=start_step + 1 if start_step else 0)
-            if config is not None and not start_step:  # a resume keeps the fresh run's record
-                record_config(self.writer, config)
+        writing = dump_folder / "tb"
+        try:
+            if enable_tensorboard:
+                # one run in TensorBoard: events at or past the next step (a killed run's) are purged
+                self.events = EventFile(writing, purge_step=start_step + 1 if start_step else 0)
+                writing = self.events.path
+                if config is not None and not start_step:  # a resume keeps the fresh run's record
+                    record_config(self.events, config)
+                self.events.flush()
+        except OSError as e:  # the run lock found the folder writable, but the disk may be full
+            self.failed = f"could not write {writing} before step {start_step + 1} ({e.strerror or e})"
         if enable_wandb:
             self.wandb = _wandb_run(dump_folder, config)
 
@@ -113,40 +124,81 @@ class MetricsLogger:
         """TensorBoard scalars, plus one jsonl line holding the scalars and any extra fields."""
         if not self.enabled or self.failed:
             return
+        writing = self.jsonl.name
         try:
-            if self.writer is not None:
-                for name, value in scalars.items():
-                    self.writer.add_scalar(name, value, step)
+            if self.events is not None:
+                writing = self.events.path
+                self.events.add_scalars(scalars, step)
+                writing = self.jsonl.name
             if self.wandb is not None:
                 self.wandb.log(scalars, step=step)
             self.jsonl.write(json.dumps({"step": step, **scalars, **(record or {})}) + "\n")
         except OSError as e:  # a full or read-only disk: not a reason to lose the steps since the last save
-            self.failed = f"could not write {self.jsonl.name} at step {step} ({e.strerror or e})"
+            self.failed = f"could not write {writing} at step {step} ({e.strerror or e})"
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.jsonl is not None:
-            try:
-                self.jsonl.close()
-            except OSError:  # the buffered tail of a disk that is full: the resume drops the torn line
-                pass
+        for file in (self.events, self.jsonl):
+            if file is not None:
+                try:
+                    file.close()
+                except OSError:  # the buffered tail of a disk that is full: the resume redoes those steps
+                    pass
         if self.wandb is not None:
             self.wandb.finish()
 
 
-def record_config(writer, config: dict) -> None:
+class EventFile:
+    """A TensorBoard event file (`events.out.tfevents.*`, the records TensorBoard reads), written in the
+    calling thread: a failed write raises OSError where the step is logged. `purge_step`: TensorBoard
+    drops the events an earlier session wrote at or past it (a resumed run redoes those steps)."""
+
+    _sessions = itertools.count()  # two sessions of one process in one second get two files
+
+    def __init__(self, folder: Path, purge_step: int):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._event, self._record = Event, RecordWriter
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
+                              f"{next(self._sessions)}")
+        self.file = open(self.path, "xb")
+        self.add(Event(wall_time=time.time(), step=purge_step, file_version="brain.Event:2"))
+        self.add(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def add(self, event) -> None:
+        self._record(self.file).write(event.SerializeToString())  # tensorboard's framing (length, CRCs)
+
+    def add_summary(self, summary, step: int) -> None:
+        self.add(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def add_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """One scalar per name at `step`, then a flush: a full disk is found at this step, not later."""
+        from torch.utils.tensorboard.summary import scalar
+
+        for name, value in scalars.items():
+            self.add_summary(scalar(name, value), step)
+        self.flush()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def record_config(events: EventFile, config: dict) -> None:
     """The run's config in TensorBoard: the whole of it as text (TEXT tab), and its keys as hparams
     (HPARAMS tab, runs compared by their settings against their training and validation loss)."""
-    from torch.utils.tensorboard.summary import hparams
+    from torch.utils.tensorboard.summary import hparams, text
 
-    writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
+    events.add_summary(text("config", "```\n" + json.dumps(config, indent=2) + "\n```"), 0)
     flat = {f"{section}.{key}": value if isinstance(value, (int, float, str, bool)) else str(value)
             for section, keys in config.items() if isinstance(keys, dict) for key, value in keys.items()}
     max_loops = config.get("elr", {}).get("max_loops", 1)
     metrics = {"loss/train": 0.0, **{f"val/loss_k{k}": 0.0 for k in range(1, max_loops + 1)}}  # names only
     for summary in hparams(flat, metrics):
-        writer.file_writer.add_summary(summary)
+        events.add_summary(summary, 0)
 
 
 def _wandb_run(dump_folder: Path, config: dict | None):

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from elr.config import recurrence
-from elr.checkpoint import latest_step, read_config, verify
+from elr.checkpoint import export_path, latest_step, read_config, verify
 from elr.config import JobConfig
 from elr.errors import ConfigError, UnusableCheckpoint
 from elr.text.tokenizer import build_tokenizer
@@ -108,6 +108,8 @@ def finished_step(cfg: JobConfig) -> int | None:
     step = latest_step(folder) if c.load_step == -1 else c.load_step
     if step is None or step < cfg.training.steps:
         return None
+    if c.export_dtype != "none" and not export_path(folder, step, c.export_format).exists():
+        return None  # its export failed (a full disk): the trainer loads the step and writes the export
     try:
         marker = verify(folder / f"step-{step}", step)
     except UnusableCheckpoint:

@@ -501,13 +501,21 @@ class Trainer:
         return self.global_batch * self.cfg.training.seq_len
 
     def _export(self) -> Path:
-        """The model weights alone, as checkpoint.export_dtype and export_format ask, after the last step."""
+        """The model weights alone, as checkpoint.export_dtype and export_format ask, after the last step.
+        One that cannot be written (no space, no permission, a foreign folder in the way) leaves no partial
+        export; the checkpoint just saved stays, and the same command writes the export (resume.py)."""
         c = self.cfg.checkpoint
         dtype = getattr(torch, c.export_dtype)
-        if c.export_format == "hf":
-            path = self.checkpointer.export_hf(self.step, self.model, self.model_args, self.tokenizer, dtype)
-        else:
-            path = self.checkpointer.export_model(self.step, self.model, dtype)
+        try:
+            if c.export_format == "hf":
+                path = self.checkpointer.export_hf(self.step, self.model, self.model_args, self.tokenizer, dtype)
+            else:
+                path = self.checkpointer.export_model(self.step, self.model, dtype)
+        except CheckpointError as e:
+            kept = (f"checkpoint step-{self.step} in {self.checkpointer.folder} is kept; the same command writes the "
+                    "export once the folder can be written" if c.enable
+                    else "the trained weights are lost (checkpoint.enable is false)")
+            raise RunWriteFailed(f"{e}; {kept}") from None
         logger.info(f"exported model weights ({c.export_dtype}, {c.export_format}) to {path}")
         return path
 
