@@ -227,7 +227,8 @@ def test_a_stage_resumed_mid_way_equals_the_uninterrupted_run(tmp_path, sft_mode
 
 def test_several_updates_per_batch_move_the_ratio_and_dr_grpo_runs(tmp_path, sft_model):
     run = rl_run(tmp_path / "ppo", 1, sft_model, "--rl.updates_per_batch", "3", "--rl.advantage", "dr_grpo",
-                 "--rl.kl_coeff", "0.1", "--rl.loop_credit", "every_loop")
+                 "--rl.kl_coeff", "0.1", "--rl.loop_credit", "every_loop", "--metrics.enable_tensorboard", "true")
+    assert any((tmp_path / "ppo" / "tb").iterdir())  # the samples table beside the scalars
     assert run[1]["rl/kl"] > 0  # after the first update the policy has left the reference
     assert run[1]["rl/clip_frac"] > 0  # lr 1e-2 over three updates moves some ratios past the clip
 

@@ -307,7 +307,6 @@ class RLTrainer(Trainer):
         try:
             with open(path, "a") as f:
                 f.write("\n".join(lines) + "\n")
-            if self.metrics.writer is not None:
-                self.metrics.writer.add_text("rl/samples", "\n\n".join(lines), step)
+            self.metrics.log_text(step, "rl/samples", "\n\n".join(lines))
         except OSError as e:
             self.metrics.failed = f"could not write {path} at step {step} ({e.strerror or e})"

@@ -136,6 +136,18 @@ class MetricsLogger:
         except OSError as e:  # a full or read-only disk: not a reason to lose the steps since the last save
             self.failed = f"could not write {writing} at step {step} ({e.strerror or e})"
 
+    def log_text(self, step: int, name: str, body: str) -> None:
+        """A text record in TensorBoard's TEXT tab (markdown), if it is on."""
+        if not self.enabled or self.failed or self.events is None:
+            return
+        from torch.utils.tensorboard.summary import text
+
+        try:
+            self.events.add_summary(text(name, body), step)
+            self.events.flush()
+        except OSError as e:
+            self.failed = f"could not write {self.events.path} at step {step} ({e.strerror or e})"
+
     def close(self) -> None:
         for file in (self.events, self.jsonl):
             if file is not None:
