@@ -27,7 +27,9 @@ import torch
 from elr.cli import HelpFormatter, argument_type
 from elr.errors import UserError
 from elr.infer.cache import MODES
+from elr.infer.chat import DEFAULT_EXIT
 from elr.models.early_exit import ExitRule
+from elr.serve.scheduler import Engine, Limits
 
 
 def parse_budget(text: str) -> int | str:
@@ -51,14 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--default-loop-budget", type=argument_type(parse_budget),
                    help="k (or auto) of a request that gives no loop_budget (default: the model's K)")
-    p.add_argument("--exit", type=argument_type(ExitRule.parse), default=ExitRule("kl", 0.01), metavar="RULE:THRESHOLD",
-                   help="the exit rule of loop_budget \"auto\" (state:T or kl:T), capped at K (default kl:0.01, "
+    p.add_argument("--exit", type=argument_type(ExitRule.parse), default=DEFAULT_EXIT, metavar="RULE:THRESHOLD",
+                   help=f"the exit rule of loop_budget \"auto\" (state:T or kl:T), capped at K (default {DEFAULT_EXIT}, "
                         "untuned: pick one per model with scripts/evaluate.py --exit)")
-    p.add_argument("--max-concurrent", type=int, default=8, help="choices decoded at a fixed k at once (rows)")
-    p.add_argument("--max-auto", type=int, default=4, help="choices decoded with loop_budget auto at once (0: refuse auto)")
-    p.add_argument("--max-draft", type=int, default=2, help="self-speculative requests at once (0: refuse draft_loops)")
-    p.add_argument("--draft-tokens", type=int, default=4, help="tokens drafted per verifying round")
-    p.add_argument("--max-queued-tokens", type=int, default=65536,
+    p.add_argument("--max-concurrent", type=int, default=Limits.max_concurrent,
+                   help="choices decoded at a fixed k at once (rows)")
+    p.add_argument("--max-auto", type=int, default=Limits.max_auto,
+                   help="choices decoded with loop_budget auto at once (0: refuse auto)")
+    p.add_argument("--max-draft", type=int, default=Limits.max_draft,
+                   help="self-speculative requests at once (0: refuse draft_loops)")
+    p.add_argument("--draft-tokens", type=int, default=Limits.draft_tokens, help="tokens drafted per verifying round")
+    p.add_argument("--max-queued-tokens", type=int, default=Limits.max_queued_tokens,
                    help="prompt + max_tokens of the waiting requests past which a request gets 429")
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (docs/inference.md)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)")
@@ -72,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
         from elr.serve.api import create_app
         from elr.serve.protocol import Served
-        from elr.serve.scheduler import Engine, Limits
     except ImportError as e:
         if (e.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn"):
             raise

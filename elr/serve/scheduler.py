@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elr.infer.chat import DEFAULT_EXIT
 from elr.infer.generate import sample
 from elr.infer.memory import check_fits, human_bytes, inference_state_bytes
 from elr.infer.speculative import SpeculationStats, speculative_rounds
@@ -78,7 +79,6 @@ class DraftLane:
 
     request: Request
     rounds: object = None
-    started: bool = False
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Engine:
     decode: Callable[[list[int]], str]  # token ids -> text (the tokenizer's)
     kv_mode: str = "per_loop"
     limits: Limits = field(default_factory=Limits)
-    exit_rule: ExitRule = field(default_factory=lambda: ExitRule("kl", 0.01))
+    exit_rule: ExitRule = DEFAULT_EXIT  # of loop budget "auto"
 
     def __post_init__(self):
         args = self.model.args
@@ -269,8 +269,9 @@ class Engine:
             with self._lock:
                 self.queued_tokens -= request.cost
             request.seed_generators(self.device)
-            if pool == "draft":
+            if pool == "draft":  # its first round now: the prefill and its first token
                 self.drafts.append(DraftLane(request))
+                self._guarded(request, self._draft_round, self.drafts[-1])
             else:
                 joining[pool].append(request)
         for name, requests in joining.items():
