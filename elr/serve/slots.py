@@ -9,7 +9,8 @@ and its exit rule (which takes one loop count, so "auto" requests have a pool of
 slots ride along as rows of padding: on a CPU a batch costs about what one row does; an engine for
 accelerators would pack the busy rows. When the shared column reaches the capacity, every row's
 columns move left by the padding all rows have (`move_columns`), so each request may use the whole
-context. The memory is fixed at start: rows x one request's state at the full context
+context; they move left too when a row joins while at least half the columns are such padding (every
+step's attention reads all columns). The memory is fixed at start: rows x one request's state at the full context
 (elr/infer/memory.py), plus a prefill's cache while a batch of prompts is read.
 """
 
@@ -46,8 +47,11 @@ class SlotPool:
 
     def join(self, prefill: InferenceCache, prefill_row: int, request, sequence) -> None:
         """Copy a prefilled row into a free slot, moving every row's columns right if it is longer than
-        the columns cached."""
+        the columns cached (and left first when at least half of them are padding to every row: the
+        attention of every step reads all columns)."""
         row = self.free.pop(0)
+        if 2 * self.shared_padding() >= self.cache.length:
+            self.cache.move_columns(-self.shared_padding())
         need = prefill.length - int(prefill.pad[prefill_row])
         if need > self.cache.length:
             self.cache.move_columns(need - self.cache.length)
@@ -61,11 +65,16 @@ class SlotPool:
         self.cache.release_row(row)
         self.free.append(row)
 
+    def shared_padding(self) -> int:
+        """The leading columns no busy row reads (all of them when no row is busy)."""
+        if not self.busy:
+            return self.cache.length
+        return int(self.cache.pad[torch.tensor(list(self.busy), device=self.cache.pad.device)].min())
+
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each busy row its last token: (next-token logits [rows, vocab], the loops each row ran)."""
         if self.cache.length == self.cache.capacity:  # every busy row has room left, so some columns are padding
-            busy = torch.tensor(list(self.busy), device=self.cache.pad.device)
-            self.cache.move_columns(-int(self.cache.pad[busy].min()))
+            self.cache.move_columns(-self.shared_padding())
         device = self.cache.pad.device
         tokens = torch.zeros(self.rows, 1, dtype=torch.long, device=device)
         budgets = torch.full((self.rows,), max(request.loops if self.exit_rule is None else self.loops
