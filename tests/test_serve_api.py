@@ -171,6 +171,7 @@ BAD = [  # (body, status, param)
     ({"model": NAME, "prompt": "a", "logprobs": 50}, 400, "logprobs"),
     ({"model": NAME, "prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": NAME, "prompt": "a", "echo": True}, 400, "echo"),
+    ({"model": NAME, "prompt": "a" * 10**6}, 400, "prompt"),  # refused before it is tokenized
     ({"model": NAME, "prompt": "a", "loop_budget": 2, "draft_loops": 3, "temperature": 0}, 400, "draft_loops"),
     ({"model": NAME, "prompt": "a", "loop_budget": 2, "draft_loops": 1}, 400, "draft_loops"),  # temperature 1
 ]

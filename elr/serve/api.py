@@ -126,7 +126,8 @@ async def stream(engine: Engine, request: Request, queue: asyncio.Queue, shapes:
         while True:
             event = await queue.get()
             if isinstance(event, Delta):
-                yield sse(shapes.chunk(event))
+                if event.text or event.logprobs or event.finish_reason:  # text held back: nothing to send yet
+                    yield sse(shapes.chunk(event))
             elif isinstance(event, Done):
                 if include_usage:
                     yield sse(shapes.usage_chunk())

@@ -27,7 +27,8 @@ from elr.text.chat import check_messages, encode_conversation
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_LOGPROBS = 20  # alternatives per token
 # OpenAI fields this server does not implement: refused unless given at their no-op value
-UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "frequency_penalty": (None, 0),
+UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
+               "frequency_penalty": (None, 0),
                "presence_penalty": (None, 0), "tools": (None, []), "functions": (None, []),
                "response_format": (None, {"type": "text"})}
 
@@ -91,6 +92,23 @@ class Served:
     max_loops: int
     default_loops: int | str  # the budget of a request that gives none (--default-loop-budget)
 
+    def __post_init__(self):
+        # A text of more characters than this is more tokens than the context (no token holds more
+        # bytes than the longest, and a character is at least a byte): refused before it is tokenized.
+        encoding = self.tokenizer.encoding
+        longest = 1
+        for token in range(self.tokenizer.n_vocab):
+            try:
+                longest = max(longest, len(encoding.decode_single_token_bytes(token)))
+            except KeyError:  # an id the vocabulary skips
+                pass
+        self.longest_text = self.context * longest
+
+    def check_length(self, text: str, param: str) -> None:
+        if len(text) > self.longest_text:
+            raise APIError(400, f"the {param} is longer than the model's context of {self.context} tokens", param,
+                           "context_length_exceeded")
+
 
 def check_common(body: Body, served: Served) -> dict:
     """The Request fields every endpoint shares, checked."""
@@ -128,6 +146,7 @@ def completion_request(body: CompletionBody, served: Served) -> Request:
     prompts = []
     for p in prompt:
         if isinstance(p, str):
+            served.check_length(p, "prompt")
             prompts.append([tokenizer.eot_id] + tokenizer.encode(p))  # as documents begin (scripts/generate.py)
         elif not all(0 <= t < tokenizer.n_vocab for t in p):
             raise APIError(400, f"prompt token ids must lie in 0..{tokenizer.n_vocab - 1}", "prompt")
@@ -156,6 +175,7 @@ def chat_request(body: ChatBody, served: Served) -> Request:
         raise APIError(400, str(e), "messages") from None
     if messages[-1]["role"] == "assistant":
         raise APIError(400, "the last message is the assistant's; end with a user message", "messages")
+    served.check_length("".join(m["content"] for m in messages), "messages")
     ids, _ = encode_conversation(messages, served.tokenizer, add_generation_prompt=True)
     if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= MAX_LOGPROBS):
         raise APIError(400, f"top_logprobs needs logprobs true and lies in 0..{MAX_LOGPROBS}", "top_logprobs")
