@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -31,6 +32,9 @@ from pathlib import Path
 import torch
 
 from elr.cli import HelpFormatter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, when loaded by path (tests, elr-* commands)
+from bench import print_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,8 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         table.append([name, tokens, f"{statistics.median(walls):.2f}", f"{rates[name]:.1f}",
                       f"{statistics.mean(ttfts):.0f}", f"{percentile(ttfts, 0.9):.0f}",
                       f"{same}/{len(rows_compared) * len(arm_runs)}"])
-    from bench import print_table
-
     print_table(["arm", "tokens", "wall s", "tokens/s", "TTFT mean ms", "TTFT p90 ms", "same as library"], table)
     concurrent = rates["server, concurrent"]
     print("headline: concurrent / one by one tokens/s = " + ", ".join(

@@ -33,7 +33,7 @@ NEIGHBOURS = [("elr.parallel", "elr.checkpoint"), ("elr.train", "elr.infer"),  #
               ("elr.serve", "elr.train")]
 # the serve extra's packages: only the HTTP side of the server and its command import them
 SERVE_EXTRA = ("fastapi", "starlette", "pydantic", "uvicorn", "openai")
-SERVE_EXTRA_IMPORTERS = ("elr.serve.api", "elr.serve.protocol", "scripts.serve", "scripts.bench")
+SERVE_EXTRA_IMPORTERS = ("elr.serve.api", "elr.serve.protocol", "scripts.serve", "scripts.bench_serve")
 NEVER = {"elr.models": ("torch.distributed",)}
 
 

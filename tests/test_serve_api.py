@@ -346,3 +346,16 @@ def test_the_command_serves_until_stopped(export, tmp_path):
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 0, log.read_text()
     assert "inference state:" in log.read_text()
+
+
+@pytest.mark.slow  # a fresh export, a server and transformers' generate: ~15 s on 2 cores
+def test_the_serving_benchmark_runs_every_arm_with_equal_outputs(capsys):
+    pytest.importorskip("transformers")
+    argv = ["--clients", "2", "--requests", "3", "--new-tokens", "4", "--prompt-tokens", "8", "--context", "64",
+            "--budgets", "1,auto", "--repeats", "1"]
+    assert script("bench_serve").main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split(",")[0].strip(): line.split()[-1] for line in lines if line.strip().startswith(("server", "library",
+                                                                                                       "export"))}
+    assert rows == {"server": "3/3", "library": "3/3", "export": "2/2"}, lines  # auto is not compared on the export
+    assert lines[-1].startswith("headline: concurrent / one by one tokens/s = ")
