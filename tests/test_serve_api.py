@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
