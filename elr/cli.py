@@ -27,6 +27,7 @@ COMMANDS = {
     "elr-study": "scripts/study.py",
     "elr-estimate-cost": "scripts/estimate_cost.py",
     "elr-plan-memory": "scripts/plan_memory.py",
+    "elr-serve": "scripts/serve.py",
 }
 
 

@@ -278,3 +278,59 @@ def test_decoded_loss_in_per_loop_mode_is_the_full_forward_loss_of_the_second_ha
     want = F.cross_entropy(logits.flatten(0, 1), rows[:, seq_len // 2:].flatten()).item()
     assert decoded_loss(model, tokens, seq_len, 3, "per_loop", 3) == pytest.approx(want, rel=1e-5)
     assert decoded_loss(model, tokens, seq_len, 3, "last_loop", 3) != pytest.approx(want, rel=1e-4)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv", "last_loop"])
+def test_rows_that_join_leave_and_move_decode_as_they_would_alone(mode):
+    """A server's cache (elr/serve): requests prefilled on their own join free rows at the shared column,
+    leave, and every row's columns move left and right; each row's logits at every step are those it
+    gets decoded alone at its own k."""
+    model = small_model()
+    prompts, budgets = {"a": [5, 9, 2, 33, 7], "b": [8, 60, 4], "c": [19, 3, 27, 50, 6, 9, 14, 2, 31]}, {"a": 3, "b": 1, "c": 2}
+
+    def fed(name, t):  # the token a request is fed at its decoding step t (teacher forced)
+        return (7 * t + 3 * len(name) + len(prompts[name])) % 60
+
+    def alone(name, steps):
+        prompt, k = prompts[name], budgets[name]
+        cache = InferenceCache(model, 1, len(prompt) + steps, k, mode)
+        logits = [model(torch.tensor([prompt]), k, cache)[0, -1]]
+        logits += [model(torch.tensor([[fed(name, t)]]), k, cache)[0, -1] for t in range(steps)]
+        return torch.stack(logits)
+
+    pool = InferenceCache(model, 3, 16, 3, mode)
+    for row in range(3):
+        pool.release_row(row)
+    rows, got = {}, {name: [] for name in prompts}
+
+    def join(name, row):
+        prefill = InferenceCache(model, 1, len(prompts[name]), 3, mode)
+        got[name].append(model(torch.tensor([prompts[name]]), budgets[name], prefill)[0, -1])
+        if pool.length < len(prompts[name]):
+            pool.move_columns(len(prompts[name]) - pool.length)
+        pool.load_row(row, prefill, 0)
+        rows[name] = row
+
+    def step():
+        tokens, loops = torch.zeros(3, 1, dtype=torch.long), torch.full((3,), 3)
+        for name, row in rows.items():
+            tokens[row, 0], loops[row] = fed(name, len(got[name]) - 1), budgets[name]
+        logits = model(tokens, loops, pool)[:, -1]
+        for name, row in rows.items():
+            got[name].append(logits[row])
+
+    join("a", 1)  # the cache starts empty: the columns move right to hold the prompt
+    step(); step()
+    join("c", 0)  # longer than the 7 columns cached: every row moves right
+    step()
+    pool.release_row(rows.pop("a"))
+    join("b", 2)  # shorter: right-aligned, more padding
+    step()
+    pool.move_columns(-int(pool.pad[[rows["b"], rows["c"]]].min()))  # drop the columns no row reads
+    assert pool.length == len(prompts["c"]) + 2
+    step(); step()
+    for name, logits in got.items():
+        torch.testing.assert_close(torch.stack(logits), alone(name, len(logits) - 1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="would drop cached columns"):
+        pool.move_columns(-1)

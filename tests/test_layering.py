@@ -2,8 +2,9 @@
 
 From the bottom: the kernels (elr_kernels); errors and the console; text and data (elr.text); the
 job config (elr.config); the single-device models; parallelism, checkpoints and the export format side
-by side; training and inference side by side; tools, scripts and train.py on top. A module imports its own layer or lower ones, never its side-by-side
-neighbour; the models never import torch.distributed. Imports inside functions count too. The checker
+by side; training and inference side by side; tools, scripts, train.py and the server on top (the server never
+imports training). A module imports its own layer or lower ones, never its side-by-side neighbour; the models
+never import torch.distributed, and only the server's HTTP side imports the serve extra (fastapi, uvicorn). Imports inside functions count too. The checker
 is also run on planted violations, so it is known to fail when it should.
 """
 
@@ -25,8 +26,14 @@ LAYERS = {
     # the transformers classes of an export (and the remote code that imports them) wrap inference's
     # cache for transformers: on top
     "elr.tools": 7, "elr.cli": 7, "scripts": 7, "train": 7, "elr.interop.remote": 7, "elr.interop.hf_model": 7,
+    # the server: inference and below, never training (its neighbour below, by NEIGHBOURS)
+    "elr.serve": 7,
 }
-NEIGHBOURS = [("elr.parallel", "elr.checkpoint"), ("elr.train", "elr.infer")]  # neither imports the other
+NEIGHBOURS = [("elr.parallel", "elr.checkpoint"), ("elr.train", "elr.infer"),  # neither imports the other
+              ("elr.serve", "elr.train")]
+# the serve extra's packages: only the HTTP side of the server and its command import them
+SERVE_EXTRA = ("fastapi", "starlette", "pydantic", "uvicorn", "openai")
+SERVE_EXTRA_IMPORTERS = ("elr.serve.api", "elr.serve.protocol", "scripts.serve", "scripts.bench_serve")
 NEVER = {"elr.models": ("torch.distributed",)}
 
 
@@ -57,6 +64,8 @@ def violations(sources: dict[str, str]) -> list[str]:
         for name in imported(source):
             if any(name == f or name.startswith(f + ".") for f in NEVER.get(mine, ())):
                 found.append(f"{module} imports {name}")
+            if name.split(".")[0] in SERVE_EXTRA and module not in SERVE_EXTRA_IMPORTERS:
+                found.append(f"{module} imports {name} (the serve extra)")
             theirs = part(name)
             if theirs is None or theirs == mine:
                 continue
@@ -94,6 +103,8 @@ def test_the_rule_finds_planted_violations():
         "elr.text.chat": "from elr.config import JobConfig",
         "elr.interop.hf_import": "from elr.infer.cache import InferenceCache",
         "elr_kernels.gated_delta_product.chunk": "import elr.errors",
+        "elr.serve.scheduler": "from elr.train.trainer import Trainer",
+        "elr.infer.generate": "import fastapi",
     }
     for module, line in planted.items():
         assert module in sources, module

@@ -21,7 +21,7 @@ from elr.models.early_exit import ExitRule
 
 HELP = ("commands: /loops N (the loop count of the next replies; auto: each token picks its depth), "
         "/system TEXT (set the system message), /reset (forget the conversation), /quit")
-DEFAULT_EXIT = ExitRule("kl", 0.01)  # /loops auto without an exit rule given (untuned: pass one per model)
+DEFAULT_EXIT = ExitRule("kl", 0.01)  # /loops auto, and the server's "auto", without a rule given (untuned: pass one per model)
 
 
 def reply(model, tokenizer, messages: list[dict], loops: int, max_new_tokens: int, kv_mode: str = "per_loop",

@@ -21,6 +21,7 @@ speculative output is greedy decoding of the chunked cache: it may differ from p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -51,33 +52,41 @@ def speculative_generate(model, prompts: list[list[int]], loops: int, max_new_to
     """Greedy continuation of each prompt at k = `loops`, drafted at k = `draft_loops`, up to
     `draft_tokens` per round; returns the new tokens per prompt (as `generate` does) and the draft
     statistics. Prompts run one at a time (rows accept different numbers of tokens)."""
+    check_draft(loops, draft_loops, draft_tokens)
+    stats, outputs = SpeculationStats(), []
+    for prompt in prompts:
+        outputs.append([token for gained in speculative_rounds(model, prompt, loops, max_new_tokens, eot_id, kv_mode,
+                                                               draft_loops, draft_tokens, stats) for token in gained])
+    return outputs, stats
+
+
+def check_draft(loops: int, draft_loops: int, draft_tokens: int) -> None:
     if not 1 <= draft_loops <= loops:
         raise ValueError(f"draft loops must lie in 1..{loops} (the verifying k), not {draft_loops}")
     if draft_tokens < 1:
         raise ValueError(f"draft tokens must be at least 1, not {draft_tokens}")
-    stats, outputs = SpeculationStats(), []
-    for prompt in prompts:
-        out, one = _speculate(model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loops, draft_tokens)
-        outputs.append(out)
-        stats.add(one)
-    return outputs, stats
 
 
-def _speculate(model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loops, draft_tokens):
+@torch.no_grad()
+def speculative_rounds(model, prompt: list[int], loops: int, max_new_tokens: int, eot_id: int, kv_mode: str,
+                       draft_loops: int, draft_tokens: int, stats: SpeculationStats) -> Iterator[list[int]]:
+    """One prompt's greedy continuation, a forward round at a time: yields the prefill's token, then
+    after each verifying round the tokens it gained (the accepted drafts and the verifier's own next
+    token), never the end-of-text token; `stats` counts the drafts. A server steps it between other
+    requests' decoding steps (elr/serve)."""
     if not prompt:
         raise ValueError("every prompt needs at least one token")
     device = model.output.weight.device
     cache = InferenceCache(model, 1, len(prompt) + max_new_tokens, loops, kv_mode)
     rewind_by_length = cache.rewind_by_length()
-    stats = SpeculationStats()
     current = int(model(torch.tensor([prompt], device=device), loops, cache)[0, -1].argmax())
-    out = []
-    while current != eot_id:
-        out.append(current)
-        if len(out) == max_new_tokens:
-            break
+    if current == eot_id:
+        return
+    yield [current]
+    count = 1
+    while count < max_new_tokens:
         # Columns: every fed token plus the n drafts stays within prompt + max_new_tokens.
-        n = min(draft_tokens, max_new_tokens - len(out))
+        n = min(draft_tokens, max_new_tokens - count)
         saved = cache.snapshot()
         drafts, token = [], current
         for _ in range(n):
@@ -100,11 +109,13 @@ def _speculate(model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loop
             else:
                 cache.restore(saved)
                 model(torch.tensor([fed[:accepted + 1]], device=device), loops, cache)
-        for token in drafts[:accepted]:
-            if token == eot_id or len(out) == max_new_tokens:
-                return out, stats
-            out.append(token)
-        current = choices[accepted]
-        if len(out) == max_new_tokens:
-            break
-    return out, stats
+        gained = []
+        for token in [*drafts[:accepted], choices[accepted]]:  # the verifier's choice is the next `current`
+            if token == eot_id or count == max_new_tokens:
+                break
+            gained.append(token)
+            count += 1
+        yield gained
+        if len(gained) <= accepted:  # an end-of-text (or the limit) came first
+            return
+        current = gained[-1]

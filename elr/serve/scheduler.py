@@ -1,0 +1,396 @@
+"""The engine: admits requests, decodes every running one a token per step, retires the finished.
+
+Iteration-level scheduling (Orca's; vLLM's continuous batching): between two decoding steps, the
+requests that ended leave their rows and waiting requests take the free rows, prefilled in one batch.
+A step runs at most one decoding forward per slot pool (elr/serve/slots.py): the budget pool, whose
+rows each run their own k, and the adaptive pool ("auto": an exit rule capped at K); and one round of
+each self-speculative request (`draft_loops`, in its own cache, elr/infer/speculative.py). A greedy
+choice decodes token for token as `elr.infer.generate` decodes it alone (the tests hold this).
+
+Limits, checked before anything is allocated: the pools' rows are fixed at start (the memory report
+says how many bytes), and a request waits for rows only while the requests already waiting hold fewer
+than `max_queued_tokens` (prompt plus max_tokens, per choice); past that `submit` raises Busy (HTTP
+429). A closed engine raises Unavailable (503). A fault in one request fails that request only; a fault
+in a pool's forward fails the requests in that pool. `run` drives the engine from a thread of its
+own; the HTTP side only submits, reads events and sets `cancelled`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from elr.infer.chat import DEFAULT_EXIT
+from elr.infer.generate import sample
+from elr.infer.memory import check_fits, human_bytes, inference_state_bytes
+from elr.infer.speculative import SpeculationStats, speculative_rounds
+from elr.models.early_exit import ExitRule
+from elr.serve.sequence import AUTO, Delta, Done, Failed, Request, Sequence, TokenLogprob
+from elr.serve.slots import SlotPool
+
+logger = logging.getLogger("elr")
+
+
+class Refused(ValueError):
+    """A request this engine can never serve (HTTP 400); `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class Busy(Exception):
+    """The queue is full: retry later (HTTP 429)."""
+
+
+class Unavailable(Exception):
+    """The engine is closed or stopped (HTTP 503)."""
+
+
+@dataclass
+class Limits:
+    max_concurrent: int = 8  # rows of the budget pool: choices decoding at a fixed k at once
+    max_auto: int = 4  # rows of the adaptive pool ("auto"); 0: no adaptive requests
+    max_draft: int = 2  # self-speculative requests at once (each its own cache); 0: none
+    max_queued_tokens: int = 65536  # prompt + max_tokens of the waiting requests, past which a request is refused
+    draft_tokens: int = 4  # tokens drafted per verifying round
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    forwards: int = 0  # decoding forwards of the pools
+    max_rows: int = 0  # the most busy rows one decoding forward ran
+    max_budgets: int = 0  # the most distinct loop counts one decoding forward ran
+    tokens: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+
+@dataclass
+class DraftLane:
+    """A self-speculative request: its rounds (a generator over its own cache)."""
+
+    request: Request
+    rounds: object = None
+
+
+@dataclass
+class Engine:
+    model: object
+    eot_id: int
+    decode: Callable[[list[int]], str]  # token ids -> text (the tokenizer's)
+    kv_mode: str = "per_loop"
+    limits: Limits = field(default_factory=Limits)
+    exit_rule: ExitRule = DEFAULT_EXIT  # of loop budget "auto"
+
+    def __post_init__(self):
+        args = self.model.args
+        self.max_loops, self.context = args.recurrence.max_loops, args.max_seq_len
+        self.device = self.model.output.weight.device
+        dtype = self.model.output.weight.dtype
+        rows = self.limits.max_concurrent + self.limits.max_auto + self.limits.max_draft
+        check_fits(args, self.max_loops, self.context, self.kv_mode, dtype, rows, self.device)
+        self.row_bytes = sum(inference_state_bytes(args, self.max_loops, self.context, self.kv_mode, dtype).values())
+        self.pools = {"budgets": SlotPool(self.model, self.limits.max_concurrent, self.max_loops, self.kv_mode)}
+        if self.limits.max_auto:
+            self.pools[AUTO] = SlotPool(self.model, self.limits.max_auto, self.max_loops, self.kv_mode, self.exit_rule)
+        self.drafts: list[DraftLane] = []
+        self.waiting: deque[Request] = deque()  # the engine thread's
+        self.stats = EngineStats()
+        self.queued_tokens = 0
+        self._inbox: list[Request] = []
+        self._lock = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def memory_report(self) -> str:
+        limits = self.limits
+        rows = limits.max_concurrent + limits.max_auto + limits.max_draft
+        return (f"inference state: {rows} rows ({limits.max_concurrent} at a fixed k, {limits.max_auto} auto, "
+                f"{limits.max_draft} drafted) x {human_bytes(self.row_bytes)} each (k={self.max_loops}, {self.context} "
+                f"tokens, {self.kv_mode}) = {human_bytes(rows * self.row_bytes)} at most; drafted rows are "
+                "allocated per request, the others at start")
+
+    # --- the client's side (any thread) ---
+
+    def check(self, request: Request) -> None:
+        """Refused for what this engine can never serve (protocol.py checks the shape of the rest)."""
+        if request.loops == AUTO:
+            if not self.limits.max_auto:
+                raise Refused("this server takes no \"auto\" loop budget (started with --max-auto 0)", "loop_budget")
+        elif not 1 <= request.loops <= self.max_loops:
+            raise Refused(f"loop_budget must lie in 1..{self.max_loops} (the checkpoint's K) or be \"auto\", "
+                          f"not {request.loops}", "loop_budget")
+        if request.draft_loops is not None:
+            if not self.limits.max_draft:
+                raise Refused("this server decodes nothing self-speculatively (started with --max-draft 0)",
+                              "draft_loops")
+            if request.loops == AUTO or request.sampling.temperature > 0 or request.logprobs is not None:
+                raise Refused("draft_loops decodes greedily at one k: give an integer loop_budget, temperature 0 "
+                              "and no logprobs", "draft_loops")
+            if not 1 <= request.draft_loops <= request.loops:
+                raise Refused(f"draft_loops must lie in 1..{request.loops} (the request's loop_budget, which "
+                              f"verifies), not {request.draft_loops}", "draft_loops")
+        if request.max_tokens < 1:
+            raise Refused(f"max_tokens must be at least 1, not {request.max_tokens}", "max_tokens")
+        longest = max(len(p) for p in request.prompts) + request.max_tokens
+        if longest > self.context:
+            raise Refused(f"the prompt plus max_tokens ({longest} tokens) exceed the model's context of "
+                          f"{self.context} tokens", "max_tokens")
+        rows = {"budgets": self.limits.max_concurrent, AUTO: self.limits.max_auto, "draft": 1}[request.pool]
+        if len(request.sequences) > rows:
+            raise Refused(f"{len(request.sequences)} choices (n x prompts) need more rows than the {rows} this "
+                          "server decodes at once", "n")
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (Busy when the queue is full, Unavailable when closed, ValueError when it can
+        never run). Its events go to `request.emit`, called from the engine's thread."""
+        self.check(request)
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the server is shutting down")
+            if self._thread is not None and not self._thread.is_alive():
+                raise Unavailable("the engine has stopped")
+            if self.queued_tokens and self.queued_tokens + request.cost > self.limits.max_queued_tokens:
+                raise Busy(f"{self.queued_tokens} tokens are waiting already (limit {self.limits.max_queued_tokens}); "
+                           "retry later")
+            self.queued_tokens += request.cost
+            self._inbox.append(request)
+            self._lock.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The client is gone: its rows are freed before the next step."""
+        request.cancelled = True
+        with self._lock:
+            self._lock.notify()
+
+    def load(self) -> dict:
+        """What /health reports."""
+        return {"running": sum(len(p.busy) for p in self.pools.values()) + len(self.drafts),
+                "free_rows": {name: len(p.free) for name, p in self.pools.items()},
+                "waiting": len(self.waiting) + len(self._inbox), "queued_tokens": self.queued_tokens}
+
+    # --- the engine's thread ---
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.run, name="elr-serve-engine", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        for request in [*self._inbox, *self.waiting, *self._running()]:
+            self._fail(request, "the server is shutting down", 503)
+
+    def alive(self) -> bool:
+        return not self._closed and (self._thread is None or self._thread.is_alive())
+
+    def run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._inbox and not self.waiting and not self._running():
+                    self._lock.wait()
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug outside the per-request guards: say so, keep serving the others
+                logger.exception("serve: engine step failed")
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One iteration: drop cancelled requests, decode a token for every running choice, admit."""
+        self.stats.steps += 1
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        for request in [r for r in [*self.waiting, *self._running()] if r.cancelled]:
+            self._drop(request)
+            self.stats.cancelled += 1
+        for pool in self.pools.values():
+            if pool.busy:
+                self._decode(pool)
+        for lane in list(self.drafts):
+            self._guarded(lane.request, self._draft_round, lane)
+        self._admit()
+
+    def _running(self) -> list[Request]:
+        requests = {id(r): r for pool in self.pools.values() for r, _ in pool.busy.values()}
+        requests.update({id(lane.request): lane.request for lane in self.drafts})
+        return list(requests.values())
+
+    def _decode(self, pool: SlotPool) -> None:
+        try:
+            logits, loops = pool.step()
+        except Exception as e:  # the pool's forward: its requests fail, the other pools go on
+            logger.exception("serve: a decoding forward failed")
+            for request in {id(r): r for r, _ in pool.busy.values()}.values():
+                self._fail(request, f"decoding failed: {e}")
+            return
+        busy = list(pool.busy.items())
+        self.stats.forwards += 1
+        self.stats.max_rows = max(self.stats.max_rows, len(busy))
+        self.stats.max_budgets = max(self.stats.max_budgets, len({int(loops[row]) for row, _ in busy}))
+        for row, (request, sequence) in busy:
+            sequence.loops += int(loops[row])
+            sequence.fed += 1
+            if not request.finished:
+                self._guarded(request, self._next_token, request, sequence, logits[row], pool)
+
+    def _admit(self) -> None:
+        """Waiting requests take free rows, first come first served within each pool; each pool's new
+        prompts are read in one prefill."""
+        joining: dict[str, list[Request]] = {name: [] for name in self.pools}
+        blocked = set()
+        for request in list(self.waiting):
+            pool = request.pool
+            if pool in blocked:
+                continue
+            if pool == "draft":
+                fits = len(self.drafts) < self.limits.max_draft
+            else:
+                fits = len(self.pools[pool].free) >= len(request.sequences) + \
+                    sum(len(r.sequences) for r in joining[pool])
+            if not fits:
+                blocked.add(pool)
+                continue
+            self.waiting.remove(request)
+            with self._lock:
+                self.queued_tokens -= request.cost
+            request.seed_generators(self.device)
+            if pool == "draft":  # its first round now: the prefill and its first token
+                self.drafts.append(DraftLane(request))
+                self._guarded(request, self._draft_round, self.drafts[-1])
+            else:
+                joining[pool].append(request)
+        for name, requests in joining.items():
+            if requests:
+                self._prefill(self.pools[name], requests)
+
+    def _prefill(self, pool: SlotPool, requests: list[Request]) -> None:
+        try:
+            rows = [(request, i) for request in requests for i in range(len(request.prompts))]
+            logits, cache = pool.prefill([request.prompts[i] for request, i in rows],
+                                         [request.loops if request.loops != AUTO else pool.loops for request, _ in rows])
+        except Exception as e:
+            if len(requests) > 1:  # find the one that fails: each alone
+                for request in requests:
+                    self._prefill(pool, [request])
+            else:
+                logger.exception("serve: a prefill failed")
+                self._fail(requests[0], f"reading the prompt failed: {e}")
+            return
+        for row, (request, i) in enumerate(rows):
+            for sequence in request.sequences[i * request.n:(i + 1) * request.n]:
+                if not request.finished:
+                    self._guarded(request, self._first_token, pool, cache, row, request, sequence, logits[row])
+
+    def _first_token(self, pool: SlotPool, cache, row: int, request: Request, sequence: Sequence,
+                     logits: torch.Tensor) -> None:
+        pool.join(cache, row, request, sequence)
+        self._next_token(request, sequence, logits, pool)
+
+    def _next_token(self, request: Request, sequence: Sequence, logits: torch.Tensor, pool: SlotPool | None) -> None:
+        """Sample a choice's next token from its logits [vocab], release its text, end it if done."""
+        token = int(sample(logits[None], request.sampling, sequence.generator)[0])
+        logprobs = [self._logprob(logits, token, request.logprobs)] if request.logprobs is not None else []
+        if token == self.eot_id:
+            self._add(request, sequence, [], pool, ended=True, logprobs=[])
+        else:
+            self._add(request, sequence, [token], pool, ended=False, logprobs=logprobs)
+
+    def _add(self, request: Request, sequence: Sequence, tokens: list[int], pool: SlotPool | None, ended: bool,
+             logprobs: list[TokenLogprob]) -> None:
+        """Append tokens to a choice (stopping at max_tokens), emit its new text; `ended`: it hit the end of text."""
+        room = request.max_tokens - len(sequence.tokens)
+        sequence.tokens += tokens[:room]
+        sequence.logprobs += logprobs[:room]
+        self.stats.tokens += len(tokens[:room])
+        full = len(sequence.tokens) == request.max_tokens
+        text, stopped = sequence.release(self.decode, request.stop, final=ended or full)
+        reason = "stop" if ended or stopped else "length" if full else None
+        if reason is not None:
+            sequence.finish_reason = reason
+            if pool is not None and sequence.row is not None:
+                pool.leave(sequence.row)
+        self._emit(request, Delta(sequence.index, text, logprobs, reason))
+        if all(s.finish_reason for s in request.sequences) and not request.finished:
+            request.finished = True
+            self.stats.finished += 1
+            self._emit(request, Done())
+
+    @staticmethod
+    def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        logp = logits.float().log_softmax(-1)
+        best = logp.topk(top) if top else None
+        alternatives = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+        return TokenLogprob(token, float(logp[token]), alternatives)
+
+    def _draft_round(self, lane: DraftLane) -> None:
+        request = lane.request
+        sequence = request.sequences[0]
+        if lane.rounds is None:
+            request.draft_stats = SpeculationStats()
+            lane.rounds = speculative_rounds(self.model, sequence.prompt, request.loops, request.max_tokens,
+                                             self.eot_id, self.kv_mode, request.draft_loops,
+                                             self.limits.draft_tokens, request.draft_stats)
+        gained = next(lane.rounds, None)
+        if gained is None:  # it ended at an end-of-text
+            self._add(request, sequence, [], None, ended=True, logprobs=[])
+        else:
+            sequence.loops += request.loops * len(gained)
+            sequence.fed += len(gained)
+            self._add(request, sequence, gained, None, ended=False, logprobs=[])
+        if request.finished:
+            self.drafts.remove(lane)
+
+    # --- ending a request ---
+
+    def _guarded(self, request: Request, fn, *args) -> None:
+        """Run one request's part of a step; a fault there fails that request only."""
+        try:
+            fn(*args)
+        except Exception as e:
+            logger.exception("serve: request %s failed", request.id)
+            self._fail(request, f"{type(e).__name__}: {e}")
+
+    def _emit(self, request: Request, event) -> None:
+        try:
+            request.emit(event)
+        except Exception:  # the client's side is gone (its event loop closed): free its rows
+            request.cancelled = True
+
+    def _drop(self, request: Request) -> None:
+        """Free whatever the request holds, wherever it is."""
+        request.finished = True
+        if request in self.waiting:
+            self.waiting.remove(request)
+            with self._lock:
+                self.queued_tokens -= request.cost
+        with self._lock:
+            if request in self._inbox:
+                self._inbox.remove(request)
+                self.queued_tokens -= request.cost
+        for pool in self.pools.values():
+            for sequence in request.sequences:
+                if sequence.row is not None and pool.busy.get(sequence.row, (None,))[0] is request:
+                    pool.leave(sequence.row)
+        self.drafts = [lane for lane in self.drafts if lane.request is not request]
+
+    def _fail(self, request: Request, message: str, status: int = 500) -> None:
+        if request.finished:
+            return
+        self._drop(request)
+        self.stats.failed += 1
+        self._emit(request, Failed(message, status))
