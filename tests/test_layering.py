@@ -2,8 +2,8 @@
 
 From the bottom: the kernels (elr_kernels); errors and the console; text and data (elr.text); the
 job config (elr.config); the single-device models; parallelism, checkpoints and the export format side
-by side; training and inference side by side; tools, scripts, train.py and the server on top (the server never
-imports training). A module imports its own layer or lower ones, never its side-by-side neighbour; the models
+by side; training and inference side by side; tools, scripts, train.py, the server and the RLVR stage on top (the
+server never imports training, and it and the RLVR stage never import each other). A module imports its own layer or lower ones, never its side-by-side neighbour; the models
 never import torch.distributed, and only the server's HTTP side imports the serve extra (fastapi, uvicorn). Imports inside functions count too. The checker
 is also run on planted violations, so it is known to fail when it should.
 """
@@ -28,9 +28,12 @@ LAYERS = {
     "elr.tools": 7, "elr.cli": 7, "scripts": 7, "train": 7, "elr.interop.remote": 7, "elr.interop.hf_model": 7,
     # the server: inference and below, never training (its neighbour below, by NEIGHBOURS)
     "elr.serve": 7,
+    # the RLVR stage: training and inference both (its rollouts decode through elr.infer); only train.py
+    # and scripts import it, and it never imports the server
+    "elr.rl": 7,
 }
 NEIGHBOURS = [("elr.parallel", "elr.checkpoint"), ("elr.train", "elr.infer"),  # neither imports the other
-              ("elr.serve", "elr.train")]
+              ("elr.serve", "elr.train"), ("elr.serve", "elr.rl")]
 # the serve extra's packages: only the HTTP side of the server and its command import them
 SERVE_EXTRA = ("fastapi", "starlette", "pydantic", "uvicorn", "openai")
 SERVE_EXTRA_IMPORTERS = ("elr.serve.api", "elr.serve.protocol", "scripts.serve", "scripts.bench_serve")
