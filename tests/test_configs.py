@@ -6,18 +6,25 @@ from pathlib import Path
 import pytest
 
 from elr.config import load_config
+from elr.config.recurrence import names as recurrence_names
 from elr.train.loop_sampler import LoopSampler
 
 from trainer_utils import ROOT
 
 CONFIGS = ROOT / "train_configs"
+# The recurrence's options: they build the network, so every stage of one model keeps them (frozen on resume).
+FROZEN = [f"elr.{name}" for name in recurrence_names()]
 # (config, K, one-loop override, switch): Table 3's "synchronized, 15% override" for GPT-0.5B;
 # Table 6's "10% one-loop rank override" for the 4B/30B hybrids; no late switch (README, "Late switch":
 # it cost the recommended recipe its one-loop parity on the study's text).
 PRODUCTION = [("gpt_0p5b.toml", 5, 0.15, 0.0), ("gdp_hybrid_4b.toml", 4, 0.1, 0.0), ("koi4b.toml", 4, 0.1, 0.0),
               ("gdp_hybrid_30b_a3b.toml", 4, 0.1, 0.0), ("koi4b_sft.toml", 4, 0.1, 0.0)]
 # A later stage starts from its own run's checkpoint: the baseline's stage from the baseline's run.
-FROM_OWN_RUN = {"koi4b_sft.toml"}
+FROM_OWN_RUN = {"koi4b_sft.toml", "koi4b_rlvr.toml"}
+# The RLVR stage draws its k per group (4:1:1:1, no override): not the pretraining recipe's sampling.
+WITH_BASELINE = [name for name, *_ in PRODUCTION] + ["koi4b_rlvr.toml"]
+# Runs for a CPU: the quick start, its SFT, and the RLVR demo's two stages.
+CPU_RUNS = {"debug.toml", "sft_debug.toml", "sft_arith_debug.toml", "debug_rlvr.toml"}
 
 
 def flat(path: Path) -> dict:
@@ -26,9 +33,8 @@ def flat(path: Path) -> dict:
 
 
 def test_every_production_config_is_listed_here_with_a_baseline():
-    shipped = {p.name for p in CONFIGS.glob("*.toml")} - {"debug.toml", "koi4b_midtrain.toml", "sft_debug.toml"}
-    assert shipped == {name for name, *_ in PRODUCTION} | {name.replace(".toml", "_baseline.toml")
-                                                           for name, *_ in PRODUCTION}
+    shipped = {p.name for p in CONFIGS.glob("*.toml")} - CPU_RUNS - {"koi4b_midtrain.toml"}
+    assert shipped == set(WITH_BASELINE) | {name.replace(".toml", "_baseline.toml") for name in WITH_BASELINE}
 
 
 @pytest.mark.parametrize("name, max_loops, override, switch_at", PRODUCTION)
@@ -52,7 +58,7 @@ def test_production_configs_run_the_recommended_recipe(name, max_loops, override
     assert (ks[~override_ranks] == ks[~override_ranks][0]).all()  # no rank waits for another's loops
 
 
-@pytest.mark.parametrize("name", [name for name, *_ in PRODUCTION])
+@pytest.mark.parametrize("name", WITH_BASELINE)
 def test_baseline_differs_from_its_elr_config_only_in_elr_keys(name):
     elr, baseline = flat(CONFIGS / name), flat(CONFIGS / name.replace(".toml", "_baseline.toml"))
     differ = {key for key in elr if elr[key] != baseline[key]}
@@ -94,3 +100,23 @@ def test_sft_debug_fine_tunes_the_quick_start_model():
     assert {k: sft[k] for k in same} == {k: debug[k] for k in same}
     assert Path(sft["checkpoint.initial_load_path"]) == Path(debug["job.dump_folder"]) / debug["checkpoint.folder"]
     assert sft["data.path"] == "data/chat"
+
+
+def test_koi4b_rlvr_continues_sft_with_its_recurrence_and_the_papers_rlvr_loop_counts():
+    """Table 6, stage 4: 200 steps, k drawn 4:1:1:1, from SFT's last step; the recurrence (frozen on a
+    resume, and what the SFT model was built with) unchanged."""
+    sft, rl = flat(CONFIGS / "koi4b_sft.toml"), flat(CONFIGS / "koi4b_rlvr.toml")
+    assert {k: rl[k] for k in FROZEN} == {k: sft[k] for k in FROZEN}
+    assert (rl["rl.enable"], rl["training.steps"], rl["elr.loop_weights"], rl["elr.one_loop_override"]) == (
+        True, 200, [4.0, 1.0, 1.0, 1.0], 0.0)
+    final = Path(sft["job.dump_folder"]) / sft["checkpoint.folder"] / f"step-{sft['training.steps']}"
+    assert Path(rl["checkpoint.initial_load_path"]) == final and rl["model.flavor"] == sft["model.flavor"]
+    p1 = LoopSampler(4, "stratified", 0.0, rl["elr.loop_weights"]).p_one_loop()
+    assert p1 == pytest.approx(4 / 7)  # the paper's p1 ~ 0.57
+
+
+def test_the_rlvr_demo_starts_from_its_sft_run_with_the_same_model():
+    sft, rl = flat(CONFIGS / "sft_arith_debug.toml"), flat(CONFIGS / "debug_rlvr.toml")
+    assert {k: rl[k] for k in FROZEN} == {k: sft[k] for k in FROZEN} and rl["model.flavor"] == sft["model.flavor"]
+    assert Path(rl["checkpoint.initial_load_path"]) == Path(sft["job.dump_folder"]) / sft["checkpoint.folder"]
+    assert rl["tokenizer.path"] == sft["tokenizer.path"] and rl["rl.prompts"] == "arithmetic"
