@@ -112,6 +112,8 @@ def test_full_ac_grows_with_k_by_about_one_layer_input_per_recurrent_call():
     ("koi4b_midtrain.toml", [], True),  # 256K over CP 8: fits through the chunked loss alone
     ("koi4b_midtrain.toml", ["--training.loss_chunk_tokens", "0"], False),
     ("koi4b_sft.toml", [], True),  # 8192-token conversation rows, FSDP 8, AC full
+    ("koi4b_rlvr.toml", [], True),  # 128 rollouts per rank of 8192 tokens through the last-loop KV cache
+    ("koi4b_rlvr.toml", ["--rl.rollout_kv", "per_loop", "--training.global_batch_size", "4096"], False),
 ])
 def test_plan_verdicts_of_shipped_configs(config, overrides, fits):
     result = subprocess.run(
@@ -160,3 +162,23 @@ def test_planned_optimizer_bytes_are_what_a_step_allocates(name):
     allocated = sum(v.numel() * v.element_size() for state in optimizer.state.values()
                     for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
     assert plan_memory(cfg, args, 1, 80).optimizer == allocated
+
+
+def test_the_rlvr_stage_plans_its_rollout_peak_from_the_inference_state():
+    """The generating peak: this rank's completions' cache (elr/infer/memory.py's formula) and a decoding
+    step's logits instead of gradients and activations; it grows with the batch and the cache mode."""
+    from elr.infer.memory import inference_state_bytes
+    from elr.models.from_config import model_args_from_config
+    from elr.tools.memory_plan import plan_memory
+
+    base = ["--rl.enable", "true", "--rl.prompts", "arithmetic", "--checkpoint.initial_load_path", "x",
+            "--training.seq_len", "64", "--training.global_batch_size", "32", "--elr.max_loops", "4"]
+    plans = {}
+    for mode in ("last_loop_kv", "per_loop"):
+        cfg = load_config(ROOT / "train_configs" / "debug.toml", [*base, "--rl.rollout_kv", mode])
+        args = model_args_from_config(cfg, 8193)
+        plans[mode] = plan = plan_memory(cfg, args, 2, 80)
+        cache = sum(inference_state_bytes(args, 4, 64, mode, torch.float32, batch=16).values())
+        assert plan.rollout_rows == 16 and plan.rollout_cache == cache
+        assert plan.total == max(plan.training_total, plan.rollout_total) and "rollout peak" in plan.report()
+    assert plans["per_loop"].rollout_cache > plans["last_loop_kv"].rollout_cache
