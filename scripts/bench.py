@@ -6,7 +6,7 @@
     python scripts/bench.py replay --flavor study_moe --seq-len 128 --batch 8 --max-loops 4
     python scripts/bench.py sampling --ranks 2 4       # gloo, one thread a rank: what waiting costs
     python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
-    python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-600 --batch 64 --new-tokens 32
+    python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """

@@ -3,6 +3,7 @@ group's k, rank-invariant sampling, exact resume, bad inputs; two ranks against 
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -111,6 +112,38 @@ def test_the_split_and_the_draws_depend_on_the_prompts_and_the_step_alone():
     epoch = [i for step in (1, 2) for i in drawn(10, 0, step, 5)]
     assert sorted(epoch) == list(range(10))  # every prompt once per epoch
     assert not any(is_held_out(from_question(p.messages[0][1], p.answer)) for p in train_prompts[:50])
+
+
+def solve_var_chain(question: str) -> str:
+    """Follow the bindings from the queried name, reading the statements as a table."""
+    *statements, query = question.split(". ")
+    binding = dict(statement.rstrip(".").split(" = ") for statement in statements)
+    name = query.removeprefix("What is ").removesuffix("?")
+    while not name.isdigit():
+        name = binding[name]
+    return name
+
+
+def solve_pointer_chase(question: str) -> str:
+    pattern = r"(.*) Start at (\d+) and follow (\d+) arrows?\. Where do you end\?"
+    arrows, start, hops = re.fullmatch(pattern, question).groups()
+    pi = dict(arrow.rstrip(".").split(" -> ") for arrow in arrows.split(". "))
+    end = start
+    for _ in range(int(hops)):
+        end = pi[end]
+    return end
+
+
+@pytest.mark.parametrize("source, solve", [("var_chain", solve_var_chain), ("pointer_chase", solve_pointer_chase)])
+def test_the_depth_tasks_in_words_have_the_answers_a_solver_finds(source, solve):
+    prompts = load_prompts(source)
+    assert len({p.text for p in prompts}) == len(prompts) == 8192 and prompts == load_prompts(source)
+    for p in prompts[:500]:
+        assert p.answer == solve(p.messages[0][1]), p.messages[0][1]
+    if source == "pointer_chase":  # every difficulty
+        assert {re.search(r"follow (\d)", p.messages[0][1]).group(1) for p in prompts} == {"1", "2", "3", "4"}
+    train_prompts, held = split(prompts)
+    assert train_prompts and held
 
 
 def test_the_cache_modes_of_the_config_are_the_caches():

@@ -196,7 +196,8 @@ def validate(cfg: JobConfig) -> None:
 def _check_rl(cfg: JobConfig) -> None:
     """The RLVR stage's keys (elr/rl), and what the rest of the job must be for it."""
     r, t, e = cfg.rl, cfg.training, cfg.elr
-    _check(r.prompts != "", "rl.prompts", "must name a JSONL file of {\"prompt\", \"answer\"} or `arithmetic`", r.prompts)
+    _check(r.prompts != "", "rl.prompts",
+           "must name a JSONL file of {\"prompt\", \"answer\"}, or `arithmetic`, `var_chain`, `pointer_chase`", r.prompts)
     _check(cfg.checkpoint.initial_load_path != "", "checkpoint.initial_load_path",
            "must name the model the RLVR stage starts from (the SFT stage's checkpoint or export)", "")
     _check(r.group_size >= 2, "rl.group_size", "must be >= 2 (a group's advantages compare its completions)", r.group_size)

@@ -278,8 +278,9 @@ class RL:
     """true: train.py runs the RLVR stage (needs `checkpoint.initial_load_path`, the SFT model) instead of
     next-token prediction on `data.path`"""
     prompts: str = ""
-    """a JSONL file of `{"prompt": text or chat messages, "answer": text}`, or `arithmetic` (sums generated on the
-    fly, as the bundled chat data asks them); 1 prompt in 16 (by a hash of its text) is held out for evaluation"""
+    """a JSONL file of `{"prompt": text or chat messages, "answer": text}`; or built in: `arithmetic` (sums, as the
+    bundled chat data asks them), `var_chain` or `pointer_chase` (the depth-bound tasks in words, 8192 fixed
+    questions each, elr/text/depth_questions.py); 1 prompt in 16 (by a hash of its text) is held out for evaluation"""
     group_size: int = 8
     """completions per prompt (G >= 2: a group's advantages compare its completions)"""
     max_new_tokens: int = 64

@@ -1,8 +1,9 @@
 """The RLVR stage's prompts: questions with reference answers, encoded with the chat template.
 
-Two sources (`rl.prompts`): a JSONL file, one `{"prompt": ..., "answer": ...}` per line, the prompt a
-string (one user turn) or a list of chat messages (a system turn, earlier turns); or `arithmetic`, every
-sum elr/text/arithmetic.py asks. One prompt in HELD_OUT (by a hash of its text) is held out for
+The sources (`rl.prompts`): a JSONL file, one `{"prompt": ..., "answer": ...}` per line, the prompt a
+string (one user turn) or a list of chat messages (a system turn, earlier turns); `arithmetic`, every
+sum elr/text/arithmetic.py asks; or `var_chain` / `pointer_chase`, the depth-bound tasks in words
+(elr/text/depth_questions.py). One prompt in HELD_OUT (by a hash of its text) is held out for
 evaluation, so the split does not depend on the file's order. Each step draws its prompts from (seed,
 step) alone: every epoch is a fresh permutation, and a resumed or resharded run draws the same ones.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from elr.errors import DataError
-from elr.text import arithmetic
+from elr.text import arithmetic, depth_questions
 from elr.text.chat import check_messages, encode_conversation, render
 from elr.text.tokenizer import Tokenizer
 
@@ -47,7 +48,8 @@ def from_question(question: str, answer: str) -> Prompt:
 def read_jsonl(path: Path) -> list[Prompt]:
     """Every line a prompt with its answer; one DataError naming the file and line otherwise."""
     if not path.is_file():
-        raise DataError(f"rl.prompts: {path} is not a file (a JSONL file of {{\"prompt\", \"answer\"}} or `arithmetic`)")
+        raise DataError(f"rl.prompts: {path} is not a file (a JSONL file of {{\"prompt\", \"answer\"}}, or "
+                        "`arithmetic`, `var_chain`, `pointer_chase`)")
     prompts = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -83,6 +85,8 @@ def read_jsonl(path: Path) -> list[Prompt]:
 def load_prompts(source: str) -> list[Prompt]:
     if source == "arithmetic":
         return [from_question(arithmetic.question(terms), str(sum(terms))) for terms in arithmetic.all_sums()]
+    if source in depth_questions.SOURCES:
+        return [from_question(question, answer) for question, answer in depth_questions.questions(source)]
     return read_jsonl(Path(source))
 
 
