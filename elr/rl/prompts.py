@@ -23,6 +23,7 @@ from elr.text.chat import check_messages, encode_conversation, render
 from elr.text.tokenizer import Tokenizer
 
 HELD_OUT = 16
+BUILT_IN = ("arithmetic", *depth_questions.SOURCES)  # the sources `rl.prompts` may name instead of a file
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ def from_question(question: str, answer: str) -> Prompt:
 def read_jsonl(path: Path) -> list[Prompt]:
     """Every line a prompt with its answer; one DataError naming the file and line otherwise."""
     if not path.is_file():
-        raise DataError(f"rl.prompts: {path} is not a file (a JSONL file of {{\"prompt\", \"answer\"}}, or "
-                        "`arithmetic`, `var_chain`, `pointer_chase`)")
+        raise DataError(f"rl.prompts: {path} is not a file (a JSONL file of {{\"prompt\", \"answer\"}}, or one of "
+                        f"{', '.join(BUILT_IN)})")
     prompts = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
