@@ -15,14 +15,25 @@ import logging
 import os
 import sys
 
+
 def main(argv: list[str] | None = None) -> int:
     from elr.config import DEFAULT_CONFIG
     from elr.config.reference import help_text
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=help_text(), allow_abbrev=False)
-    parser.add_argument("--config", "--job.config_file", "--job.config-file", dest="config", default=str(DEFAULT_CONFIG),
-                        help="TOML job config; --job.config_file is torchtitan's name for it (default: %(default)s)")
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=help_text(),
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config",
+        "--job.config_file",
+        "--job.config-file",
+        dest="config",
+        default=str(DEFAULT_CONFIG),
+        help="TOML job config; --job.config_file is torchtitan's name for it (default: %(default)s)",
+    )
     args, overrides = parser.parse_known_args(argv)
 
     rank = int(os.environ.get("RANK", 0))
@@ -33,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     from elr.config import load_config
     from elr.errors import UserError
-    from elr.train.resume import finished_step
-    from elr.train.nonfinite import NonFiniteLossError
-    from elr.train.trainer import Trainer
     from elr.rl.trainer import RLTrainer
+    from elr.train.nonfinite import NonFiniteLossError
+    from elr.train.resume import finished_step
+    from elr.train.trainer import Trainer
 
     # A user's mistake (bad config, missing or mismatched files, unusable checkpoint) is one line and
     # exit code 2; anything else is a bug and keeps its traceback.

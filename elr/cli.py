@@ -37,8 +37,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "%(default)" in text or "default" in text or not action.option_strings or \
-                action.default in (None, False, argparse.SUPPRESS):
+        if (
+            "%(default)" in text
+            or "default" in text
+            or not action.option_strings
+            or action.default in (None, False, argparse.SUPPRESS)
+        ):
             return text
         return text + " (default: %(default)s)"
 
@@ -47,8 +51,11 @@ def run(command: str, argv: list[str] | None = None) -> int:
     """Load the script of `command` from the repository and call its main (argv: sys.argv[1:])."""
     path = REPOSITORY / COMMANDS[command]
     if not path.is_file():
-        print(f"{command}: error: {path} is missing; the commands run the repository's scripts, install it "
-              "with `pip install -e .` from a checkout", file=sys.stderr)
+        print(
+            f"{command}: error: {path} is missing; the commands run the repository's scripts, install it "
+            "with `pip install -e .` from a checkout",
+            file=sys.stderr,
+        )
         return 2
     sys.path.insert(0, str(path.parent))  # scripts import their siblings (train_tokenizer -> prepare_data)
     spec = importlib.util.spec_from_file_location(f"elr_command_{path.stem}", path)
@@ -74,15 +81,16 @@ def _entry(command: str):
 def argument_type(parse):
     """An argparse `type` from a parser that raises ValueError: its message becomes argparse's error
     (argparse shows its own generic one for a ValueError)."""
+
     def convert(text: str):
         try:
             return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     return convert
 
 
 # one function per command, named as pyproject's [project.scripts] refers to it (elr.cli:prepare_data)
 for _command in COMMANDS:
     globals()[_command.removeprefix("elr-").replace("-", "_")] = _entry(_command)
-

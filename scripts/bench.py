@@ -69,13 +69,15 @@ def bench_gdp_cpu(args):
         for x in inputs:
             x.grad = None
 
-    print(f"gated_delta_product fwd+bwd, B={B} T={T} H={H} K={K} V={V} n_h={n_h}, fp32, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"gated_delta_product fwd+bwd, B={B} T={T} H={H} K={K} V={V} n_h={n_h}, fp32, {torch.get_num_threads()} threads"
+    )
     naive = time_call(lambda: step("naive"), repeats=args.naive_repeats)
     chunk = time_call(lambda: step("chunk"), repeats=args.repeats)
-    print_table(["impl", "fwd+bwd ms", "speedup"],
-                [["naive", f"{naive * 1e3:.1f}", "1.0x"],
-                 ["chunk", f"{chunk * 1e3:.1f}", f"{naive / chunk:.1f}x"]])
+    print_table(
+        ["impl", "fwd+bwd ms", "speedup"],
+        [["naive", f"{naive * 1e3:.1f}", "1.0x"], ["chunk", f"{chunk * 1e3:.1f}", f"{naive / chunk:.1f}x"]],
+    )
 
 
 def gdp_inputs(B, T, H, D, n_h, dtype, device):
@@ -127,8 +129,7 @@ def bench_gdp_kernels(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # interpreter: fp32 only
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
-    peak_flops, peak_bytes = next((p for key, p in DEVICE_PEAKS.items() if key in name),
-                                  (None, None))
+    peak_flops, peak_bytes = next((p for key, p in DEVICE_PEAKS.items() if key in name), (None, None))
     try:
         from fla.ops.gated_delta_product import chunk_gated_delta_product as fla_op
     except ImportError:
@@ -156,10 +157,11 @@ def bench_gdp_kernels(args):
         text = f"{work / seconds / unit:.1f}"
         return text + (f" ({100 * work / seconds / peak:.0f}%)" if peak else "")
 
-    print(f"gated_delta_product on {name}, {str(dtype).removeprefix('torch.')} q/k/v, D={D}, "
-          f"n_h={n_h}, median of {repeats}; peaks: "
-          + (f"{peak_flops / 1e12:.0f} TFLOP/s, {peak_bytes / 1e12:.2f} TB/s" if peak_flops
-             else "unknown"))
+    print(
+        f"gated_delta_product on {name}, {str(dtype).removeprefix('torch.')} q/k/v, D={D}, "
+        f"n_h={n_h}, median of {repeats}; peaks: "
+        + (f"{peak_flops / 1e12:.0f} TFLOP/s, {peak_bytes / 1e12:.2f} TB/s" if peak_flops else "unknown")
+    )
     rows = []
     for model, H in models.items():
         for B, T in batches:
@@ -174,14 +176,35 @@ def bench_gdp_kernels(args):
                 both = timed(lambda: call(impl, grads_in).backward(do))
                 times[impl] = fwd, both
                 ratio = [x / t for x, t in zip(times[impl], times["triton"])]
-                rows.append([model, f"{B}x{T}", impl, f"{fwd * 1e3:.2f}",
-                             rate(flops, fwd, peak_flops, 1e12),
-                             rate(gdp_bytes(inputs, False), fwd, peak_bytes, 1e9),
-                             f"{both * 1e3:.2f}", rate(3 * flops, both, peak_flops, 1e12),
-                             rate(gdp_bytes(inputs, True), both, peak_bytes, 1e9),
-                             f"{ratio[0]:.2f}x / {ratio[1]:.2f}x"])
-    print_table(["model", "BxT", "impl", "fwd ms", "TFLOP/s", "GB/s", "fwd+bwd ms", "TFLOP/s",
-                 "GB/s", "time / triton (fwd / both)"], rows)
+                rows.append(
+                    [
+                        model,
+                        f"{B}x{T}",
+                        impl,
+                        f"{fwd * 1e3:.2f}",
+                        rate(flops, fwd, peak_flops, 1e12),
+                        rate(gdp_bytes(inputs, False), fwd, peak_bytes, 1e9),
+                        f"{both * 1e3:.2f}",
+                        rate(3 * flops, both, peak_flops, 1e12),
+                        rate(gdp_bytes(inputs, True), both, peak_bytes, 1e9),
+                        f"{ratio[0]:.2f}x / {ratio[1]:.2f}x",
+                    ]
+                )
+    print_table(
+        [
+            "model",
+            "BxT",
+            "impl",
+            "fwd ms",
+            "TFLOP/s",
+            "GB/s",
+            "fwd+bwd ms",
+            "TFLOP/s",
+            "GB/s",
+            "time / triton (fwd / both)",
+        ],
+        rows,
+    )
 
 
 def bench_model(args):
@@ -213,27 +236,63 @@ def bench_model(args):
     baseline, elr = make(), make(max_loops=K, update="adaptive_delta", conditioning=True)
     n_in, n_rec, n_out = base.partition
     # Interleaved rounds: a burst of load from other processes hits every variant alike.
-    times = interleaved_medians([lambda: step(baseline, 1)] + [lambda k=k: step(elr, k) for k in range(1, K + 1)],
-                                repeats=args.repeats)
+    times = interleaved_medians(
+        [lambda: step(baseline, 1)] + [lambda k=k: step(elr, k) for k in range(1, K + 1)], repeats=args.repeats
+    )
     t_base, t_one = times[0], times[1]
-    results = [{"model": "baseline", "k": 1, "ms": t_base * 1e3, "mflop_per_token":
-                baseline.num_flops_per_token(args.seq_len, 1) / 1e6}]
+    results = [
+        {
+            "model": "baseline",
+            "k": 1,
+            "ms": t_base * 1e3,
+            "mflop_per_token": baseline.num_flops_per_token(args.seq_len, 1) / 1e6,
+        }
+    ]
     for k, t in enumerate(times[1:], start=1):
-        results.append({"model": "ELR", "k": k, "ms": t * 1e3, "vs_baseline": t / t_base, "vs_k1": t / t_one,
-                        # what the time should grow by if every layer cost the same
-                        "layer_ratio": (n_in + k * n_rec + n_out) / (n_in + n_rec + n_out),
-                        "mflop_per_token": elr.num_flops_per_token(args.seq_len, k) / 1e6})
-    print(f"{args.flavor}: fwd+bwd, batch {args.batch} x {args.seq_len} tokens, fp32, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print_table(["model", "k", "ms", "vs baseline", "vs k=1", "layer ratio", "MFLOP/token"], [
-        [r["model"], r["k"], f"{r['ms']:.1f}", f"{r.get('vs_baseline', 1.0):.2f}x",
-         f"{r['vs_k1']:.2f}x" if "vs_k1" in r else "-", f"{r['layer_ratio']:.2f}x" if "layer_ratio" in r else "-",
-         f"{r['mflop_per_token']:.2f}"] for r in results])
-    print(f"headline: ELR k=1 / baseline = {results[1]['vs_baseline']:.3f}; time(k)/time(1) against the layer "
-          "ratio: " + ", ".join(f"k={r['k']} {r['vs_k1']:.2f} vs {r['layer_ratio']:.2f}" for r in results[2:]))
+        results.append(
+            {
+                "model": "ELR",
+                "k": k,
+                "ms": t * 1e3,
+                "vs_baseline": t / t_base,
+                "vs_k1": t / t_one,
+                # what the time should grow by if every layer cost the same
+                "layer_ratio": (n_in + k * n_rec + n_out) / (n_in + n_rec + n_out),
+                "mflop_per_token": elr.num_flops_per_token(args.seq_len, k) / 1e6,
+            }
+        )
+    print(
+        f"{args.flavor}: fwd+bwd, batch {args.batch} x {args.seq_len} tokens, fp32, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats}"
+    )
+    print_table(
+        ["model", "k", "ms", "vs baseline", "vs k=1", "layer ratio", "MFLOP/token"],
+        [
+            [
+                r["model"],
+                r["k"],
+                f"{r['ms']:.1f}",
+                f"{r.get('vs_baseline', 1.0):.2f}x",
+                f"{r['vs_k1']:.2f}x" if "vs_k1" in r else "-",
+                f"{r['layer_ratio']:.2f}x" if "layer_ratio" in r else "-",
+                f"{r['mflop_per_token']:.2f}",
+            ]
+            for r in results
+        ],
+    )
+    print(
+        f"headline: ELR k=1 / baseline = {results[1]['vs_baseline']:.3f}; time(k)/time(1) against the layer "
+        "ratio: " + ", ".join(f"k={r['k']} {r['vs_k1']:.2f} vs {r['layer_ratio']:.2f}" for r in results[2:])
+    )
     if args.json:
-        meta = {"flavor": args.flavor, "batch": args.batch, "seq_len": args.seq_len, "repeats": args.repeats,
-                "threads": torch.get_num_threads(), "torch": torch.__version__}
+        meta = {
+            "flavor": args.flavor,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        }
         Path(args.json).write_text(json.dumps({**meta, "results": results}, indent=2))
         print(f"wrote {args.json}")
 
@@ -249,8 +308,9 @@ def bench_replay(args):
     from elr.train.loop_sampler import LoopSampler
 
     args_ = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len).with_recurrence(
-        max_loops=args.max_loops, update="adaptive_delta", conditioning=True)
-    if not args_.moe_experts or "E" not in args_.layer_pattern[args_.partition[0]:sum(args_.partition[:2])]:
+        max_loops=args.max_loops, update="adaptive_delta", conditioning=True
+    )
+    if not args_.moe_experts or "E" not in args_.layer_pattern[args_.partition[0] : sum(args_.partition[:2])]:
         raise SystemExit(f"bench replay: flavor {args.flavor} has no MoE layer in its recurrent block")
     torch.manual_seed(0)
     model = build_model(args_)
@@ -265,17 +325,23 @@ def bench_replay(args):
             for k in loops:
                 F.cross_entropy(model(tokens, loops=k).flatten(0, 1), tokens.flatten()).backward()
             model.zero_grad(set_to_none=True)
+
         return run
 
     K = args.max_loops
     names = [("dynamic", f"k={K}"), ("replay", f"k={K}"), ("dynamic", "mixed"), ("replay", "mixed")]
-    times = interleaved_medians([update(False, [K]), update(True, [K]), update(False, mixed), update(True, mixed)],
-                                repeats=args.repeats)
-    print(f"{args.flavor}: fwd+bwd, batch {args.batch} x {args.seq_len} tokens, mixed depth = {len(mixed)} "
-          f"microbatches of mean k {sum(mixed) / len(mixed):.2f}, median of {args.repeats}")
+    times = interleaved_medians(
+        [update(False, [K]), update(True, [K]), update(False, mixed), update(True, mixed)], repeats=args.repeats
+    )
+    print(
+        f"{args.flavor}: fwd+bwd, batch {args.batch} x {args.seq_len} tokens, mixed depth = {len(mixed)} "
+        f"microbatches of mean k {sum(mixed) / len(mixed):.2f}, median of {args.repeats}"
+    )
     print_table(["routing", "loops", "ms"], [[n, k, f"{t * 1e3:.1f}"] for (n, k), t in zip(names, times)])
-    print(f"headline: replay / dynamic update time: k={K} {times[1] / times[0] - 1:+.1%}, "
-          f"mixed depth {times[3] / times[2] - 1:+.1%} (paper, 30B-A3B on GPUs: -19.6%, -11.7%)")
+    print(
+        f"headline: replay / dynamic update time: k={K} {times[1] / times[0] - 1:+.1%}, "
+        f"mixed depth {times[3] / times[2] - 1:+.1%} (paper, 30B-A3B on GPUs: -19.6%, -11.7%)"
+    )
 
 
 SAMPLING_MODES = ("synchronized", "independent", "stratified")
@@ -295,8 +361,10 @@ def bench_sampling(args):
 
     for world in args.ranks:
         if world > (os.cpu_count() or 1):
-            print(f"note: {world} ranks on {os.cpu_count()} cores: a waiting rank frees its core for the others, "
-                  "so the ratios understate what waiting costs on one device per rank")
+            print(
+                f"note: {world} ranks on {os.cpu_count()} cores: a waiting rank frees its core for the others, "
+                "so the ratios understate what waiting costs on one device per rank"
+            )
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         port = free_port()
@@ -308,18 +376,40 @@ def bench_sampling(args):
             proc.join()
         step = {m: statistics.median(rows[0]["step"][m]) for m in SAMPLING_MODES}
         per_work = {m: statistics.median(rows[0]["per_work"][m]) for m in SAMPLING_MODES}
-        print(f"{world} ranks x {args.micro} microbatches, {args.flavor} batch {args.batch} x {args.seq_len}, K = "
-              f"{args.max_loops}, 10% override, median of {args.repeats} updates per mode (interleaved)")
+        print(
+            f"{world} ranks x {args.micro} microbatches, {args.flavor} batch {args.batch} x {args.seq_len}, K = "
+            f"{args.max_loops}, 10% override, median of {args.repeats} updates per mode (interleaved)"
+        )
         table = []
         for m in SAMPLING_MODES:
             waits = [r["wait"][m] * 1e3 for r in rows]
-            table.append([m, f"{step[m] * 1e3:.0f}", f"{rows[0]['mean_k'][m]:.2f}", f"{per_work[m] * 1e3:.1f}",
-                          f"{per_work[m] / per_work['synchronized']:.2f}x", f"{rows[0]['expected'][m]:.2f}x",
-                          f"{min(waits):.0f} / {max(waits):.0f}"])
-        print_table(["sampling", "update ms", "mean k", "ms per loop of work", "vs synchronized", "expected wait x",
-                     "ms in collectives per update (min / max rank)"], table)
-        print("headline: time per unit of work against synchronized: " + ", ".join(
-            f"{m} {per_work[m] / per_work['synchronized']:.2f}x" for m in SAMPLING_MODES[1:]))
+            table.append(
+                [
+                    m,
+                    f"{step[m] * 1e3:.0f}",
+                    f"{rows[0]['mean_k'][m]:.2f}",
+                    f"{per_work[m] * 1e3:.1f}",
+                    f"{per_work[m] / per_work['synchronized']:.2f}x",
+                    f"{rows[0]['expected'][m]:.2f}x",
+                    f"{min(waits):.0f} / {max(waits):.0f}",
+                ]
+            )
+        print_table(
+            [
+                "sampling",
+                "update ms",
+                "mean k",
+                "ms per loop of work",
+                "vs synchronized",
+                "expected wait x",
+                "ms in collectives per update (min / max rank)",
+            ],
+            table,
+        )
+        print(
+            "headline: time per unit of work against synchronized: "
+            + ", ".join(f"{m} {per_work[m] / per_work['synchronized']:.2f}x" for m in SAMPLING_MODES[1:])
+        )
 
 
 def bench_speculative(args):
@@ -337,16 +427,28 @@ def bench_speculative(args):
     drafted, stats = speculative_generate(model, prompts, K, new, eot, args.kv, j, n)
     same = sum(a == b for a, b in zip(plain, drafted))
     tokens = sum(len(o) for o in plain)
-    t_plain, t_spec = interleaved_medians([
-        lambda: [generate(model, [p], K, new, eot, args.kv) for p in prompts],
-        lambda: speculative_generate(model, prompts, K, new, eot, args.kv, j, n)], repeats=args.repeats)
-    print(f"greedy decoding at k={K}, kv={args.kv}, {len(prompts)} prompts x up to {new} new tokens, "
-          f"median of {args.repeats}")
-    print_table(["decoding", "tokens/s", "acceptance", "verifying forwards"], [
-        ["plain", f"{tokens / t_plain:.1f}", "-", tokens],
-        [f"draft k={j}, {n} tokens", f"{tokens / t_spec:.1f}", f"{stats.acceptance:.1%}", stats.rounds]])
-    print(f"headline: self-speculative / plain tokens/s = {t_plain / t_spec:.2f}x; {same}/{len(prompts)} "
-          "outputs identical to plain decoding")
+    t_plain, t_spec = interleaved_medians(
+        [
+            lambda: [generate(model, [p], K, new, eot, args.kv) for p in prompts],
+            lambda: speculative_generate(model, prompts, K, new, eot, args.kv, j, n),
+        ],
+        repeats=args.repeats,
+    )
+    print(
+        f"greedy decoding at k={K}, kv={args.kv}, {len(prompts)} prompts x up to {new} new tokens, "
+        f"median of {args.repeats}"
+    )
+    print_table(
+        ["decoding", "tokens/s", "acceptance", "verifying forwards"],
+        [
+            ["plain", f"{tokens / t_plain:.1f}", "-", tokens],
+            [f"draft k={j}, {n} tokens", f"{tokens / t_spec:.1f}", f"{stats.acceptance:.1%}", stats.rounds],
+        ],
+    )
+    print(
+        f"headline: self-speculative / plain tokens/s = {t_plain / t_spec:.2f}x; {same}/{len(prompts)} "
+        "outputs identical to plain decoding"
+    )
 
 
 def bench_rollout(args):
@@ -369,7 +471,7 @@ def bench_rollout(args):
     model, cfg = load_model(args.checkpoint, "cpu")
     model.eval()
     tokenizer = load_tokenizer(cfg)
-    prompts = [p.encode(tokenizer) for p in load_prompts("arithmetic")[:: 97][:args.batch]]
+    prompts = [p.encode(tokenizer) for p in load_prompts("arithmetic")[::97][: args.batch]]
     K, new, eot = args.max_loops, args.new_tokens, tokenizer.eot_id
     with tempfile.TemporaryDirectory() as tmp:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -383,22 +485,38 @@ def bench_rollout(args):
 
         def theirs():
             with torch.no_grad():
-                out = hf.generate(tokens, attention_mask=mask, max_new_tokens=new, do_sample=False, loops=K,
-                                  kv=args.kv, pad_token_id=eot, eos_token_id=eot)
-            return [[t for t in row[tokens.shape[1]:].tolist()] for row in out]
+                out = hf.generate(
+                    tokens,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    do_sample=False,
+                    loops=K,
+                    kv=args.kv,
+                    pad_token_id=eot,
+                    eos_token_id=eot,
+                )
+            return [[t for t in row[tokens.shape[1] :].tolist()] for row in out]
 
         a, b = ours(), theirs()
-        b = [row[:row.index(eot)] if eot in row else row for row in b]
+        b = [row[: row.index(eot)] if eot in row else row for row in b]
         same = sum(x == y for x, y in zip(a, b))
         generated = sum(len(x) for x in a)
         t_ours, t_theirs = interleaved_medians([ours, theirs], repeats=args.repeats)
-    print(f"rollouts at k={K}, kv={args.kv}: {len(prompts)} prompts in one batch, up to {new} new tokens, greedy, "
-          f"median of {args.repeats}")
-    print_table(["decoder", "tokens/s", "seconds"], [
-        ["elr generate (in-process)", f"{generated / t_ours:.1f}", f"{t_ours:.2f}"],
-        ["transformers generate (export)", f"{generated / t_theirs:.1f}", f"{t_theirs:.2f}"]])
-    print(f"headline: in-process / transformers tokens/s = {t_theirs / t_ours:.2f}x; {same}/{len(prompts)} "
-          "completions identical")
+    print(
+        f"rollouts at k={K}, kv={args.kv}: {len(prompts)} prompts in one batch, up to {new} new tokens, greedy, "
+        f"median of {args.repeats}"
+    )
+    print_table(
+        ["decoder", "tokens/s", "seconds"],
+        [
+            ["elr generate (in-process)", f"{generated / t_ours:.1f}", f"{t_ours:.2f}"],
+            ["transformers generate (export)", f"{generated / t_theirs:.1f}", f"{t_theirs:.2f}"],
+        ],
+    )
+    print(
+        f"headline: in-process / transformers tokens/s = {t_theirs / t_ours:.2f}x; {same}/{len(prompts)} "
+        "completions identical"
+    )
 
 
 def _decoding_model_and_prompts(args):
@@ -414,13 +532,17 @@ def _decoding_model_and_prompts(args):
         val = Path(cfg["data"]["path"]) / "val.bin"
         if not cfg["data"].get("task") and val.is_file():
             tokens = read_tokens(val)
-            return model, [tokens[i * 997:i * 997 + args.seq_len].astype("int64").tolist()
-                           for i in range(args.batch)], eot
+            return (
+                model,
+                [tokens[i * 997 : i * 997 + args.seq_len].astype("int64").tolist() for i in range(args.batch)],
+                eot,
+            )
     else:
         from elr.models import build_model, flavors
 
-        model = build_model(flavors[args.flavor].with_recurrence(max_loops=args.max_loops, conditioning=True,
-                                                                 update="adaptive_delta"))
+        model = build_model(
+            flavors[args.flavor].with_recurrence(max_loops=args.max_loops, conditioning=True, update="adaptive_delta")
+        )
         model.init_weights()
         eot = -1
     torch.manual_seed(0)
@@ -442,8 +564,10 @@ def _gather(results, procs) -> list[dict]:
             if dead:
                 for p in procs:
                     p.kill()
-                raise SystemExit(f"bench.py sampling: a rank exited with code {dead[0].exitcode} (out of memory? "
-                                 "try a smaller --batch or --seq-len)")
+                raise SystemExit(
+                    f"bench.py sampling: a rank exited with code {dead[0].exitcode} (out of memory? "
+                    "try a smaller --batch or --seq-len)"
+                ) from None
     return rows
 
 
@@ -467,7 +591,9 @@ def _sampling_rank(rank, world, port, args, results):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model_args = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len).with_recurrence(max_loops=args.max_loops)
+    model_args = dataclasses.replace(flavors[args.flavor], max_seq_len=args.seq_len).with_recurrence(
+        max_loops=args.max_loops
+    )
     torch.manual_seed(0)
     model = build_model(model_args)
     model.init_weights()
@@ -501,14 +627,27 @@ def _sampling_rank(rank, world, port, args, results):
                 per_work[mode].append(elapsed.item() / (ks.double() + fixed).sum(1).mean().item())
                 ks_run[mode].append(ks.double().mean().item())
                 expected[mode].append(wait_factor(ks, fixed))
-    results.put({"rank": rank, "step": step_times, "per_work": per_work, "wait": {m: w / args.repeats for m, w in waits.items()},
-                 "mean_k": {m: statistics.mean(v) for m, v in ks_run.items()},
-                 "expected": {m: statistics.mean(v) for m, v in expected.items()}})
+    results.put(
+        {
+            "rank": rank,
+            "step": step_times,
+            "per_work": per_work,
+            "wait": {m: w / args.repeats for m, w in waits.items()},
+            "mean_k": {m: statistics.mean(v) for m, v in ks_run.items()},
+            "expected": {m: statistics.mean(v) for m, v in expected.items()},
+        }
+    )
     dist.destroy_process_group()
 
 
-BENCHMARKS = {"gdp": bench_gdp, "model": bench_model, "replay": bench_replay, "sampling": bench_sampling,
-              "speculative": bench_speculative, "rollout": bench_rollout}
+BENCHMARKS = {
+    "gdp": bench_gdp,
+    "model": bench_model,
+    "replay": bench_replay,
+    "sampling": bench_sampling,
+    "speculative": bench_speculative,
+    "rollout": bench_rollout,
+}
 
 
 def main():
@@ -519,13 +658,16 @@ def main():
     parser.add_argument("--naive-repeats", type=int, default=2, help="repeats of the slow naive GDP loop")
     parser.add_argument("--flavor", default="debug", help="model: the flavor to time")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences per step")
-    parser.add_argument("--tiny", action="store_true",
-                        help="gdp: the kernel table at tiny shapes (a dry run; CPU interpreter)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="gdp: the kernel table at tiny shapes (a dry run; CPU interpreter)"
+    )
     parser.add_argument("--max-loops", type=int, default=3, help="model: time ELR at k = 1..this")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="sampling: gloo world sizes to time")
     parser.add_argument("--micro", type=int, default=4, help="sampling: microbatches per rank per update")
-    parser.add_argument("--checkpoint", help="speculative, rollout: a checkpoint to decode with (speculative's "
-                        "default: a fresh --flavor)")
+    parser.add_argument(
+        "--checkpoint",
+        help="speculative, rollout: a checkpoint to decode with (speculative's default: a fresh --flavor)",
+    )
     parser.add_argument("--draft-loops", type=int, default=1, help="speculative: the drafting k")
     parser.add_argument("--draft-tokens", type=int, default=4, help="speculative: tokens drafted per round")
     parser.add_argument("--new-tokens", type=int, default=64, help="speculative, rollout: tokens generated per prompt")

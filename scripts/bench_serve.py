@@ -14,7 +14,8 @@ turn), greedy, in this one process, so the ratios between arms are what count:
                        there: transformers has no exit rule; those rows are left out of the comparison)
 The arms run in rounds (each arm once per round, --repeats rounds), so a burst of load from other
 processes falls on all of them; it prints each arm's tokens/s at its median wall time, time to first
-token over every round (mean and 90th percentile) and how many outputs equal the library's. Without --checkpoint the model is the debug flavor (K = 3, conditioning on), initialised and
+token over every round (mean and 90th percentile) and how many outputs equal the library's. Without --checkpoint the
+model is the debug flavor (K = 3, conditioning on), initialised and
 nudged off its identity init, exported to a temporary folder: its text is noise and it seldom ends a
 reply early, so every request decodes --new-tokens tokens.
 """
@@ -47,8 +48,9 @@ def fresh_export(out: Path, context: int) -> Path:
     from elr.text.tokenizer import build_tokenizer
 
     path = ROOT / "data" / "tokenizer" / "elr8k.tiktoken"  # the bundled prose's tokenizer
-    cfg = load_config(ROOT / "train_configs" / "debug.toml", ["--training.seq_len", str(context), "--tokenizer.path",
-                                                              str(path)])
+    cfg = load_config(
+        ROOT / "train_configs" / "debug.toml", ["--training.seq_len", str(context), "--tokenizer.path", str(path)]
+    )
     tokenizer = build_tokenizer(str(path))
     args = model_args_from_config(cfg, tokenizer.n_vocab)
     torch.manual_seed(0)
@@ -65,7 +67,9 @@ def prompts_from_text(tokenizer, count: int, length: int) -> list[str]:
     from elr.infer.evaluate import read_tokens
 
     tokens = read_tokens(ROOT / "data" / "tinyprose" / "val.bin")
-    return [tokenizer.decode(tokens[i * 1009:i * 1009 + length - (i % 3) * length // 6].tolist()) for i in range(count)]
+    return [
+        tokenizer.decode(tokens[i * 1009 : i * 1009 + length - (i % 3) * length // 6].tolist()) for i in range(count)
+    ]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -86,9 +90,15 @@ def run_server_arm(client, model_name: str, requests: list[tuple[str, object]], 
                 return
             prompt, loops = requests[i]
             start, first, text, tokens = time.perf_counter(), None, "", 0
-            for chunk in client.completions.create(model=model_name, prompt=prompt, max_tokens=new_tokens, temperature=0,
-                                                   stream=True, stream_options={"include_usage": True},
-                                                   extra_body={"loop_budget": loops}):
+            for chunk in client.completions.create(
+                model=model_name,
+                prompt=prompt,
+                max_tokens=new_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"loop_budget": loops},
+            ):
                 if chunk.choices:
                     first = first or time.perf_counter()
                     text += chunk.choices[0].text
@@ -162,15 +172,18 @@ def main(argv: list[str] | None = None) -> int:
             return tokenizer.decode(out), len(out), ttft, time.perf_counter() - start
 
         auto = "auto" in budgets
-        limits = Limits(max_concurrent=args.clients, max_auto=args.clients if auto else 0, max_draft=0,
-                        max_queued_tokens=10**9)
+        limits = Limits(
+            max_concurrent=args.clients, max_auto=args.clients if auto else 0, max_draft=0, max_queued_tokens=10**9
+        )
         engine = Engine(model, tokenizer.eot_id, tokenizer.decode, args.kv, limits, rule)
         served = Served("bench", tokenizer, model.args.max_seq_len, K, K)
         with BackgroundServer(create_app(engine, served)) as url:
             client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
-            arms = {"server, concurrent": lambda: run_server_arm(client, "bench", requests, args.new_tokens, args.clients),
-                    "server, one by one": lambda: run_server_arm(client, "bench", requests, args.new_tokens, 1),
-                    "library, one by one": lambda: run_local_arm(library_one, requests)}
+            arms = {
+                "server, concurrent": lambda: run_server_arm(client, "bench", requests, args.new_tokens, args.clients),
+                "server, one by one": lambda: run_server_arm(client, "bench", requests, args.new_tokens, 1),
+                "library, one by one": lambda: run_local_arm(library_one, requests),
+            }
             if not args.skip_export_arm:
                 export_one = export_decoder(folder, tokenizer, K, args.new_tokens, args.kv)
                 arms["export, one by one"] = lambda: run_local_arm(export_one, requests)
@@ -185,10 +198,12 @@ def main(argv: list[str] | None = None) -> int:
 
     want = [r["text"] for r in runs["library, one by one"][0]["results"]]
     compared = [i for i, (_, loops) in enumerate(requests) if loops != "auto"]
-    print(f"{len(requests)} requests, budgets {args.budgets} in turn, ~{args.prompt_tokens}-token prompts, "
-          f"max_tokens {args.new_tokens}, greedy, kv {args.kv}, {args.clients} concurrent clients, "
-          f"{torch.get_num_threads()} torch threads, median of {args.repeats} interleaved rounds; scheduler: up to "
-          f"{stats.max_rows} rows and {stats.max_budgets} loop counts in one forward")
+    print(
+        f"{len(requests)} requests, budgets {args.budgets} in turn, ~{args.prompt_tokens}-token prompts, "
+        f"max_tokens {args.new_tokens}, greedy, kv {args.kv}, {args.clients} concurrent clients, "
+        f"{torch.get_num_threads()} torch threads, median of {args.repeats} interleaved rounds; scheduler: up to "
+        f"{stats.max_rows} rows and {stats.max_budgets} loop counts in one forward"
+    )
     table, rates = [], {}
     for name, arm_runs in runs.items():
         walls = [run["wall"] for run in arm_runs]
@@ -197,21 +212,36 @@ def main(argv: list[str] | None = None) -> int:
         rows_compared = compared if name.startswith("export") else range(len(requests))
         same = sum(run["results"][i]["text"] == want[i] for run in arm_runs for i in rows_compared)
         ttfts = [r["ttft"] * 1e3 for run in arm_runs for r in run["results"]]
-        table.append([name, tokens, f"{statistics.median(walls):.2f}", f"{rates[name]:.1f}",
-                      f"{statistics.mean(ttfts):.0f}", f"{percentile(ttfts, 0.9):.0f}",
-                      f"{same}/{len(rows_compared) * len(arm_runs)}"])
+        table.append(
+            [
+                name,
+                tokens,
+                f"{statistics.median(walls):.2f}",
+                f"{rates[name]:.1f}",
+                f"{statistics.mean(ttfts):.0f}",
+                f"{percentile(ttfts, 0.9):.0f}",
+                f"{same}/{len(rows_compared) * len(arm_runs)}",
+            ]
+        )
     print_table(["arm", "tokens", "wall s", "tokens/s", "TTFT mean ms", "TTFT p90 ms", "same as library"], table)
     concurrent = rates["server, concurrent"]
-    print("headline: concurrent / one by one tokens/s = " + ", ".join(
-        f"{concurrent / rate:.2f}x ({name.split(',')[0]})" for name, rate in rates.items() if name != "server, concurrent"))
+    print(
+        "headline: concurrent / one by one tokens/s = "
+        + ", ".join(
+            f"{concurrent / rate:.2f}x ({name.split(',')[0]})"
+            for name, rate in rates.items()
+            if name != "server, concurrent"
+        )
+    )
     return 0
 
 
 def export_decoder(folder: Path, tokenizer, K: int, new_tokens: int, kv: str):
     """transformers' generate on the export, one request at a time, timing its first token by a streamer."""
-    import elr.interop.hf_model  # noqa: F401  registers the export's classes
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
+
+    import elr.interop.hf_model  # noqa: F401  registers the export's classes
 
     hf_model = AutoModelForCausalLM.from_pretrained(folder)
 
@@ -230,10 +260,16 @@ def export_decoder(folder: Path, tokenizer, K: int, new_tokens: int, kv: str):
     def decode_one(prompt, loops):
         ids = torch.tensor([[tokenizer.eot_id] + tokenizer.encode(prompt)])
         streamer, start = FirstToken(), time.perf_counter()
-        out = hf_model.generate(ids, max_new_tokens=new_tokens, loops=K if loops == "auto" else loops, kv=kv,
-                                do_sample=False, streamer=streamer)[0, ids.shape[1]:].tolist()
+        out = hf_model.generate(
+            ids,
+            max_new_tokens=new_tokens,
+            loops=K if loops == "auto" else loops,
+            kv=kv,
+            do_sample=False,
+            streamer=streamer,
+        )[0, ids.shape[1] :].tolist()
         seconds = time.perf_counter() - start
-        out = out[:out.index(tokenizer.eot_id)] if tokenizer.eot_id in out else out
+        out = out[: out.index(tokenizer.eot_id)] if tokenizer.eot_id in out else out
         return tokenizer.decode(out), len(out), streamer.first - start, seconds
 
     decode_one(tokenizer.decode([1, 2, 3]), 1)  # warm-up

@@ -44,12 +44,21 @@ def run(impl, inputs, n_h, use_state, upcast):
         inputs = [x.float() for x in inputs]
     inputs = [x.requires_grad_() for x in (inputs if use_state else inputs[:5])]
     q, k, v, g, beta, *state = inputs
-    o, final = gated_delta_product(q, k, v, g, beta, num_householder=n_h,
-                                   initial_state=state[0] if state else None,
-                                   output_final_state=True, impl=impl)
+    o, final = gated_delta_product(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        num_householder=n_h,
+        initial_state=state[0] if state else None,
+        output_final_state=True,
+        impl=impl,
+    )
     gen = torch.Generator().manual_seed(1)
-    loss = (o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() \
-        + (final * torch.randn(final.shape, generator=gen).to(o.device)).sum()
+    loss = (o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() + (
+        final * torch.randn(final.shape, generator=gen).to(o.device)
+    ).sum()
     return [o, final, *torch.autograd.grad(loss, inputs)]
 
 
@@ -60,14 +69,21 @@ def relative_error(a, e):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="B=1, T=37, H=2, D=16 (interpreter)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the Triton run, compared with the fp32 naive op")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype of the Triton run, compared with the fp32 naive op",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     B, T, H, D = (1, 37, 2, 16) if args.tiny else (2, 300, 4, 128)
     bound = 1e-4 if dtype == torch.float32 else 1e-2
-    print(f"triton vs fp32 naive: B={B} T={T} H={H} D={D}, {args.dtype} inputs, {device}, "
-          f"bound {bound:g} on |a - e| / |e|")
+    print(
+        f"triton vs fp32 naive: B={B} T={T} H={H} D={D}, {args.dtype} inputs, {device}, "
+        f"bound {bound:g} on |a - e| / |e|"
+    )
     worst = 0.0
     for n_h in (1, 2, 3):
         inputs = make_inputs(B, T, H, D, n_h, dtype, device)
@@ -77,20 +93,29 @@ def main():
             names = NAMES if use_state else NAMES[:-1]
             errors = {n: relative_error(a, e) for n, a, e in zip(names, actual, expected)}
             worst = max(worst, *errors.values())
-            print(f"n_h={n_h} initial_state={use_state!s:5}  "
-                  + "  ".join(f"{n} {err:.1e}" for n, err in errors.items()))
+            print(
+                f"n_h={n_h} initial_state={use_state!s:5}  " + "  ".join(f"{n} {err:.1e}" for n, err in errors.items())
+            )
         # decoding: the one-token kernel, token by token, against the oracle's outputs
         q, k, v, g, beta, state = inputs
-        o_ref, _ = gated_delta_product(*(x.float() for x in (q, k, v, g, beta)),
-                                               num_householder=n_h, initial_state=state,
-                                               impl="naive")
+        o_ref, _ = gated_delta_product(
+            *(x.float() for x in (q, k, v, g, beta)), num_householder=n_h, initial_state=state, impl="naive"
+        )
         S, outputs = state, []
         for t in range(min(T, 64)):
             sub = slice(t * n_h, (t + 1) * n_h)
-            o_t, S = gated_delta_product_step(q[:, t:t + 1], k[:, sub], v[:, sub], g[:, t:t + 1],
-                                              beta[:, sub], S, num_householder=n_h, impl="triton")
+            o_t, S = gated_delta_product_step(
+                q[:, t : t + 1],
+                k[:, sub],
+                v[:, sub],
+                g[:, t : t + 1],
+                beta[:, sub],
+                S,
+                num_householder=n_h,
+                impl="triton",
+            )
             outputs.append(o_t)
-        err = relative_error(torch.cat(outputs, 1), o_ref[:, :len(outputs)])
+        err = relative_error(torch.cat(outputs, 1), o_ref[:, : len(outputs)])
         worst = max(worst, err)
         print(f"n_h={n_h} decode, {len(outputs)} tokens  o {err:.1e}")
     print(f"worst {worst:.1e}: {'ok' if worst <= bound else 'FAILED'}")

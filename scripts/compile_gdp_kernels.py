@@ -30,30 +30,84 @@ def kernels(dtype, D, C):
     opts = dict(num_warps=tc.NUM_WARPS)
     shape = dict(K=D, V=D, C=C)
     return [
-        (tc._prepare_kernel, dict(k=x, v=x, g=f, beta=f, G_out=f, W_out=f, U_out=f, Tinv_out=f,
-                                  **ints), dict(shape, STORE_INVERSE=True, NORM=True), opts),
-        (tc._state_kernel, dict(k=x, G_buf=f, W_buf=f, U_buf=f, initial=f, h_out=f, u_out=f,
-                                final_out=f, **ints, N="i32"),
-         dict(shape, BV=tc.BLOCK_V, HAS_INITIAL=True, NORM=True), opts),
-        (tc._output_kernel, dict(q=x, k=x, G_buf=f, h_buf=f, u_buf=f, o=x, scale="fp32", **ints),
-         dict(shape, BV=tc.BLOCK_V, NORM=True), opts),
-        (tc._state_grad_kernel, dict(q=x, k=x, do=x, G_buf=f, W_buf=f, d_final=f, dh_out=f,
-                                     du_out=f, d_initial=f, scale="fp32", **ints, N="i32"),
-         dict(shape, BV=tc.BLOCK_V, HAS_D_FINAL=True, NORM=True), opts),
-        (tc._chunk_grad_kernel, dict(q=x, k=x, v=x, beta=f, do=x, G_buf=f, W_buf=f, Tinv_buf=f,
-                                     h_buf=f, u_buf=f, dh_buf=f, du_buf=f, dq=x, dk=x, dv=x,
-                                     dbeta=f, dg=f, scale="fp32", **ints),
-         dict(shape, BV=tc.GRAD_BLOCK_V, NORM=True), dict(opts, num_stages=1)),
-        (td._decode_kernel, dict(q=x, k=x, v=x, g=f, beta=f, state=f, new_state=f, o=x,
-                                 scale="fp32", H="i32", n_h="i32"),
-         dict(K=D, V=D, BV=32, NORM=True), {}),
+        (
+            tc._prepare_kernel,
+            dict(k=x, v=x, g=f, beta=f, G_out=f, W_out=f, U_out=f, Tinv_out=f, **ints),
+            dict(shape, STORE_INVERSE=True, NORM=True),
+            opts,
+        ),
+        (
+            tc._state_kernel,
+            dict(k=x, G_buf=f, W_buf=f, U_buf=f, initial=f, h_out=f, u_out=f, final_out=f, **ints, N="i32"),
+            dict(shape, BV=tc.BLOCK_V, HAS_INITIAL=True, NORM=True),
+            opts,
+        ),
+        (
+            tc._output_kernel,
+            dict(q=x, k=x, G_buf=f, h_buf=f, u_buf=f, o=x, scale="fp32", **ints),
+            dict(shape, BV=tc.BLOCK_V, NORM=True),
+            opts,
+        ),
+        (
+            tc._state_grad_kernel,
+            dict(
+                q=x,
+                k=x,
+                do=x,
+                G_buf=f,
+                W_buf=f,
+                d_final=f,
+                dh_out=f,
+                du_out=f,
+                d_initial=f,
+                scale="fp32",
+                **ints,
+                N="i32",
+            ),
+            dict(shape, BV=tc.BLOCK_V, HAS_D_FINAL=True, NORM=True),
+            opts,
+        ),
+        (
+            tc._chunk_grad_kernel,
+            dict(
+                q=x,
+                k=x,
+                v=x,
+                beta=f,
+                do=x,
+                G_buf=f,
+                W_buf=f,
+                Tinv_buf=f,
+                h_buf=f,
+                u_buf=f,
+                dh_buf=f,
+                du_buf=f,
+                dq=x,
+                dk=x,
+                dv=x,
+                dbeta=f,
+                dg=f,
+                scale="fp32",
+                **ints,
+            ),
+            dict(shape, BV=tc.GRAD_BLOCK_V, NORM=True),
+            dict(opts, num_stages=1),
+        ),
+        (
+            td._decode_kernel,
+            dict(q=x, k=x, v=x, g=f, beta=f, state=f, new_state=f, o=x, scale="fp32", H="i32", n_h="i32"),
+            dict(K=D, V=D, BV=32, NORM=True),
+            {},
+        ),
     ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype the kernels are compiled for")
+    parser.add_argument(
+        "--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype the kernels are compiled for"
+    )
     parser.add_argument("--head-dim", type=int, default=128, help="head dimension K = V")
     parser.add_argument("--chunk", type=int, default=64, help="chunk size of the chunked kernels")
     args = parser.parse_args()
@@ -62,13 +116,15 @@ def main():
     target = GPUTarget("cuda", args.arch, 32)
     print(f"sm_{args.arch}, {args.dtype}, D={args.head_dim}, chunk {args.chunk}")
     for fn, signature, constexprs, options in kernels(args.dtype, args.head_dim, args.chunk):
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                  target=target, options=options)
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target, options=options
+        )
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
             cubin.write(compiled.asm["cubin"])
             cubin.flush()
-            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name],
-                                   capture_output=True, text=True, check=True).stdout
+            usage = subprocess.run(
+                [str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True
+            ).stdout
         resources = next(line.strip() for line in usage.splitlines() if "REG:" in line)
         regs, stack = resources.split()[0], resources.split()[1]
         print(f"{fn.__name__:20s} shared {compiled.metadata.shared:7d} B  {regs}  {stack}")

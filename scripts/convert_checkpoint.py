@@ -29,8 +29,18 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from elr.checkpoint import CONFIG, FORMAT, MARKER, STEP_DIR, check_format, check_hashes, check_sizes  # noqa: E402
-from elr.checkpoint import hash_files, save_plain, write_marker  # noqa: E402
+from elr.checkpoint import (  # noqa: E402  # noqa: E402
+    CONFIG,
+    FORMAT,
+    MARKER,
+    STEP_DIR,
+    check_format,
+    check_hashes,
+    check_sizes,
+    hash_files,
+    save_plain,
+    write_marker,
+)
 from elr.errors import UserError  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is what we mean
@@ -52,8 +62,14 @@ def old_marker(folder: Path) -> dict:
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"{folder}: no readable {MARKER} ({type(e).__name__}); only committed checkpoints convert")
-    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict) or not isinstance(marker.get("step"), int):
+        raise UserError(
+            f"{folder}: no readable {MARKER} ({type(e).__name__}); only committed checkpoints convert"
+        ) from None
+    if (
+        not isinstance(marker, dict)
+        or not isinstance(marker.get("files"), dict)
+        or not isinstance(marker.get("step"), int)
+    ):
         raise UserError(f"{folder}: {MARKER} is not a checkpoint marker")
     if marker.get("format", 1) >= FORMAT:
         raise UserError(f"{folder}: already in format {marker['format']}")
@@ -68,8 +84,10 @@ def read_old(folder: Path, marker: dict) -> dict:
     reader = FileSystemReader(folder)
     saved = reader.read_metadata().state_dict_metadata  # unpickles: the trusted step
     check_format(folder, marker, saved)
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata)
-             else None for key, meta in saved.items()}
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+        for key, meta in saved.items()
+    }
     dcp.load(state, storage_reader=reader, planner=_WeightsOnlyPlanner(), no_dist=True)
     return state
 
@@ -103,8 +121,13 @@ def folders_to_convert(path: Path) -> list[Path]:
     """`path` itself when it is a committed folder, else every committed step-N / step-N-model in it."""
     if (path / MARKER).is_file():
         return [path]
-    found = sorted(p for p in path.iterdir() if p.is_dir() and (p / MARKER).is_file()
-                   and (STEP_DIR.fullmatch(p.name) or (p.name.endswith("-model") and STEP_DIR.fullmatch(p.name[:-6]))))
+    found = sorted(
+        p
+        for p in path.iterdir()
+        if p.is_dir()
+        and (p / MARKER).is_file()
+        and (STEP_DIR.fullmatch(p.name) or (p.name.endswith("-model") and STEP_DIR.fullmatch(p.name[:-6])))
+    )
     if not found:
         raise UserError(f"{path}: neither a committed checkpoint nor a folder holding step-N checkpoints")
     return found

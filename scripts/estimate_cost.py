@@ -40,16 +40,13 @@ from elr.config import load_config
 from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.from_config import check_model_config, model_args_from_config
-from elr.text.tokenizer import vocab_size as tokenizer_vocab
 from elr.parallel.parallel_dims import ParallelDims
+from elr.text.tokenizer import vocab_size as tokenizer_vocab
 from elr.train.data import microbatches
 from elr.train.loop_sampler import SAMPLING, LoopSampler, expected_wait
 from elr.train.token_files import job_tokenizer_path
 
-FORMULA = (
-    "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L\n"
-    "E[k] = f + (1 - f) * sum_k w_k * k"
-)
+FORMULA = "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L\nE[k] = f + (1 - f) * sum_k w_k * k"
 
 
 def estimate(config_path: str, vocab_size: int | None = None, gpus: int = 8) -> dict:
@@ -71,26 +68,55 @@ def estimate(config_path: str, vocab_size: int | None = None, gpus: int = 8) -> 
     mixed_flops = (f1 + (mean_k - 1) * per_loop) / f1
     fixed = f1 / per_loop - 1
     p = cfg.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, gpus,
-                        ep=p.expert_parallel_degree, cp=p.context_parallel_degree, tp=p.tensor_parallel_degree)
+    dims = ParallelDims(
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        gpus,
+        ep=p.expert_parallel_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+    )
     try:
         _, n_micro = microbatches(cfg.training, dims.dp_world)
     except ConfigError as err:
         raise ConfigError(f"{Path(config_path).name} at --gpus {gpus}: {err}") from None
-    waits = {mode: expected_wait(LoopSampler(e.max_loops, mode, e.one_loop_override, e.loop_weights), dims.dp_world,
-                                 n_micro, fixed, group_size=dims.ep) if e.enabled else (1.0, 1.0) for mode in SAMPLING}
+    waits = {
+        mode: expected_wait(
+            LoopSampler(e.max_loops, mode, e.one_loop_override, e.loop_weights),
+            dims.dp_world,
+            n_micro,
+            fixed,
+            group_size=dims.ep,
+        )
+        if e.enabled
+        else (1.0, 1.0)
+        for mode in SAMPLING
+    }
     wait, depths = waits[e.sampling]
     params = sum(p.numel() for p in model.parameters())
     experts = sum(m.w1.numel() + m.w2.numel() for m in model.moe_layers())
     active = params - experts + experts * args.moe_top_k / max(args.moe_experts, 1)
     return {
-        "config": Path(config_path).name, "partition": f"{n_in}/{n_rec}/{n_out}", "K": e.max_loops,
-        "f": e.one_loop_override, "p1": sampler.p_one_loop() if e.enabled else 1.0, "E[k]": mean_k, "s": s,
-        "mixed x (layers)": mixed_layers, "run x (layers)": s + (1 - s) * mixed_layers,
-        "run x (FLOPs)": s + (1 - s) * mixed_flops, "fixed": fixed, "sampling": e.sampling, "GPUs": gpus,
-        "ranks x micro": f"{dims.dp_world}x{n_micro}", "wait x": wait, "depths/update": depths,
-        "run x (time)": s + (1 - s) * mixed_flops * wait, "vocab": vocab_size,
-        "params": human(params), "active": human(active),
+        "config": Path(config_path).name,
+        "partition": f"{n_in}/{n_rec}/{n_out}",
+        "K": e.max_loops,
+        "f": e.one_loop_override,
+        "p1": sampler.p_one_loop() if e.enabled else 1.0,
+        "E[k]": mean_k,
+        "s": s,
+        "mixed x (layers)": mixed_layers,
+        "run x (layers)": s + (1 - s) * mixed_layers,
+        "run x (FLOPs)": s + (1 - s) * mixed_flops,
+        "fixed": fixed,
+        "sampling": e.sampling,
+        "GPUs": gpus,
+        "ranks x micro": f"{dims.dp_world}x{n_micro}",
+        "wait x": wait,
+        "depths/update": depths,
+        "run x (time)": s + (1 - s) * mixed_flops * wait,
+        "vocab": vocab_size,
+        "params": human(params),
+        "active": human(active),
         "wait x by sampling": {mode: w for mode, (w, _) in waits.items()},
     }
 
@@ -104,8 +130,12 @@ def main() -> int:
     parser.add_argument("configs", nargs="*", help="TOML job configs")
     parser.add_argument("--config", action="append", default=[], help="a TOML job config (repeatable; as train.py)")
     parser.add_argument("--gpus", type=int, default=8, help="world size to cost the loop sampling's waiting at")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="vocabulary to size the embedding/head with (default: the config tokenizer's)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary to size the embedding/head with (default: the config tokenizer's)",
+    )
     args = parser.parse_args()
     configs = args.configs + args.config
     if not configs:
@@ -127,8 +157,10 @@ def main() -> int:
         print(name.ljust(width) + "".join("  " + c[i].rjust(w) for c, w in zip(cells, col)))
     for row, waits in zip(rows, modes):
         others = ", ".join(f"{mode} {w:.2f}x" for mode, w in waits.items() if mode != row["sampling"])
-        print(f"{row['config']} at {row['GPUs']} GPUs ({row['ranks x micro']} ranks x microbatches):\n"
-              f"  {row['sampling']} sampling waits {row['wait x']:.2f}x per mixed-depth step ({others})")
+        print(
+            f"{row['config']} at {row['GPUs']} GPUs ({row['ranks x micro']} ranks x microbatches):\n"
+            f"  {row['sampling']} sampling waits {row['wait x']:.2f}x per mixed-depth step ({others})"
+        )
     return 0
 
 

@@ -33,12 +33,20 @@ from elr.cli import HelpFormatter, argument_type
 from elr.console.progress import Progress
 from elr.errors import UserError
 from elr.infer.cache import MODES
-from elr.text.chat_data import is_chat_folder
+from elr.infer.evaluate import (
+    chat_validation_loss,
+    decoded_loss,
+    load_task,
+    measure_latency,
+    read_tokens,
+    score_multiple_choice,
+    task_accuracy,
+    validation_loss,
+)
 from elr.infer.generate import AdaptiveDepth
-from elr.infer.evaluate import (chat_validation_loss, decoded_loss, load_task, measure_latency, read_tokens,
-                                score_multiple_choice, task_accuracy, validation_loss)
 from elr.infer.load import load_model, load_tokenizer
 from elr.models.early_exit import ExitRule
+from elr.text.chat_data import is_chat_folder
 from elr.text.tasks import build_task
 
 LATENCY_TEXT = "The old king walked slowly through the quiet garden, thinking of the years behind him. "
@@ -51,8 +59,9 @@ def parse_loops(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--loops takes loop counts like 1,2,3, not {text!r}") from None
 
 
-def evaluate(checkpoint: str, loops: list[int] | None, args,
-             exits: list[ExitRule] = ()) -> tuple[dict, dict[str, dict[int, float]], dict[str, dict[str, float]]]:
+def evaluate(
+    checkpoint: str, loops: list[int] | None, args, exits: list[ExitRule] = ()
+) -> tuple[dict, dict[str, dict[int, float]], dict[str, dict[str, float]]]:
     """Run config, {metric: {k: value}} for one checkpoint (loops None: every k in 1..K) and, per exit
     rule capped at the largest k, {rule: {metric: value, metric/mean_loops: loops}}."""
     model, cfg = load_model(checkpoint, args.device, getattr(torch, args.dtype))
@@ -79,10 +88,13 @@ def evaluate(checkpoint: str, loops: list[int] | None, args,
             print(f"k={k}: accuracy " + " ".join(f"{a:.3f}" for a in accuracy), file=sys.stderr)
         for rule in exits:
             depth = AdaptiveDepth(rule)
-            accuracy = task_accuracy(model, task, cfg["training"]["seed"], args.task_examples, max(loops),
-                                     adaptive=depth)
-            for metric, value in [("acc", statistics.fmean(accuracy)),
-                                  *((f"acc_d{d}", a) for d, a in enumerate(accuracy, 1))]:
+            accuracy = task_accuracy(
+                model, task, cfg["training"]["seed"], args.task_examples, max(loops), adaptive=depth
+            )
+            for metric, value in [
+                ("acc", statistics.fmean(accuracy)),
+                *((f"acc_d{d}", a) for d, a in enumerate(accuracy, 1)),
+            ]:
                 adaptive[str(rule)][f"{task.name}/{metric}"] = value
                 adaptive[str(rule)][f"{task.name}/{metric}/mean_loops"] = depth.mean_loops
         return cfg, rows, adaptive
@@ -93,19 +105,22 @@ def evaluate(checkpoint: str, loops: list[int] | None, args,
         val_path = Path(__file__).resolve().parents[1] / data / "val.bin"
     chat = is_chat_folder(val_path.parent)  # conversations: the loss on their assistant tokens
     tokens = read_tokens(val_path) if (args.val_batches or args.decoded_windows) and not chat else None
-    tasks = {Path(path).stem: load_task(path)[:args.limit or None] for path in args.tasks}
-    prompt = ([tokenizer.eot_id] + tokenizer.encode(LATENCY_TEXT * 64))[:args.latency_prompt_tokens]
+    tasks = {Path(path).stem: load_task(path)[: args.limit or None] for path in args.tasks}
+    prompt = ([tokenizer.eot_id] + tokenizer.encode(LATENCY_TEXT * 64))[: args.latency_prompt_tokens]
     progress = Progress("evaluate", len(loops), "loop counts")  # one-line counter with ETA, on stderr
     for k in loops:
         if args.val_batches and not chat:
             rows.setdefault("val_loss", {})[k] = validation_loss(
-                model, tokens, cfg["training"]["seq_len"], k, args.val_batches, args.batch_size)
+                model, tokens, cfg["training"]["seq_len"], k, args.val_batches, args.batch_size
+            )
         elif args.val_batches and chat:
             rows.setdefault("val_loss", {})[k] = chat_validation_loss(
-                model, val_path.parent, cfg["training"]["seq_len"], k, args.val_batches, args.batch_size)
+                model, val_path.parent, cfg["training"]["seq_len"], k, args.val_batches, args.batch_size
+            )
         for mode in MODES if tokens is not None and args.decoded_windows else ():
             rows.setdefault(f"val_loss_decoded/{mode}", {})[k] = decoded_loss(
-                model, tokens, cfg["training"]["seq_len"], k, mode, args.decoded_windows)
+                model, tokens, cfg["training"]["seq_len"], k, mode, args.decoded_windows
+            )
         for name, items in tasks.items():
             result = score_multiple_choice(model, tokenizer, items, k, args.batch_size)
             rows.setdefault(f"{name}/acc", {})[k] = result["acc"]
@@ -123,14 +138,27 @@ def evaluate(checkpoint: str, loops: list[int] | None, args,
     seq_len = cfg["training"]["seq_len"]
     for rule in exits:
         if args.val_batches and not chat:
-            score(rule, "val_loss", lambda depth: validation_loss(
-                model, tokens, seq_len, max(loops), args.val_batches, args.batch_size, depth))
+            score(
+                rule,
+                "val_loss",
+                lambda depth: validation_loss(
+                    model, tokens, seq_len, max(loops), args.val_batches, args.batch_size, depth
+                ),
+            )
         for mode in MODES if tokens is not None and args.decoded_windows else ():
-            score(rule, f"val_loss_decoded/{mode}", lambda depth: decoded_loss(
-                model, tokens, seq_len, max(loops), mode, args.decoded_windows, depth))
+            score(
+                rule,
+                f"val_loss_decoded/{mode}",
+                lambda depth: decoded_loss(model, tokens, seq_len, max(loops), mode, args.decoded_windows, depth),
+            )
         for name, items in tasks.items():
-            score(rule, f"{name}/acc", lambda depth: score_multiple_choice(
-                model, tokenizer, items, max(loops), args.batch_size, adaptive=depth)["acc"])
+            score(
+                rule,
+                f"{name}/acc",
+                lambda depth: score_multiple_choice(
+                    model, tokenizer, items, max(loops), args.batch_size, adaptive=depth
+                )["acc"],
+            )
         print(f"exit {rule}: " + ", ".join(f"{m} {v:.4g}" for m, v in adaptive[str(rule)].items()), file=sys.stderr)
     return cfg, rows, adaptive
 
@@ -157,40 +185,70 @@ def markdown(loops: list[int], rows: dict, baseline: dict | None) -> str:
 def adaptive_markdown(adaptive: dict[str, dict[str, float]], cap: int) -> str:
     rules = list(adaptive)
     metrics = list(dict.fromkeys(m for values in adaptive.values() for m in values))
-    lines = ["| metric | " + " | ".join(f"exit {r} (cap k={cap})" for r in rules) + " |",
-             "|---" * (len(rules) + 1) + "|"]
+    lines = [
+        "| metric | " + " | ".join(f"exit {r} (cap k={cap})" for r in rules) + " |",
+        "|---" * (len(rules) + 1) + "|",
+    ]
     for metric in metrics:
-        lines.append(f"| {metric} | " + " | ".join(f"{adaptive[r][metric]:.4g}" if metric in adaptive[r] else ""
-                                                   for r in rules) + " |")
+        lines.append(
+            f"| {metric} | "
+            + " | ".join(f"{adaptive[r][metric]:.4g}" if metric in adaptive[r] else "" for r in rules)
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", required=True, help="step-N (DCP) or step-N-model (export) folder")
-    p.add_argument("--loops", type=parse_loops, help="loop counts, e.g. 1,2,3 (default: every k in 1..K; an "
-                   "unconditioned model also runs k > K, extrapolating)")
-    p.add_argument("--task-examples", type=int, default=1024,
-                   help="depth-task runs: validation examples scored per k (default %(default)s)")
+    p.add_argument(
+        "--loops",
+        type=parse_loops,
+        help="loop counts, e.g. 1,2,3 (default: every k in 1..K; an "
+        "unconditioned model also runs k > K, extrapolating)",
+    )
+    p.add_argument(
+        "--task-examples",
+        type=int,
+        default=1024,
+        help="depth-task runs: validation examples scored per k (default %(default)s)",
+    )
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode for latency (default per_loop)")
     p.add_argument("--tasks", nargs="*", default=[], help="multiple-choice JSONL files")
     p.add_argument("--limit", type=int, default=0, help="first N questions of each task (0: all)")
     p.add_argument("--data", help="prepared data folder with val.bin (default: the run config's)")
     p.add_argument("--val-batches", type=int, default=4, help="validation batches (0: skip the loss)")
-    p.add_argument("--decoded-windows", type=int, default=0,
-                   help="validation windows whose second half is decoded token by token in each KV mode "
-                   "(val_loss_decoded/<mode>; 0: skip)")
-    p.add_argument("--decoded-tasks", action="store_true",
-                   help="also score each task's options decoded token by token through the cache in each KV mode "
-                   "(<task>/acc_decoded/<mode>: what a served model picks)")
+    p.add_argument(
+        "--decoded-windows",
+        type=int,
+        default=0,
+        help="validation windows whose second half is decoded token by token in each KV mode "
+        "(val_loss_decoded/<mode>; 0: skip)",
+    )
+    p.add_argument(
+        "--decoded-tasks",
+        action="store_true",
+        help="also score each task's options decoded token by token through the cache in each KV mode "
+        "(<task>/acc_decoded/<mode>: what a served model picks)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
-    p.add_argument("--latency-prompt-tokens", type=int, default=64, help="prompt length of the decode-latency measurement")
+    p.add_argument(
+        "--latency-prompt-tokens", type=int, default=64, help="prompt length of the decode-latency measurement"
+    )
     p.add_argument("--latency-new-tokens", type=int, default=16, help="decode steps timed (0: skip latency)")
-    p.add_argument("--exit", nargs="*", type=argument_type(ExitRule.parse), default=[], metavar="RULE:T",
-                   help="adaptive depth: also score under each exit rule (state:T, kl:T), capped at the largest k")
+    p.add_argument(
+        "--exit",
+        nargs="*",
+        type=argument_type(ExitRule.parse),
+        default=[],
+        metavar="RULE:T",
+        help="adaptive depth: also score under each exit rule (state:T, kl:T), capped at the largest k",
+    )
     p.add_argument("--baseline", help="checkpoint of a non-recurrent baseline, evaluated at k=1")
     p.add_argument("--route-replay", action="store_true", help="force MoE route replay on at inference")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument("--out", type=Path, help="write the results JSON here and the table beside it (.md)")
@@ -212,9 +270,14 @@ def main(argv: list[str] | None = None) -> int:
         table += "\n\n" + adaptive_markdown(adaptive, max(loops))
     print(table)
     if args.out:
-        result = {"checkpoint": args.checkpoint, "kv": args.kv, "loops": loops, "rows": rows,
-                  "baseline": {"checkpoint": args.baseline, "rows": baseline} if baseline else None,
-                  "adaptive": adaptive}
+        result = {
+            "checkpoint": args.checkpoint,
+            "kv": args.kv,
+            "loops": loops,
+            "rows": rows,
+            "baseline": {"checkpoint": args.baseline, "rows": baseline} if baseline else None,
+            "adaptive": adaptive,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
         args.out.with_suffix(".md").write_text(table + "\n")

@@ -42,16 +42,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", help="step-N (DCP), step-N-model, or an export folder (required unless --seal)")
     p.add_argument("--out", type=Path, help="the folder to write (must not exist; required unless --seal)")
-    p.add_argument("--seal", type=Path, metavar="FOLDER", help="instead of exporting, write elr_sha256.json for an "
-                   "export you vouch for (edited by hand, or made before exports carried hashes), then check it")
+    p.add_argument(
+        "--seal",
+        type=Path,
+        metavar="FOLDER",
+        help="instead of exporting, write elr_sha256.json for an "
+        "export you vouch for (edited by hand, or made before exports carried hashes), then check it",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype in the export")
     p.add_argument("--loops", type=int, help="default loop count of forward/generate (default: the model's max_loops)")
-    p.add_argument("--kv", choices=MODES, default="per_loop",
-                   help="default KV cache mode of generate (measure a model before serving last_loop_kv: "
-                        "docs/inference.md)")
+    p.add_argument(
+        "--kv",
+        choices=MODES,
+        default="per_loop",
+        help="default KV cache mode of generate (measure a model before serving last_loop_kv: docs/inference.md)",
+    )
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="split weights above this (default 5GB)")
-    p.add_argument("--chat-template", type=Path, help="a Jinja chat template file for tokenizer_config.json "
-                   "(default: the template SFT trains with, elr/text/chat.py)")
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a Jinja chat template file for tokenizer_config.json "
+        "(default: the template SFT trains with, elr/text/chat.py)",
+    )
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     args = p.parse_args(argv)
     if args.seal:
@@ -62,8 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         model, cfg = load_model(args.checkpoint, note=False)
         tokenizer = load_tokenizer(cfg, args.tokenizer)
         template = {"chat_template": args.chat_template.read_text()} if args.chat_template else {}
-        out = write_export(model.state_dict(), model.args, cfg, tokenizer, args.out, dtype=getattr(torch, args.dtype),
-                           loops=args.loops, kv=args.kv, max_shard_bytes=args.max_shard_size, **template)
+        out = write_export(
+            model.state_dict(),
+            model.args,
+            cfg,
+            tokenizer,
+            args.out,
+            dtype=getattr(torch, args.dtype),
+            loops=args.loops,
+            kv=args.kv,
+            max_shard_bytes=args.max_shard_size,
+            **template,
+        )
     except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 2

@@ -40,7 +40,6 @@ from elr.infer.speculative import speculative_generate
 from elr.models import flavors
 from elr.models.early_exit import ExitRule
 
-
 DEFAULT_PROMPT = "Once upon a time"
 
 
@@ -62,20 +61,39 @@ def parse_loops(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--checkpoint", help="step-N (DCP), step-N-model or Hugging Face export folder (default: the newest "
-                   "checkpoint of `python train.py` run from this directory, outputs/debug/checkpoint)")
-    p.add_argument("--loops", type=parse_loops,
-                   help="k, or several as 1,2,3 (default: the model's K, max_loops, as evaluate.py and the export)")
-    p.add_argument("--budgets", type=parse_loops,
-                   help="one k per --prompt (mixed budgets in one batch; replaces --loops)")
-    p.add_argument("--draft-loops", type=int, metavar="J",
-                   help="self-speculative greedy decoding: draft at k=J, verify at each --loops k "
-                        "(elr/infer/speculative.py)")
-    p.add_argument("--draft-tokens", type=int, default=4, metavar="N",
-                   help="with --draft-loops: tokens drafted per verifying forward (default 4)")
-    p.add_argument("--exit", type=argument_type(ExitRule.parse), metavar="RULE:THRESHOLD",
-                   help="adaptive depth: each new token stops looping when the rule says (state:T, kl:T), "
-                        "capped at each --loops k; in --chat, the rule of /loops auto")
+    p.add_argument(
+        "--checkpoint",
+        help="step-N (DCP), step-N-model or Hugging Face export folder (default: the newest "
+        "checkpoint of `python train.py` run from this directory, outputs/debug/checkpoint)",
+    )
+    p.add_argument(
+        "--loops",
+        type=parse_loops,
+        help="k, or several as 1,2,3 (default: the model's K, max_loops, as evaluate.py and the export)",
+    )
+    p.add_argument(
+        "--budgets", type=parse_loops, help="one k per --prompt (mixed budgets in one batch; replaces --loops)"
+    )
+    p.add_argument(
+        "--draft-loops",
+        type=int,
+        metavar="J",
+        help="self-speculative greedy decoding: draft at k=J, verify at each --loops k (elr/infer/speculative.py)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=4,
+        metavar="N",
+        help="with --draft-loops: tokens drafted per verifying forward (default 4)",
+    )
+    p.add_argument(
+        "--exit",
+        type=argument_type(ExitRule.parse),
+        metavar="RULE:THRESHOLD",
+        help="adaptive depth: each new token stops looping when the rule says (state:T, kl:T), "
+        "capped at each --loops k; in --chat, the rule of /loops auto",
+    )
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
     p.add_argument("--prompt", action="append", help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
@@ -83,13 +101,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0: no top-k cut")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1: off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--route-replay", action="store_true",
-                   help="force MoE route replay on (on anyway when the model was trained with it)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)")
+    p.add_argument(
+        "--route-replay",
+        action="store_true",
+        help="force MoE route replay on (on anyway when the model was trained with it)",
+    )
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
-    p.add_argument("--memory", type=int, metavar="TOKENS",
-                   help="print KV-cache and GDP-state bytes per request of TOKENS tokens and exit")
+    p.add_argument(
+        "--memory",
+        type=int,
+        metavar="TOKENS",
+        help="print KV-cache and GDP-state bytes per request of TOKENS tokens and exit",
+    )
     p.add_argument("--flavor", choices=sorted(flavors), help="with --memory: a named flavor instead of a checkpoint")
     p.add_argument("--chat", action="store_true", help="chat on stdin with the chat template (elr/infer/chat.py)")
     p.add_argument("--messages", help="JSON list of messages: print the assistant's reply at each k")
@@ -152,13 +179,30 @@ def main(argv: list[str] | None = None) -> int:
         note = ""
         try:
             if args.draft_loops is not None:
-                outputs, stats = speculative_generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id,
-                                                      args.kv, args.draft_loops, args.draft_tokens)
+                outputs, stats = speculative_generate(
+                    model,
+                    prompts,
+                    k,
+                    args.max_new_tokens,
+                    tokenizer.eot_id,
+                    args.kv,
+                    args.draft_loops,
+                    args.draft_tokens,
+                )
                 note = f" draft k={args.draft_loops}: {stats.acceptance:.0%} of {stats.drafted} drafts accepted,"
             else:
                 depth = AdaptiveDepth(args.exit) if args.exit is not None else None
-                outputs = generate(model, prompts, k, args.max_new_tokens, tokenizer.eot_id, args.kv, sampling,
-                                   generator, adaptive=depth)
+                outputs = generate(
+                    model,
+                    prompts,
+                    k,
+                    args.max_new_tokens,
+                    tokenizer.eot_id,
+                    args.kv,
+                    sampling,
+                    generator,
+                    adaptive=depth,
+                )
                 if depth is not None:
                     note = f" exit {args.exit}: {depth.mean_loops:.2f} loops per new token,"
         except (UserError, ValueError) as e:
@@ -187,11 +231,23 @@ def chat_main(args) -> int:
         args.loops = args.loops or [model.args.recurrence.max_loops]
         generator = torch.Generator(args.device).manual_seed(args.seed)
         if messages is None:
-            chat.repl(model, tokenizer, args.loops[0], args.max_new_tokens, sys.stdin, sys.stdout, args.kv, sampling,
-                      generator, args.exit or chat.DEFAULT_EXIT)
+            chat.repl(
+                model,
+                tokenizer,
+                args.loops[0],
+                args.max_new_tokens,
+                sys.stdin,
+                sys.stdout,
+                args.kv,
+                sampling,
+                generator,
+                args.exit or chat.DEFAULT_EXIT,
+            )
         for k in args.loops if messages is not None else []:
-            print(f"--- k={k}\n" + chat.reply(model, tokenizer, messages, k, args.max_new_tokens, args.kv, sampling,
-                                              generator))
+            print(
+                f"--- k={k}\n"
+                + chat.reply(model, tokenizer, messages, k, args.max_new_tokens, args.kv, sampling, generator)
+            )
     except (UserError, FileNotFoundError, ValueError) as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2

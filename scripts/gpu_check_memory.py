@@ -25,8 +25,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from elr.cli import HelpFormatter
 from elr.config import load_config
 from elr.models import build_model, flavors
@@ -36,14 +34,30 @@ from elr.tools.memory_plan import GiB, microbatch_bytes
 from elr.train.loss import summed_loss
 from elr.train.trainer import Trainer
 
+ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = ROOT / "train_configs" / "debug.toml"
 AC_MODES = [("none", "op"), ("selective", "op"), ("selective", "2"), ("full", "op")]
 
 
 def train_losses(steps: int, extra: list[str], dump: Path) -> list[float]:
-    trainer = Trainer(load_config(DEBUG_TOML, [
-        "--training.steps", str(steps), "--validation.freq", "0", "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump), *extra]))
+    trainer = Trainer(
+        load_config(
+            DEBUG_TOML,
+            [
+                "--training.steps",
+                str(steps),
+                "--validation.freq",
+                "0",
+                "--metrics.log_freq",
+                "1",
+                "--metrics.enable_tensorboard",
+                "false",
+                "--job.dump_folder",
+                str(dump),
+                *extra,
+            ],
+        )
+    )
     losses = []
     for step in range(1, steps + 1):
         scalars = trainer.train_step(step).scalars
@@ -55,9 +69,13 @@ def train_losses(steps: int, extra: list[str], dump: Path) -> list[float]:
 def reduced_koi(seq_len: int, dry_run: bool):
     """koi_4b's widths with 8 layers (2 in, 4 recurrent, 2 out); in a dry run, the debug widths."""
     base = flavors["debug"] if dry_run else flavors["koi_4b"]
-    return dataclasses.replace(base, layer_pattern="GF" + "GFAF" + "GF", partition=(2, 4, 2), max_seq_len=seq_len,
-                               vocab_size=8192 if dry_run else 200019).with_recurrence(
-        max_loops=4, update="adaptive_delta", conditioning=True)
+    return dataclasses.replace(
+        base,
+        layer_pattern="GF" + "GFAF" + "GF",
+        partition=(2, 4, 2),
+        max_seq_len=seq_len,
+        vocab_size=8192 if dry_run else 200019,
+    ).with_recurrence(max_loops=4, update="adaptive_delta", conditioning=True)
 
 
 def memory_rows(dry_run: bool, device: torch.device, peak_tflops: float) -> list[list[str]]:
@@ -66,9 +84,19 @@ def memory_rows(dry_run: bool, device: torch.device, peak_tflops: float) -> list
     args = reduced_koi(seq_len, dry_run)
     rows = []
     for mode, option in AC_MODES:
-        cfg = load_config(DEBUG_TOML, ["--training.seq_len", str(seq_len), "--training.local_batch_size", "1",
-                                       "--activation_checkpoint.mode", mode,
-                                       "--activation_checkpoint.selective_ac_option", option])
+        cfg = load_config(
+            DEBUG_TOML,
+            [
+                "--training.seq_len",
+                str(seq_len),
+                "--training.local_batch_size",
+                "1",
+                "--activation_checkpoint.mode",
+                mode,
+                "--activation_checkpoint.selective_ac_option",
+                option,
+            ],
+        )
         activations, backward_work = microbatch_bytes(args, cfg, dtype, loops)
         torch.manual_seed(0)
         with torch.device(device):
@@ -106,9 +134,16 @@ def memory_rows(dry_run: bool, device: torch.device, peak_tflops: float) -> list
         elapsed = (time.perf_counter() - start) / n_steps
         mfu = 100 * model.num_flops_per_token(seq_len, loops) * seq_len / elapsed / (peak_tflops * 1e12)
         name = mode if mode != "selective" else f"selective ({option})"
-        rows.append([f"koi-shaped 8 layers, seq {seq_len}, k={loops}, AC {name}", f"{measured:.2f}",
-                     f"{predicted / GiB:.2f}", f"{seq_len / elapsed:,.0f}", f"{mfu:.1f}"])
-        del model, optimizer
+        rows.append(
+            [
+                f"koi-shaped 8 layers, seq {seq_len}, k={loops}, AC {name}",
+                f"{measured:.2f}",
+                f"{predicted / GiB:.2f}",
+                f"{seq_len / elapsed:,.0f}",
+                f"{mfu:.1f}",
+            ]
+        )
+        model = optimizer = step = None  # free them before the next mode builds its own
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -134,8 +169,13 @@ def grouped_moe_row(device: torch.device) -> tuple[list[str], bool]:
     ffn.grouped_experts = grouped_experts
     diff = max((a - b).abs().max().item() for a, b in zip(*results))
     ok = diff < 5e-2
-    return [f"MoE grouped GEMM vs expert loop, bf16 fwd+bwd: max diff {diff:.1e} ({'ok' if ok else 'MISMATCH'})",
-            "", "", "", ""], ok
+    return [
+        f"MoE grouped GEMM vs expert loop, bf16 fwd+bwd: max diff {diff:.1e} ({'ok' if ok else 'MISMATCH'})",
+        "",
+        "",
+        "",
+        "",
+    ], ok
 
 
 def main() -> int:
@@ -149,13 +189,33 @@ def main() -> int:
     table = [["check", "measured GiB", "plan GiB", "tokens/s", "MFU %"]]
     with tempfile.TemporaryDirectory() as tmp:
         steps = 8 if dry else 30
-        small = ["--training.seq_len", "32", "--training.local_batch_size", "4", "--training.global_batch_size", "4",
-                 "--lr_scheduler.warmup_steps", "2"] if dry else []
+        small = (
+            [
+                "--training.seq_len",
+                "32",
+                "--training.local_batch_size",
+                "4",
+                "--training.global_batch_size",
+                "4",
+                "--lr_scheduler.warmup_steps",
+                "2",
+            ]
+            if dry
+            else []
+        )
         losses = train_losses(steps, [*small, "--compile.enable", str(not dry).lower()], Path(tmp) / "debug")
         fell = losses[-1] < losses[0]
         ok &= fell
-        table.append([f"debug, {'eager' if dry else 'compile'}, {steps} steps: loss {losses[0]:.3f} -> "
-                      f"{losses[-1]:.3f} ({'falls' if fell else 'DOES NOT FALL'})", "", "", "", ""])
+        table.append(
+            [
+                f"debug, {'eager' if dry else 'compile'}, {steps} steps: loss {losses[0]:.3f} -> "
+                f"{losses[-1]:.3f} ({'falls' if fell else 'DOES NOT FALL'})",
+                "",
+                "",
+                "",
+                "",
+            ]
+        )
         row, moe_ok = grouped_moe_row(device)
         ok &= moe_ok
         table.append(row)
@@ -163,8 +223,16 @@ def main() -> int:
         f8 = train_losses(3, [*small, "--float8.enable", "true"], Path(tmp) / "float8")
         finite = all(math.isfinite(x) for x in f8)
         ok &= finite
-        table.append([f"float8 debug, 3 steps{' (emulated)' if dry else ''}: loss {f8[0]:.3f} -> {f8[-1]:.3f}"
-                      f" ({'finite' if finite else 'NOT FINITE'})", "", "", "", ""])
+        table.append(
+            [
+                f"float8 debug, 3 steps{' (emulated)' if dry else ''}: loss {f8[0]:.3f} -> {f8[-1]:.3f}"
+                f" ({'finite' if finite else 'NOT FINITE'})",
+                "",
+                "",
+                "",
+                "",
+            ]
+        )
     print(f"device: {torch.cuda.get_device_name() if not dry else 'CPU (dry run)'}")
     for row in table[:1] + [["---"] * 5] + table[1:]:
         print("| " + " | ".join(row) + " |")

@@ -25,14 +25,44 @@ from elr.cli import HelpFormatter
 from elr.rl.prompts import from_question, is_held_out
 from elr.text import arithmetic
 
-WORDS = ("king", "crown", "storm", "night", "sword", "honour", "letter", "garden", "nation", "union",
-         "river", "winter", "castle", "music", "ghost", "friend", "market", "harvest", "ship", "forest")
-PLAYS = {"Hamlet": "Denmark", "Macbeth": "Scotland", "Othello": "Venice", "Romeo and Juliet": "Verona",
-         "The Tempest": "an island", "Julius Caesar": "Rome", "King Lear": "Britain", "Twelfth Night": "Illyria"}
-FACTS = [("Who wrote Hamlet?", "William Shakespeare wrote Hamlet."),
-         ("Who gives the State of the Union address?", "The President of the United States gives it."),
-         ("To whom is the State of the Union address given?", "It is given to the Congress."),
-         ("Is Shakespeare's prose in the public domain?", "Yes, his plays are in the public domain.")]
+WORDS = (
+    "king",
+    "crown",
+    "storm",
+    "night",
+    "sword",
+    "honour",
+    "letter",
+    "garden",
+    "nation",
+    "union",
+    "river",
+    "winter",
+    "castle",
+    "music",
+    "ghost",
+    "friend",
+    "market",
+    "harvest",
+    "ship",
+    "forest",
+)
+PLAYS = {
+    "Hamlet": "Denmark",
+    "Macbeth": "Scotland",
+    "Othello": "Venice",
+    "Romeo and Juliet": "Verona",
+    "The Tempest": "an island",
+    "Julius Caesar": "Rome",
+    "King Lear": "Britain",
+    "Twelfth Night": "Illyria",
+}
+FACTS = [
+    ("Who wrote Hamlet?", "William Shakespeare wrote Hamlet."),
+    ("Who gives the State of the Union address?", "The President of the United States gives it."),
+    ("To whom is the State of the Union address given?", "It is given to the Congress."),
+    ("Is Shakespeare's prose in the public domain?", "Yes, his plays are in the public domain."),
+]
 SYSTEMS = ("You are a helpful assistant.", "Answer briefly.", "You answer questions in one sentence.")
 
 
@@ -87,8 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("data/chat/conversations.jsonl"), help="the JSONL file to write")
     p.add_argument("--count", type=int, default=400, help="conversations")
     p.add_argument("--seed", type=int, default=0, help="seed of the templated questions and answers")
-    p.add_argument("--kinds", nargs="+", choices=[*KINDS, "sum"], default=list(KINDS),
-                   help="the kinds drawn (uniformly); `sum` alone: the RLVR stage's arithmetic")
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=[*KINDS, "sum"],
+        default=list(KINDS),
+        help="the kinds drawn (uniformly); `sum` alone: the RLVR stage's arithmetic",
+    )
     args = p.parse_args(argv)
     if "sum" in args.kinds and len(args.kinds) > 1:
         p.error("--kinds sum stands alone (the RLVR stage's arithmetic, one user turn each)")

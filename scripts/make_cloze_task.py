@@ -25,20 +25,28 @@ from elr.text.tokenizer import Tokenizer, build_tokenizer
 from elr.train.token_files import check_tokenizer, job_tokenizer_path
 
 
-def cloze_items(tokens, tokenizer: Tokenizer, items: int, context_tokens: int, option_tokens: int,
-                choices: int, seed: int) -> list[dict]:
+def cloze_items(
+    tokens, tokenizer: Tokenizer, items: int, context_tokens: int, option_tokens: int, choices: int, seed: int
+) -> list[dict]:
     """Evenly spaced windows of `tokens` as {"context", "choices", "answer"} items; wrong options
     are other windows' continuations, drawn and placed with `seed`."""
     span = context_tokens + option_tokens
-    windows = [start for start in range(0, len(tokens) - span + 1, span)
-               if tokenizer.eot_id not in tokens[start:start + span]]
+    windows = [
+        start
+        for start in range(0, len(tokens) - span + 1, span)
+        if tokenizer.eot_id not in tokens[start : start + span]
+    ]
     if len(windows) < max(items, choices):
-        raise ValueError(f"{len(tokens)} held-out tokens give {len(windows)} windows of {span} without a "
-                         f"document boundary; {max(items, choices)} are needed")
-    continuation = {w: tokenizer.decode(tokens[w + context_tokens:w + span].tolist()) for w in windows}
+        raise ValueError(
+            f"{len(tokens)} held-out tokens give {len(windows)} windows of {span} without a "
+            f"document boundary; {max(items, choices)} are needed"
+        )
+    continuation = {w: tokenizer.decode(tokens[w + context_tokens : w + span].tolist()) for w in windows}
     distinct = sorted(set(continuation.values()))
     if len(distinct) < choices:
-        raise ValueError(f"the held-out text has {len(distinct)} different continuations; {choices} choices need as many")
+        raise ValueError(
+            f"the held-out text has {len(distinct)} different continuations; {choices} choices need as many"
+        )
     rng, result = random.Random(seed), []
     for i in range(items):
         start = windows[round(i * (len(windows) - 1) / max(items - 1, 1))]
@@ -46,17 +54,26 @@ def cloze_items(tokens, tokenizer: Tokenizer, items: int, context_tokens: int, o
         options = rng.sample([text for text in distinct if text != right], choices - 1)
         answer = rng.randrange(choices)
         options.insert(answer, right)
-        result.append({"context": tokenizer.decode(tokens[start:start + context_tokens].tolist()),
-                       "choices": options, "answer": answer})
+        result.append(
+            {
+                "context": tokenizer.decode(tokens[start : start + context_tokens].tolist()),
+                "choices": options,
+                "answer": answer,
+            }
+        )
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--data", required=True, help="prepared data folder (val.bin and meta.json)")
-    p.add_argument("--tokenizer", help="tokenizer file (default: the one meta.json records, found as train.py finds it)")
+    p.add_argument(
+        "--tokenizer", help="tokenizer file (default: the one meta.json records, found as train.py finds it)"
+    )
     p.add_argument("--items", type=int, default=400, help="items to write (default %(default)s)")
-    p.add_argument("--context-tokens", type=int, default=48, help="tokens of text before the options (default %(default)s)")
+    p.add_argument(
+        "--context-tokens", type=int, default=48, help="tokens of text before the options (default %(default)s)"
+    )
     p.add_argument("--option-tokens", type=int, default=8, help="tokens per option (default %(default)s)")
     p.add_argument("--choices", type=int, default=4, help="options per item (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="draws the wrong options and the answer's place")
@@ -69,8 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg.data.path, cfg.tokenizer.path = args.data, args.tokenizer or ""
         tokenizer = build_tokenizer(job_tokenizer_path(cfg))
         check_tokenizer(Path(args.data), tokenizer, cfg)
-        items = cloze_items(read_tokens(Path(args.data) / "val.bin"), tokenizer, args.items,
-                            args.context_tokens, args.option_tokens, args.choices, args.seed)
+        items = cloze_items(
+            read_tokens(Path(args.data) / "val.bin"),
+            tokenizer,
+            args.items,
+            args.context_tokens,
+            args.option_tokens,
+            args.choices,
+            args.seed,
+        )
     except (UserError, OSError, ValueError) as e:
         print(f"make_cloze_task: error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ def score_metrics(rows: dict) -> list[str]:
 
 def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -50,7 +51,7 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
         return plt.subplots(*shape, figsize=(4 * cols, 3 * shape[0]), squeeze=False)
 
     def save(fig, axes, path: Path) -> None:
-        for ax in list(axes.flat)[len(metrics):]:
+        for ax in list(axes.flat)[len(metrics) :]:
             ax.axis("off")
         fig.tight_layout()
         fig.savefig(path, dpi=80)
@@ -75,8 +76,14 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
             for k, x, y in zip(loops, xs, ys):
                 ax.annotate(f"k={k}", (x, y), textcoords="offset points", xytext=(4, 4))
             if metric in baseline and "latency/decode_s_per_token_rel" in baseline:
-                ax.plot([baseline["latency/decode_s_per_token_rel"]["1"]], [baseline[metric]["1"]],
-                        marker="s", linestyle="none", color="gray", label="baseline")
+                ax.plot(
+                    [baseline["latency/decode_s_per_token_rel"]["1"]],
+                    [baseline[metric]["1"]],
+                    marker="s",
+                    linestyle="none",
+                    color="gray",
+                    label="baseline",
+                )
             ax.set(title=metric, xlabel="decode time per token, relative to k=1")
             ax.legend()
         save(fig, axes, out_dir / f"{name}_vs_latency.png")
@@ -101,6 +108,7 @@ def plot(result: dict, out_dir: Path, name: str) -> list[Path]:
 def plot_metrics(path: Path, out_dir: Path, name: str) -> list[Path]:
     """Loss per k, validation loss per k and per-loop update norms against the step, from metrics.jsonl."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -131,15 +139,21 @@ def metrics_figure(records: list[dict]):
                     values.append(value)
         return dict(sorted(found.items(), key=lambda kv: int(re.search(r"\d+", kv[0]).group())))
 
-    panels = [("training loss per k", series(r"loss/k\d+"), "linear"),
-              ("validation loss per k", series(r"val/loss_k\d+"), "linear"),
-              ("update norm per loop", series(r"loop\d+/update_norm"), "log")]
+    panels = [
+        ("training loss per k", series(r"loss/k\d+"), "linear"),
+        ("validation loss per k", series(r"val/loss_k\d+"), "linear"),
+        ("update norm per loop", series(r"loop\d+/update_norm"), "log"),
+    ]
     panels = [panel for panel in panels if panel[1]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.2), squeeze=False)
     for ax, (title, lines, scale) in zip(axes.flat, panels):
         for key, (steps, values) in lines.items():
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key.split("/")[-1] if "loop" not in key
-                    else key.split("/")[0])
+            ax.plot(
+                steps,
+                values,
+                marker="." if len(steps) < 50 else None,
+                label=key.split("/")[-1] if "loop" not in key else key.split("/")[0],
+            )
         ax.set(title=title, xlabel="step", yscale=scale)
         ax.legend(fontsize=7)
     return fig

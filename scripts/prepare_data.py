@@ -57,10 +57,10 @@ from typing import BinaryIO
 
 import numpy as np
 
-from elr.text.chat_data import prepare_chat
 from elr.cli import HelpFormatter
-from elr.errors import DataError
 from elr.console.progress import duration
+from elr.errors import DataError
+from elr.text.chat_data import prepare_chat
 from elr.text.tokenizer import Tokenizer, build_tokenizer, file_sha256
 
 SPLITS = ("train", "val")
@@ -108,9 +108,7 @@ def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
                 try:
                     text = json.loads(line)[text_field]
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise InputError(
-                        f"{path}:{lineno}: not a JSON object with a {text_field!r} field ({e})"
-                    ) from None
+                    raise InputError(f"{path}:{lineno}: not a JSON object with a {text_field!r} field ({e})") from None
                 if not isinstance(text, str):
                     raise InputError(f"{path}:{lineno}: field {text_field!r} is not a string")
                 if text.strip():
@@ -119,9 +117,7 @@ def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
         raise InputError(f"{path}: not valid UTF-8 ({e})") from None
 
 
-def iter_all_documents(
-    groups: list[tuple[str, list[Path]]], text_field: str = "text"
-) -> Iterator[str]:
+def iter_all_documents(groups: list[tuple[str, list[Path]]], text_field: str = "text") -> Iterator[str]:
     """Every document of every input (from `list_input_files`), failing on one with none."""
     for name, files in groups:
         count = 0
@@ -233,9 +229,11 @@ def prepare(
             if time.monotonic() - last_report > (0.5 if tty else 5.0):  # the progress counter
                 last_report = time.monotonic()
                 mb = sum(c["text_bytes"] for c in counts.values()) / 1e6
-                line = (f"prepare_data: {sum(c['documents'] for c in counts.values()):,} documents, "
-                        f"{sum(c['tokens'] for c in counts.values()):,} tokens, {mb:,.1f} MB "
-                        f"({mb / (last_report - start):.1f} MB/s) | {duration(last_report - start)}")
+                line = (
+                    f"prepare_data: {sum(c['documents'] for c in counts.values()):,} documents, "
+                    f"{sum(c['tokens'] for c in counts.values()):,} tokens, {mb:,.1f} MB "
+                    f"({mb / (last_report - start):.1f} MB/s) | {duration(last_report - start)}"
+                )
                 sys.stderr.write("\r" + line + "\033[K" if tty else line + "\n")
                 sys.stderr.flush()
         flush(pending)
@@ -297,19 +295,29 @@ def check_out(out: Path, replace: bool) -> None:
     if out.exists() and not out.is_dir():
         raise InputError(f"--out: {out} is a file, not a folder")
     if (out / "meta.json").exists() and not replace:
-        raise InputError(f"--out: {out} already holds a prepared dataset (meta.json); pass --replace to write "
-                         "over it, or choose another folder")
+        raise InputError(
+            f"--out: {out} already holds a prepared dataset (meta.json); pass --replace to write "
+            "over it, or choose another folder"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories")
-    parser.add_argument("--tokenizer", default=str(BUNDLED_TOKENIZER),
-                        help="ranks file or tiktoken encoding name (default: the bundled 8k BPE, %(default)s)")
-    parser.add_argument("--out", required=True, help="output directory (a new or empty one, or a prepared one with --replace)")
-    parser.add_argument("--replace", action="store_true",
-                        help="write over the prepared dataset --out already holds (default: refuse; runs that "
-                             "trained on it could no longer resume on the same data)")
+    parser.add_argument(
+        "--tokenizer",
+        default=str(BUNDLED_TOKENIZER),
+        help="ranks file or tiktoken encoding name (default: the bundled 8k BPE, %(default)s)",
+    )
+    parser.add_argument(
+        "--out", required=True, help="output directory (a new or empty one, or a prepared one with --replace)"
+    )
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="write over the prepared dataset --out already holds (default: refuse; runs that "
+        "trained on it could no longer resume on the same data)",
+    )
     parser.add_argument(
         "--split",
         choices=SPLIT_CHOICES,
@@ -318,13 +326,26 @@ def main(argv: list[str] | None = None) -> int:
         "tail: the last val fraction of every document's tokens goes to val (small corpora); "
         "auto: tail for a single .txt file, document otherwise",
     )
-    parser.add_argument("--val-fraction", type=float, default=0.05, help="share of documents (document split) or of each document's tokens (tail split) for val")
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="share of documents (document split) or of each document's tokens (tail split) for val",
+    )
     parser.add_argument("--text-field", default="text", help="JSON field of .jsonl documents")
-    parser.add_argument("--format", choices=("text", "chat"), default="text",
-                        help="text: documents (above); chat: .jsonl conversations (messages, ShareGPT, prompt/completion), "
-                             "loss on the assistant turns")
-    parser.add_argument("--max-tokens", type=int, default=0,
-                        help="chat: refuse a conversation longer than this (training.seq_len + 1; 0: no limit)")
+    parser.add_argument(
+        "--format",
+        choices=("text", "chat"),
+        default="text",
+        help="text: documents (above); chat: .jsonl conversations (messages, ShareGPT, prompt/completion), "
+        "loss on the assistant turns",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="chat: refuse a conversation longer than this (training.seq_len + 1; 0: no limit)",
+    )
     args = parser.parse_args(argv)
 
     start = time.monotonic()
@@ -337,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         return main_chat(args, start)
     try:
         meta = prepare(
-            args.inputs, args.tokenizer, args.out, args.val_fraction, args.text_field,
+            args.inputs,
+            args.tokenizer,
+            args.out,
+            args.val_fraction,
+            args.text_field,
             split=args.split,
         )
     except (InputError, FileNotFoundError, RuntimeError, ValueError) as e:
@@ -360,14 +385,17 @@ def main_chat(args, start: float) -> int:
         files = [p for _, group in list_input_files(args.inputs) for p in group]
         if any(p.suffix != ".jsonl" for p in files):
             raise InputError(f"--format chat reads .jsonl files, not {next(p for p in files if p.suffix != '.jsonl')}")
-        meta = prepare_chat(files, build_tokenizer(args.tokenizer), args.tokenizer, args.out, args.val_fraction,
-                            args.max_tokens)
+        meta = prepare_chat(
+            files, build_tokenizer(args.tokenizer), args.tokenizer, args.out, args.val_fraction, args.max_tokens
+        )
     except (InputError, DataError, FileNotFoundError) as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 1
     for split, c in meta["splits"].items():
-        print(f"{split}: {c['conversations']:,} conversations, {c['tokens']:,} tokens ({c['scored_tokens']:,} "
-              f"scored), longest {c['longest']} ({c['longest_at']}) -> {Path(args.out) / c['file']}")
+        print(
+            f"{split}: {c['conversations']:,} conversations, {c['tokens']:,} tokens ({c['scored_tokens']:,} "
+            f"scored), longest {c['longest']} ({c['longest_at']}) -> {Path(args.out) / c['file']}"
+        )
     print(f"{meta['dtype']}, vocab {meta['vocab_size']}, {time.monotonic() - start:.1f} s")
     return 0
 

@@ -37,8 +37,12 @@ sys.path.insert(0, str(ROOT))
 from elr.config import load_config  # noqa: E402
 from elr.errors import ConfigError  # noqa: E402
 
-DEGREES = ("data_parallel_replicate_degree", "expert_parallel_degree", "context_parallel_degree",
-           "tensor_parallel_degree")
+DEGREES = (
+    "data_parallel_replicate_degree",
+    "expert_parallel_degree",
+    "context_parallel_degree",
+    "tensor_parallel_degree",
+)
 RESHARD_TOLERANCE = 1e-2  # relative: another layout sums in another order, and the override rotates other ranks
 
 
@@ -47,13 +51,19 @@ def layout(cfg, ranks: int) -> dict[str, int]:
     and replication): each stays a power-of-two fraction of what the config asks."""
     p = cfg.parallelism
     degrees = {name: getattr(p, name) for name in DEGREES}
-    for name in ("context_parallel_degree", "tensor_parallel_degree", "expert_parallel_degree",
-                 "data_parallel_replicate_degree"):
+    for name in (
+        "context_parallel_degree",
+        "tensor_parallel_degree",
+        "expert_parallel_degree",
+        "data_parallel_replicate_degree",
+    ):
         while degrees[name] > 1 and _dp_shard(degrees, ranks) < 1:
             degrees[name] //= 2
     while degrees["expert_parallel_degree"] > 1 and _dp_shard(degrees, ranks) % degrees["expert_parallel_degree"]:
         degrees["expert_parallel_degree"] //= 2  # experts are split within the data-parallel shards
-    if _dp_shard(degrees, ranks) < 1 or ranks % (degrees["context_parallel_degree"] * degrees["tensor_parallel_degree"]):
+    if _dp_shard(degrees, ranks) < 1 or ranks % (
+        degrees["context_parallel_degree"] * degrees["tensor_parallel_degree"]
+    ):
         raise ConfigError(f"rehearse: {ranks} ranks cannot hold the layout {degrees}")
     return degrees
 
@@ -62,19 +72,33 @@ def _dp_shard(d: dict[str, int], ranks: int) -> int:
     return ranks // (d["data_parallel_replicate_degree"] * d["context_parallel_degree"] * d["tensor_parallel_degree"])
 
 
-def overrides(cfg, config_name: str, ranks: int, degrees: dict[str, int], steps: int, dump: Path,
-              global_batch: int) -> list[str]:
+def overrides(
+    cfg, config_name: str, ranks: int, degrees: dict[str, int], steps: int, dump: Path, global_batch: int
+) -> list[str]:
     chat = "sft" in config_name
     data = ROOT / "data" / ("chat" if chat else "tinyprose")
     args = {
-        "model.flavor": "debug", "training.seq_len": "128" if chat else "64", "training.local_batch_size": "1",
-        "training.global_batch_size": str(global_batch), "training.steps": str(steps),
-        "training.mixed_precision_param": "float32", "compile.enable": "false",
-        "data.path": str(data), "tokenizer.path": str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"),
-        "lr_scheduler.warmup_steps": "1", "checkpoint.enable": "true", "checkpoint.interval": "2",
-        "checkpoint.keep_latest_k": "0", "checkpoint.initial_load_path": "", "checkpoint.export_format": "dcp",
-        "validation.freq": str(steps), "validation.steps": "1", "metrics.log_freq": "1",
-        "metrics.enable_tensorboard": "false", "metrics.enable_wandb": "false", "job.dump_folder": str(dump),
+        "model.flavor": "debug",
+        "training.seq_len": "128" if chat else "64",
+        "training.local_batch_size": "1",
+        "training.global_batch_size": str(global_batch),
+        "training.steps": str(steps),
+        "training.mixed_precision_param": "float32",
+        "compile.enable": "false",
+        "data.path": str(data),
+        "tokenizer.path": str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"),
+        "lr_scheduler.warmup_steps": "1",
+        "checkpoint.enable": "true",
+        "checkpoint.interval": "2",
+        "checkpoint.keep_latest_k": "0",
+        "checkpoint.initial_load_path": "",
+        "checkpoint.export_format": "dcp",
+        "validation.freq": str(steps),
+        "validation.steps": "1",
+        "metrics.log_freq": "1",
+        "metrics.enable_tensorboard": "false",
+        "metrics.enable_wandb": "false",
+        "job.dump_folder": str(dump),
         "parallelism.data_parallel_shard_degree": "-1",
         **{f"parallelism.{name}": str(value) for name, value in degrees.items()},
     }
@@ -82,8 +106,17 @@ def overrides(cfg, config_name: str, ranks: int, degrees: dict[str, int], steps:
 
 
 def train(config: Path, ranks: int, extra: list[str], log: Path, timeout: int) -> tuple[bool, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(ROOT / "train.py"), "--config", str(config), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        str(ROOT / "train.py"),
+        "--config",
+        str(config),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -122,46 +155,68 @@ def rehearse(config: Path, ranks: int, reshard_ranks: int, steps: int, folder: P
         extra = overrides(cfg, config.name, n, degrees, steps, dump, global_batch)
         ok, what = train(config, n, extra, folder / f"{name}.log", timeout)
         if not ok:
-            raise RuntimeError(f"rehearsal failed in the {name} run ({n} ranks, {_layout_line(degrees, n)}): {what} "
-                               f"(log: {folder / f'{name}.log'})")
+            raise RuntimeError(
+                f"rehearsal failed in the {name} run ({n} ranks, {_layout_line(degrees, n)}): {what} "
+                f"(log: {folder / f'{name}.log'})"
+            )
     full, resumed, resharded = (losses(folder / name) for name in runs)
     after = [s for s in full if s > 2]
     if any(resumed.get(s) != full[s] for s in after):
         worst = max(abs(resumed.get(s, math.inf) - full[s]) for s in after)
-        raise RuntimeError(f"rehearsal failed in the resume run: losses after step 2 differ from the first run by up "
-                           f"to {worst:.3g} (an exact resume gives equal losses)")
+        raise RuntimeError(
+            f"rehearsal failed in the resume run: losses after step 2 differ from the first run by up "
+            f"to {worst:.3g} (an exact resume gives equal losses)"
+        )
     drift = max(abs(resharded[s] - full[s]) / abs(full[s]) for s in after)
     if drift > RESHARD_TOLERANCE:
-        raise RuntimeError(f"rehearsal failed in the reshard run: losses differ from the first run by {drift:.2e} "
-                           f"relative (more than {RESHARD_TOLERANCE})")
+        raise RuntimeError(
+            f"rehearsal failed in the reshard run: losses differ from the first run by {drift:.2e} "
+            f"relative (more than {RESHARD_TOLERANCE})"
+        )
     switch = cfg.elr.switch_at
     records = [json.loads(line) for line in (folder / "train" / "metrics.jsonl").read_text().splitlines()]
     depths = sorted({k for r in records for row in r.get("loops", []) for k in row})
-    return (f"rehearsed: {config.name} on {ranks} gloo ranks ({_layout_line(first, ranks)}), {steps} updates at "
-            f"k = {', '.join(map(str, depths))}"
-            + (f", the late switch at step {round(switch * steps)}" if switch else ", no late switch")
-            + f"; saved every 2{' (async)' if cfg.checkpoint.async_save else ''}; resumed from step 2 to the bit; "
-            f"resharded onto {reshard_ranks} ranks ({_layout_line(second, reshard_ranks)}), losses within "
-            f"{drift:.1e} relative")
+    return (
+        f"rehearsed: {config.name} on {ranks} gloo ranks ({_layout_line(first, ranks)}), {steps} updates at "
+        f"k = {', '.join(map(str, depths))}"
+        + (f", the late switch at step {round(switch * steps)}" if switch else ", no late switch")
+        + f"; saved every 2{' (async)' if cfg.checkpoint.async_save else ''}; resumed from step 2 to the bit; "
+        f"resharded onto {reshard_ranks} ranks ({_layout_line(second, reshard_ranks)}), losses within "
+        f"{drift:.1e} relative"
+    )
 
 
 def _layout_line(degrees: dict[str, int], ranks: int) -> str:
-    names = {"data_parallel_replicate_degree": "replicate", "expert_parallel_degree": "ep",
-             "context_parallel_degree": "cp", "tensor_parallel_degree": "tp"}
+    names = {
+        "data_parallel_replicate_degree": "replicate",
+        "expert_parallel_degree": "ep",
+        "context_parallel_degree": "cp",
+        "tensor_parallel_degree": "tp",
+    }
     parts = [f"dp_shard {_dp_shard(degrees, ranks)}"] + [f"{names[k]} {v}" for k, v in degrees.items() if v > 1]
     return " x ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", type=Path, required=True, help="the production config to rehearse")
     parser.add_argument("--ranks", type=int, default=8, help="gloo ranks, as GPUs on the cluster (default 8)")
     parser.add_argument("--reshard-ranks", type=int, default=None, help="ranks of the second layout (default half)")
     parser.add_argument("--steps", type=int, default=6, help="updates per run (default 6; saves every 2)")
-    parser.add_argument("--folder", type=Path, default=None, help="where the runs go (default: a temporary folder, "
-                        "removed after a pass)")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take before it counts as a hang (default %(default)s)")
+    parser.add_argument(
+        "--folder",
+        type=Path,
+        default=None,
+        help="where the runs go (default: a temporary folder, removed after a pass)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=900,
+        help="seconds one run may take before it counts as a hang (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     if not args.config.is_file():
         print(f"rehearse: no config file {args.config}", file=sys.stderr)

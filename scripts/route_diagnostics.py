@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How far MoE routes drift between loops on a trained checkpoint (elr/tools/route_diagnostics.py).
 
-    python scripts/route_diagnostics.py outputs/study/text/runs/moe_dynamic/seed0/checkpoint/step-600
+python scripts/route_diagnostics.py outputs/study/text/runs/moe_dynamic/seed0/checkpoint/step-600
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| loop i | kept | count cosine | routed cosine (shifted) | full cosine (shifted) |")
     print("|---|---|---|---|---|")
     for i, m in drift.items():
-        print(f"| {i} | {m['kept']:.3f} | {m['count_cosine']:.3f} | {m['routed_cosine']:.3f} "
-              f"({m['routed_cosine_shifted']:.3f}) | {m['full_cosine']:.3f} ({m['full_cosine_shifted']:.3f}) |")
+        print(
+            f"| {i} | {m['kept']:.3f} | {m['count_cosine']:.3f} | {m['routed_cosine']:.3f} "
+            f"({m['routed_cosine_shifted']:.3f}) | {m['full_cosine']:.3f} ({m['full_cosine_shifted']:.3f}) |"
+        )
     if args.json:
         args.json.write_text(json.dumps(drift, indent=2))
     return 0

@@ -51,22 +51,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", required=True, help="step-N (DCP), step-N-model or Hugging Face export folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
-    p.add_argument("--default-loop-budget", type=argument_type(parse_budget),
-                   help="k (or auto) of a request that gives no loop_budget (default: the model's K)")
-    p.add_argument("--exit", type=argument_type(ExitRule.parse), default=DEFAULT_EXIT, metavar="RULE:THRESHOLD",
-                   help=f"the exit rule of loop_budget \"auto\" (state:T or kl:T), capped at K (default {DEFAULT_EXIT}, "
-                        "untuned: pick one per model with scripts/evaluate.py --exit)")
-    p.add_argument("--max-concurrent", type=int, default=Limits.max_concurrent,
-                   help="choices decoded at a fixed k at once (rows)")
-    p.add_argument("--max-auto", type=int, default=Limits.max_auto,
-                   help="choices decoded with loop_budget auto at once (0: refuse auto)")
-    p.add_argument("--max-draft", type=int, default=Limits.max_draft,
-                   help="self-speculative requests at once (0: refuse draft_loops)")
+    p.add_argument(
+        "--default-loop-budget",
+        type=argument_type(parse_budget),
+        help="k (or auto) of a request that gives no loop_budget (default: the model's K)",
+    )
+    p.add_argument(
+        "--exit",
+        type=argument_type(ExitRule.parse),
+        default=DEFAULT_EXIT,
+        metavar="RULE:THRESHOLD",
+        help=f'the exit rule of loop_budget "auto" (state:T or kl:T), capped at K (default {DEFAULT_EXIT}, '
+        "untuned: pick one per model with scripts/evaluate.py --exit)",
+    )
+    p.add_argument(
+        "--max-concurrent", type=int, default=Limits.max_concurrent, help="choices decoded at a fixed k at once (rows)"
+    )
+    p.add_argument(
+        "--max-auto",
+        type=int,
+        default=Limits.max_auto,
+        help="choices decoded with loop_budget auto at once (0: refuse auto)",
+    )
+    p.add_argument(
+        "--max-draft",
+        type=int,
+        default=Limits.max_draft,
+        help="self-speculative requests at once (0: refuse draft_loops)",
+    )
     p.add_argument("--draft-tokens", type=int, default=Limits.draft_tokens, help="tokens drafted per verifying round")
-    p.add_argument("--max-queued-tokens", type=int, default=Limits.max_queued_tokens,
-                   help="prompt + max_tokens of the waiting requests past which a request gets 429")
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=Limits.max_queued_tokens,
+        help="prompt + max_tokens of the waiting requests past which a request gets 429",
+    )
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (docs/inference.md)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument("--served-model-name", help="the model id clients give (default: from the checkpoint's folder)")
@@ -80,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         if (e.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn"):
             raise
-        print(f"serve: error: {e.name} is missing; install the serve extra: pip install -e \".[serve]\"", file=sys.stderr)
+        print(f'serve: error: {e.name} is missing; install the serve extra: pip install -e ".[serve]"', file=sys.stderr)
         return 2
     from elr.infer.load import load_model, load_tokenizer, run_config
 
@@ -99,10 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
-    served = Served(args.served_model_name or model_name(args.checkpoint), tokenizer, model.args.max_seq_len,
-                    max_loops, default)
-    print(f"serve: {served.model_name} (K={max_loops}, context {served.context}, default loop budget {default}) on "
-          f"http://{args.host}:{args.port}/v1\nserve: {engine.memory_report()}", file=sys.stderr, flush=True)
+    served = Served(
+        args.served_model_name or model_name(args.checkpoint), tokenizer, model.args.max_seq_len, max_loops, default
+    )
+    print(
+        f"serve: {served.model_name} (K={max_loops}, context {served.context}, default loop budget {default}) on "
+        f"http://{args.host}:{args.port}/v1\nserve: {engine.memory_report()}",
+        file=sys.stderr,
+        flush=True,
+    )
     uvicorn.run(create_app(engine, served), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

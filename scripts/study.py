@@ -23,10 +23,11 @@ import json
 import sys
 from pathlib import Path
 
-from elr.cli import HelpFormatter
 from study_tools import depth_report, text_report
 from study_tools.byte_data import bundled_prose_as_bytes, python_source_as_bytes
 from study_tools.runs import ROOT, SUITES, Run, Suite, earlier_rows, log, train_all
+
+from elr.cli import HelpFormatter
 
 COMMITTED = {"text": ROOT / "docs/study/text", "depth": ROOT / "docs/study/depth"}
 
@@ -39,21 +40,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", help="only these variants (default: all, or the quick subset)")
     p.add_argument("--steps", type=int, help="updates per run (default: the suite's, or [quick] steps)")
     p.add_argument("--val-steps", type=int, help="validation microbatches per k (default: the suite config's)")
-    p.add_argument("--corpus", choices=("prose", "code"), default="prose",
-                   help="text suite: the bundled prose as bytes, or the Python standard library's source as bytes "
-                   "(a second kind of data, made on first use; runs under outputs/study/text-code)")
+    p.add_argument(
+        "--corpus",
+        choices=("prose", "code"),
+        default="prose",
+        help="text suite: the bundled prose as bytes, or the Python standard library's source as bytes "
+        "(a second kind of data, made on first use; runs under outputs/study/text-code)",
+    )
     p.add_argument("--data", type=Path, help="text suite: prepared data folder (default: the --corpus as bytes)")
-    p.add_argument("--runs", type=Path, help="where the runs live (default: outputs/study/<suite>[-quick|-custom]/runs)")
-    p.add_argument("--out", type=Path, help="where results and figures go (default: docs/study/<suite> for the "
-                   "full grid, else beside the runs)")
+    p.add_argument(
+        "--runs", type=Path, help="where the runs live (default: outputs/study/<suite>[-quick|-custom]/runs)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="where results and figures go (default: docs/study/<suite> for the full grid, else beside the runs)",
+    )
     p.add_argument("--jobs", type=int, default=2, help="runs trained at once (one thread each)")
     p.add_argument("--stats-batches", type=int, default=4, help="text: validation batches for the loop statistics")
-    p.add_argument("--extrapolation-examples", type=int, default=1024,
-                   help="depth: examples per k when scoring unconditioned runs past K (0: skip)")
+    p.add_argument(
+        "--extrapolation-examples",
+        type=int,
+        default=1024,
+        help="depth: examples per k when scoring unconditioned runs past K (0: skip)",
+    )
     p.add_argument("--report-only", action="store_true", help="no training: tabulate the finished runs")
-    p.add_argument("--carry", type=Path, metavar="RESULTS_JSON",
-                   help="take the rows of variants with no finished run here from this earlier report "
-                   "(same suite and --steps); the report names them")
+    p.add_argument(
+        "--carry",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="take the rows of variants with no finished run here from this earlier report "
+        "(same suite and --steps); the report names them",
+    )
     args = p.parse_args(argv)
 
     suite = Suite.load(args.suite)
@@ -80,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
 
     data = None
     if args.suite == "text":
-        data = args.data or (python_source_as_bytes(ROOT / "outputs/study/code-data") if code
-                             else bundled_prose_as_bytes(ROOT / "outputs/study/data"))
+        data = args.data or (
+            python_source_as_bytes(ROOT / "outputs/study/code-data")
+            if code
+            else bundled_prose_as_bytes(ROOT / "outputs/study/data")
+        )
         if not (data / "meta.json").is_file():
             p.error(f"--data {data}: no meta.json (make it with scripts/prepare_data.py)")
 
@@ -104,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         log("no finished runs to report")
         return 1
-    (out / "results.json").write_text(json.dumps({"suite": args.suite, "steps": steps, "seeds": seeds,
-                                                  "carried": carried, "results": results}, indent=2))
+    (out / "results.json").write_text(
+        json.dumps(
+            {"suite": args.suite, "steps": steps, "seeds": seeds, "carried": carried, "results": results}, indent=2
+        )
+    )
     try:
         if args.suite == "text":
             text_report.write_markdown(results, out, steps, seeds, carried)
@@ -114,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             depth_report.write_markdown(results, out, steps, seeds, task["task"], carried)
             figures = [depth_report.plot(results, out)]
     except ModuleNotFoundError as e:  # matplotlib is an extra: pip install -e ".[plot]"
-        log(f"wrote {out / 'results.json'}; no report: {e} (pip install -e \".[plot]\")")
+        log(f'wrote {out / "results.json"}; no report: {e} (pip install -e ".[plot]")')
         return 1
     log(f"wrote {out / 'results.md'}, results.json and {len(figures)} figure(s)")
     return 1 if failed else 0

@@ -24,9 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+from prepare_data import InputError, iter_all_documents, list_input_files
+
 from elr.cli import HelpFormatter
 from elr.text.tokenizer import SPLIT_PATTERN, build_tokenizer
-from prepare_data import InputError, iter_all_documents, list_input_files
 
 CHECK_DOCS = 64  # documents re-encoded with tiktoken to prove the written file is equivalent
 
@@ -67,14 +68,10 @@ def train(inputs: list[str], vocab_size: int, out: Path, text_field: str = "text
 
     start = time.monotonic()
     bpe = rustbpe.Tokenizer()
-    bpe.train_from_iterator(
-        iter_all_documents(groups, text_field), vocab_size=vocab_size, pattern=SPLIT_PATTERN
-    )
+    bpe.train_from_iterator(iter_all_documents(groups, text_field), vocab_size=vocab_size, pattern=SPLIT_PATTERN)
     ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
     if len(ranks) != vocab_size:
-        raise InputError(
-            f"the corpus yields only {len(ranks)} tokens, fewer than --vocab-size {vocab_size}"
-        )
+        raise InputError(f"the corpus yields only {len(ranks)} tokens, fewer than --vocab-size {vocab_size}")
     print(f"trained {len(ranks)} ranks in {time.monotonic() - start:.1f} s")
 
     out.parent.mkdir(parents=True, exist_ok=True)

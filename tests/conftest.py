@@ -15,12 +15,15 @@ WATCHED = ("outputs/", "data/", "train_configs/", "checkpoint/")
 
 
 def working_tree() -> set[str]:
-    out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT, capture_output=True, text=True
+    )
     if out.returncode != 0:  # not a git checkout (an sdist, say): nothing to compare
         return set()
     lines = [line for line in out.stdout.splitlines() if not any(part in line for part in IGNORED_BY_DESIGN)]
-    state = {line for line in lines if line[3:].startswith(WATCHED) or ("/" not in line[3:] and line[:2] in ("??", "!!"))}
+    state = {
+        line for line in lines if line[3:].startswith(WATCHED) or ("/" not in line[3:] and line[:2] in ("??", "!!"))
+    }
     # git shows an ignored folder (outputs/) as one line: what is written inside it is read from the files
     for folder in ("outputs", "checkpoint"):
         state |= {f"{p.relative_to(ROOT)} {p.stat().st_mtime_ns}" for p in (ROOT / folder).rglob("*") if p.is_file()}

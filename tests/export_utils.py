@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from trainer_utils import DEBUG_TOML, ROOT
 
 from elr.config import load_config
 from elr.interop import write_export
@@ -13,7 +14,6 @@ from elr.interop.hf_hashes import MANIFEST, seal
 from elr.models import build_model
 from elr.models.from_config import model_args_from_config
 from elr.text.tokenizer import build_tokenizer
-from trainer_utils import DEBUG_TOML, ROOT
 
 TOKENIZER = ROOT / "data" / "tokenizer" / "elr8k.tiktoken"
 

@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from trainer_utils import model_args
 
 from elr.models import build_model, flavors
 from elr.parallel.activation_checkpoint import CheckpointedLayer, apply_activation_checkpointing
-from trainer_utils import model_args
 
 DEBUG = model_args(flavors["debug"], max_loops=3, update="adaptive_delta")
 MODES = [("full", "op"), ("selective", "op"), ("selective", "2")]  # (mode, selective_ac_option)
@@ -32,8 +32,11 @@ def grads_and_counts(model, tokens, loops):
         moe.tokens_per_expert.zero_()
     loss = F.cross_entropy(model(tokens, loops=loops).flatten(0, 1), tokens.flatten())
     (loss + 0.1 * model.moe_aux_loss()).backward()  # the balance loss's backward recomputes under AC too
-    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
-             for n, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
     return grads, [m.tokens_per_expert.clone() for m in model.moe_layers()]
 
 
@@ -51,8 +54,9 @@ def test_gradients_and_moe_counts_with_ac_equal_without(mode, option, route_repl
         want_grads, want_counts = expected[k]
         assert grads.keys() == want_grads.keys()
         for name in want_grads:
-            torch.testing.assert_close(grads[name], want_grads[name], rtol=0, atol=1e-6,
-                                       msg=f"{mode} {option} k={k} {name}")
+            torch.testing.assert_close(
+                grads[name], want_grads[name], rtol=0, atol=1e-6, msg=f"{mode} {option} k={k} {name}"
+            )
         for got, want in zip(counts, want_counts):
             assert torch.equal(got, want), (mode, option, k)  # recomputation does not count twice
 

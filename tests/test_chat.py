@@ -8,20 +8,22 @@ import json
 
 import jinja2
 import pytest
-import torch
+from trainer_utils import ROOT
 
+from elr.errors import DataError
 from elr.text.chat import CHAT_TEMPLATE, encode_conversation, render
 from elr.text.chat_data import IGNORE_INDEX, ChatSplit, prepare_chat
-from elr.errors import DataError
 from elr.text.tokenizer import build_tokenizer
 from elr.train.data import build_train_loader, val_batches
 
-from trainer_utils import ROOT
-
 TOKENIZER = str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken")
-TALK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 3?"},
-        {"role": "assistant", "content": "5."}, {"role": "user", "content": "And 4 plus 4?"},
-        {"role": "assistant", "content": "It is 8."}]
+TALK = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 plus 3?"},
+    {"role": "assistant", "content": "5."},
+    {"role": "user", "content": "And 4 plus 4?"},
+    {"role": "assistant", "content": "It is 8."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,10 @@ def write_jsonl(path, conversations):
 
 
 def conversations(n):
-    return [[{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i} " * (1 + i % 5)}]
-            for i in range(n)]
+    return [
+        [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i} " * (1 + i % 5)}]
+        for i in range(n)
+    ]
 
 
 def test_jinja_template_renders_what_render_does():
@@ -59,9 +63,11 @@ def test_scored_tokens_are_exactly_the_assistant_turns_by_hand(tok):
     eot = tok.eot_id
     expected = tok.encode("5.") + [eot] + tok.encode("It is 8.") + [eot]
     assert [i for i, s in zip(ids, scored) if s] == expected
-    assert ids == [eot] + tok.encode("<|system|>\nBe brief.\n<|user|>\nWhat is 2 plus 3?\n<|assistant|>\n") + \
-        tok.encode("5.") + [eot] + tok.encode("\n<|user|>\nAnd 4 plus 4?\n<|assistant|>\n") + \
-        tok.encode("It is 8.") + [eot] + tok.encode("\n")
+    assert ids == [eot] + tok.encode(
+        "<|system|>\nBe brief.\n<|user|>\nWhat is 2 plus 3?\n<|assistant|>\n"
+    ) + tok.encode("5.") + [eot] + tok.encode("\n<|user|>\nAnd 4 plus 4?\n<|assistant|>\n") + tok.encode("It is 8.") + [
+        eot
+    ] + tok.encode("\n")
     # The text between special tokens is one ordinary encoding: the rendered string's tokens.
     assert tok.decode(ids) == render(TALK)
     # A message spelling the special token gets its characters, never the token.
@@ -132,10 +138,11 @@ BAD = [
     (json.dumps({"text": "hi"}), "not a conversation of a known shape (keys: text)"),
     (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "unknown role 'robot'"),
     (json.dumps({"messages": [{"role": "user", "content": "only a question"}]}), "no assistant turn"),
-    (json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}),
-     "not a string"),
-    (json.dumps({"messages": [{"role": "user", "content": "a " * 200}, {"role": "assistant", "content": "x"}]}),
-     "more than --max-tokens 64"),
+    (json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}), "not a string"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "a " * 200}, {"role": "assistant", "content": "x"}]}),
+        "more than --max-tokens 64",
+    ),
 ]
 
 
@@ -170,8 +177,9 @@ def test_bundled_conversations_are_prepared_from_their_jsonl(tmp_path, tok, monk
     """data/chat's files are what prepare_data.py --format chat makes of data/chat/conversations.jsonl."""
     bundled = ROOT / "data" / "chat"
     monkeypatch.chdir(ROOT)
-    meta = prepare_chat([bundled.relative_to(ROOT) / "conversations.jsonl"], tok, TOKENIZER, tmp_path, val_fraction=0.15,
-                        max_tokens=129)
+    meta = prepare_chat(
+        [bundled.relative_to(ROOT) / "conversations.jsonl"], tok, TOKENIZER, tmp_path, val_fraction=0.15, max_tokens=129
+    )
     for name in ("train.bin", "train.mask.bin", "train.offsets.bin", "val.bin", "val.mask.bin", "val.offsets.bin"):
         assert (tmp_path / name).read_bytes() == (bundled / name).read_bytes(), name
     assert meta["splits"] == json.loads((bundled / "meta.json").read_text())["splits"]
@@ -179,8 +187,22 @@ def test_bundled_conversations_are_prepared_from_their_jsonl(tmp_path, tok, monk
 
 def test_prepare_data_chat_command_writes_a_folder_the_trainer_reads(tmp_path, prepare_data, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", conversations(40))
-    assert prepare_data.main(["--format", "chat", "--tokenizer", TOKENIZER, "--out", str(tmp_path / "d"),
-                              "--val-fraction", "0.25", str(src)]) == 0
+    assert (
+        prepare_data.main(
+            [
+                "--format",
+                "chat",
+                "--tokenizer",
+                TOKENIZER,
+                "--out",
+                str(tmp_path / "d"),
+                "--val-fraction",
+                "0.25",
+                str(src),
+            ]
+        )
+        == 0
+    )
     assert "scored" in capsys.readouterr().out
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert meta["format"] == "chat" and sum(s["conversations"] for s in meta["splits"].values()) == 40

@@ -22,8 +22,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # also imported by tests/distributed/ckpt_reshard.py
 from elr.checkpoint import MARKER, Stored, load_model_export, verify  # noqa: E402
-from elr.errors import CheckpointError  # noqa: E402
 from elr.checkpoint.manager import CheckpointManager  # noqa: E402
+from elr.errors import CheckpointError  # noqa: E402
 from elr.train.train_state import ModelState, OptimizerState  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -111,16 +111,26 @@ def test_round_trip_is_bit_identical_and_resumes(tmp_path):
     opt = make_opt(model)
     train(model, opt, steps=3, seed=1)
     opt.param_groups[0]["lr"] = 3e-3  # as an LR scheduler would
-    train_state = {"step": 3, "rng": torch.get_rng_state(), "note": "x", "ratio": float("inf"),
-                   "counters": {"tokens": 12345, "per_k": [1, 2, 0]}}
+    train_state = {
+        "step": 3,
+        "rng": torch.get_rng_state(),
+        "note": "x",
+        "ratio": float("inf"),
+        "counters": {"tokens": 12345, "per_k": [1, 2, 0]},
+    }
     ckpt.save(3, states(model, opt, train_state=train_state))
     assert sorted(p.name for p in (tmp_path / "step-3").iterdir()) == [MARKER, SHARD0, "values.json"]
 
     model2 = make_model(1)
     opt2 = make_opt(model2)
     opt2.param_groups[0]["lr"] = 1.0
-    restored = {"step": 0, "rng": torch.zeros_like(train_state["rng"]), "note": "", "ratio": 0.0,
-                "counters": {"tokens": 0, "per_k": []}}
+    restored = {
+        "step": 0,
+        "rng": torch.zeros_like(train_state["rng"]),
+        "note": "",
+        "ratio": 0.0,
+        "counters": {"tokens": 0, "per_k": []},
+    }
     assert ckpt.load(states(model2, opt2, train_state=restored)) == 3
     assert_same(snapshot(model2, opt2), snapshot(model, opt))
     assert torch.equal(restored.pop("rng"), train_state.pop("rng")) and restored == train_state
@@ -194,8 +204,7 @@ ckpt.save(2, {"model": ModelState(model)})
 
 def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path):
     folder, sentinel = tmp_path / "ckpt", tmp_path / "writing"
-    child = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, str(folder), str(sentinel)],
-                             env=ENV, cwd=REPO)
+    child = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, str(folder), str(sentinel)], env=ENV, cwd=REPO)
     try:
         deadline = time.monotonic() + 60
         while not sentinel.exists():
@@ -368,8 +377,17 @@ def test_reshard_with_torchrun(tmp_path):
     torch.save(snapshot(model, opt), tmp_path / "from1_ref.pt")
 
     worker = REPO / "tests" / "distributed" / "ckpt_reshard.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(worker), "--work", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        "--work",
+        str(tmp_path),
+    ]
     run = subprocess.run(cmd, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert "all checks passed" in run.stdout
@@ -409,8 +427,14 @@ def old_format(folder: Path, step: int, state: dict, fmt: int = 3) -> Path:
 
 
 def convert(*paths) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"), *map(str, paths)],
-                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "convert_checkpoint.py"), *map(str, paths)],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.slow
@@ -447,7 +471,9 @@ def test_an_old_format_is_refused_naming_the_conversion_which_round_trips(tmp_pa
 def test_the_conversion_refuses_gdp_weights_in_the_old_row_order(tmp_path):
     """A format-1 marker (before GDP's head-major k/v/beta rows) holding GDP weights would load them
     permuted: not converted; without GDP weights it converts."""
-    gdp = old_format(tmp_path / "gdp" / "step-1", 1, {"model": nn.ModuleDict({"k_proj": nn.Linear(8, 8)}).state_dict()}, 1)
+    gdp = old_format(
+        tmp_path / "gdp" / "step-1", 1, {"model": nn.ModuleDict({"k_proj": nn.Linear(8, 8)}).state_dict()}, 1
+    )
     result = convert(gdp)
     assert result.returncode == 2 and "order used before 2026-12-01" in result.stderr
     assert sorted(os.listdir(gdp.parent)) == ["step-1"] and (gdp / ".metadata").is_file()  # untouched

@@ -8,9 +8,9 @@ hashes rewritten to match (`reseal`), so only reading the files themselves can t
 `ran` appears if any crafted pickle is executed.
 """
 
+import errno
 import hashlib
 import importlib.util
-import errno
 import json
 import logging
 import multiprocessing
@@ -29,17 +29,17 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
+from elr.checkpoint import MARKER
+from elr.checkpoint.manager import CheckpointManager
 from elr.config import load_config
 from elr.errors import CheckpointError, ConfigError, FolderInUse, UserError
 from elr.infer.load import load_model, load_tokenizer
-from elr.checkpoint import MARKER
-from elr.checkpoint.manager import CheckpointManager
+from elr.train.nonfinite import NonFiniteLossError
 from elr.train.run_lock import RunLock
 from elr.train.train_state import ModelState
-from elr.train.nonfinite import NonFiniteLossError
 from elr.train.trainer import Trainer
-from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
 SHARD0 = "shard-00001-model-00001-of-00001.safetensors"  # the tensors of a one-process save
@@ -149,6 +149,7 @@ def one_error_line(text: str) -> str:
 
 # ---- nothing stored in a checkpoint runs ----
 
+
 def _resume(dump, tmp_path):
     t = trainer(dump, 2)
     t.close()
@@ -184,8 +185,11 @@ def _evaluate(dump, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["shard", "values", "metadata"])
-@pytest.mark.parametrize("loader", [_resume, _initial_load_path, _load_model, _export_loader, _generate, _evaluate],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "loader",
+    [_resume, _initial_load_path, _load_model, _export_loader, _generate, _evaluate],
+    ids=lambda f: f.__name__.strip("_"),
+)
 def test_a_planted_pickle_never_runs(dump, tmp_path, loader, where):
     ran = tmp_path / "ran"
     for name in ("step-2", "step-2-model"):
@@ -211,7 +215,7 @@ def test_a_checkpoint_folder_holds_no_pickle(trained):
             continue
         assert path.suffix == ".safetensors", path
         size = struct.unpack("<Q", data[:8])[0]
-        header = json.loads(data[8:8 + size])
+        header = json.loads(data[8 : 8 + size])
         assert all(isinstance(v, str) for v in header.pop("__metadata__").values())  # DCP's offsets, as JSON text
         assert 8 + size + max(entry["data_offsets"][1] for entry in header.values()) == len(data), path
     assert {p.name for p in folders[0].iterdir()} == {MARKER, SHARD0, "values.json", "config.json"}
@@ -220,20 +224,27 @@ def test_a_checkpoint_folder_holds_no_pickle(trained):
 def test_no_module_of_elr_unpickles():
     """`grep -rn pickle elr/` finds no reader: nothing in the library can unpickle what it reads."""
     reader = re.compile(r"pickle\.loads?\(|Unpickler|torch\.load\(|weights_only|FileSystemReader")
-    hits = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "elr").rglob("*.py"))
-            for n, line in enumerate(p.read_text().splitlines(), 1) if reader.search(line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in sorted((ROOT / "elr").rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if reader.search(line)
+    ]
     assert hits == []
 
 
 def test_a_value_of_another_kind_is_refused_and_the_older_step_loads(dump, tmp_path, caplog):
     ran = tmp_path / "ran"
-    rewrite_values(dump / "checkpoint" / "step-2", lambda values: values.update(
-        {"train_state.step": {"__reduce__": ["os.system", [f"touch {ran}"]]}}))
+    rewrite_values(
+        dump / "checkpoint" / "step-2",
+        lambda values: values.update({"train_state.step": {"__reduce__": ["os.system", [f"touch {ran}"]]}}),
+    )
     with caplog.at_level(logging.WARNING):
         _resume(dump, tmp_path)
     assert not ran.exists()
-    assert any("train_state.step as a JSON object, where this job has a number" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "train_state.step as a JSON object, where this job has a number" in r.getMessage() for r in caplog.records
+    )
 
 
 @pytest.mark.parametrize("name", ["values.json", "config.json", MARKER])
@@ -252,8 +263,9 @@ def test_a_model_tensor_recast_as_a_value_is_one_clear_error(dump):
     key = "model.tok_embeddings.weight"
     rewrite_tensors(step, lambda tensors, offsets: (tensors.pop(key), offsets.pop(key)))
     rewrite_values(step, lambda values: values.update({key: [[0.5]]}))
-    with pytest.raises(CheckpointError, match=f"stored as a tensor where a value is requested or the other way "
-                                              f"round: {key}") as error:
+    with pytest.raises(
+        CheckpointError, match=f"stored as a tensor where a value is requested or the other way round: {key}"
+    ) as error:
         trainer(dump, 3)
     assert "\n" not in str(error.value)
     with pytest.raises(CheckpointError, match="no model.tok_embeddings.weight as a tensor"):
@@ -271,6 +283,7 @@ def test_shards_that_do_not_tile_a_tensor_are_refused(dump, caplog):
 
 
 # ---- damage is found ----
+
 
 def test_a_flipped_byte_is_found_by_its_checksum(dump, caplog):
     shard = dump / "checkpoint" / "step-2" / SHARD0
@@ -292,6 +305,7 @@ def test_inference_needs_the_commit_marker(dump):
 
 # ---- a run is never lost ----
 
+
 @pytest.mark.parametrize("damage", ["header", "marker"])
 def test_when_no_checkpoint_loads_the_run_stops_naming_each_and_deletes_nothing(dump, damage):
     folder = dump / "checkpoint"
@@ -311,8 +325,14 @@ def test_when_no_checkpoint_loads_the_run_stops_naming_each_and_deletes_nothing(
 def test_train_py_stops_in_one_line_when_no_checkpoint_loads(dump):
     for step in ("step-1", "step-2"):
         (dump / "checkpoint" / step / MARKER).unlink()
-    result = subprocess.run([sys.executable, "train.py", *overrides(dump, 4, *CKPT)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides(dump, 4, *CKPT)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "none of the 2 checkpoints" in one_error_line(result.stderr)
 
@@ -377,13 +397,22 @@ def test_saves_delete_only_what_the_project_wrote_and_report_the_rest_once(tmp_p
         ckpt.save(1, {"model": ModelState(torch.nn.Linear(2, 2))})
         ckpt.save(2, {"model": ModelState(torch.nn.Linear(2, 2))})
     assert sorted(p.name for p in folder.iterdir()) == [
-        "important.tmp", "my-notes", "notes.tmp", "step-1", "step-2", "step-7.tmp", "step-9.tmp"]
+        "important.tmp",
+        "my-notes",
+        "notes.tmp",
+        "step-1",
+        "step-2",
+        "step-7.tmp",
+        "step-9.tmp",
+    ]
     kept = {p: data for p, data in before.items() if "step-4.tmp" not in str(p) and "step-3.tmp" not in str(p)}
     assert {p: data for p, data in snapshot(tmp_path).items() if p in kept} == kept  # nothing else touched
     lines = [r.getMessage() for r in caplog.records if r.name == "elr.checkpoint.manager"]
     assert len(lines) == 1, lines
-    assert all(name in lines[0] for name in ("important.tmp", "my-notes", "notes.tmp", "step-9.tmp",
-                                             "step-7.tmp (a symbolic link)"))
+    assert all(
+        name in lines[0]
+        for name in ("important.tmp", "my-notes", "notes.tmp", "step-9.tmp", "step-7.tmp (a symbolic link)")
+    )
 
 
 def test_a_save_refuses_a_step_name_someone_else_holds(tmp_path):
@@ -396,12 +425,18 @@ def test_a_save_refuses_a_step_name_someone_else_holds(tmp_path):
 
 # ---- one run per folder ----
 
+
 def test_a_second_trainer_on_the_same_folder_is_refused_in_one_line(dump):
     first = trainer(dump, 3)  # holds the lock while the second starts
     try:
-        result = subprocess.run([sys.executable, "train.py", *overrides(dump, 3, *CKPT)], cwd=ROOT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                                timeout=240)
+        result = subprocess.run(
+            [sys.executable, "train.py", *overrides(dump, 3, *CKPT)],
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     finally:
         first.close()
     assert result.returncode == 2, result.stderr[-2000:]
@@ -461,9 +496,17 @@ def test_a_trainer_pointed_at_a_running_runs_checkpoints_is_refused(dump, tmp_pa
     before = snapshot(dump / "checkpoint")
     try:
         result = subprocess.run(
-            [sys.executable, "train.py", *overrides(tmp_path / "other", 3, *CKPT, "--checkpoint.folder",
-                                                    str(dump / "checkpoint"))],
-            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+            [
+                sys.executable,
+                "train.py",
+                *overrides(tmp_path / "other", 3, *CKPT, "--checkpoint.folder", str(dump / "checkpoint")),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert snapshot(dump / "checkpoint") == before  # nothing set aside, deleted or written
     finally:
         first.close()
@@ -473,6 +516,7 @@ def test_a_trainer_pointed_at_a_running_runs_checkpoints_is_refused(dump, tmp_pa
 
 
 # ---- every file is hash-checked before any of it is parsed ----
+
 
 @pytest.mark.parametrize("edit", ["valid_json", "invalid_json"])
 def test_an_edited_config_json_is_found_by_its_hash_before_it_is_read(dump, caplog, capsys, edit):
@@ -513,12 +557,19 @@ def test_a_file_added_to_a_step_folder_or_a_link_in_it_is_refused(dump, tmp_path
 
 # ---- a folder that holds a run is continued or refused, never silently restarted ----
 
+
 def test_a_rerun_without_checkpoints_is_refused_then_starts_over_on_request(tmp_path, caplog):
     dump = tmp_path / "run"
     run(dump, 2)  # no checkpoints
     before = snapshot(dump)
-    result = subprocess.run([sys.executable, "train.py", *overrides(dump, 2)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides(dump, 2)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     line = one_error_line(result.stderr)
     assert "holds a run (config.json, metrics.jsonl)" in line and "--job.start_over true" in line, line
@@ -551,8 +602,14 @@ def test_a_finished_run_of_another_model_or_data_is_refused_not_called_finished(
         shutil.copytree(ROOT / "data" / "tinyprose", tmp_path / "mycorpus")
         extra = ["--data.path", str(tmp_path / "mycorpus")]
     before = snapshot(dump)
-    result = subprocess.run([sys.executable, "train.py", *overrides(dump, 2, *CKPT, *extra)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides(dump, 2, *CKPT, *extra)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     line = one_error_line(result.stderr)
     key = "elr.max_loops" if change == "model" else "data.path"
@@ -566,14 +623,21 @@ def test_an_old_format_checkpoint_stops_train_py_in_one_line_naming_the_conversi
         marker["format"] = 3
         (dump / "checkpoint" / step / MARKER).write_text(json.dumps(marker))
     before = snapshot(dump)
-    result = subprocess.run([sys.executable, "train.py", *overrides(dump, 4, *CKPT)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides(dump, 4, *CKPT)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "python scripts/convert_checkpoint.py" in one_error_line(result.stderr)
     assert snapshot(dump) == before
 
 
 # ---- inference builds what was saved ----
+
 
 def test_a_config_json_rewritten_by_another_run_does_not_change_the_model(dump):
     tokens = torch.tensor([[3, 14, 15, 92, 65]])
@@ -614,6 +678,7 @@ def test_another_tokenizer_of_the_same_size_is_refused(dump, tmp_path):
 
 # ---- NaN never reaches or leaves a checkpoint ----
 
+
 def test_nan_weights_are_refused_at_load(dump, caplog):
     t = trainer(dump, 3)
     with torch.no_grad():
@@ -642,6 +707,7 @@ def test_a_run_with_nan_weights_saves_no_checkpoint(tmp_path):
 
 # ---- the smaller faults: one line each ----
 
+
 def test_a_full_disk_is_named_with_the_bytes_needed(tmp_path, monkeypatch):
     import elr.checkpoint.manager as checkpoint
 
@@ -650,8 +716,11 @@ def test_a_full_disk_is_named_with_the_bytes_needed(tmp_path, monkeypatch):
     room = shutil.disk_usage(tmp_path)
     full = room._replace(free=1000)
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: full)
-    with pytest.raises(CheckpointError, match=r"not enough space to save step-1: the disk holding .* \(mounted at "
-                                              r".*\) has 0\.0 MB free, the save needs about"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"not enough space to save step-1: the disk holding .* \(mounted at "
+        r".*\) has 0\.0 MB free, the save needs about",
+    ):
         ckpt.save(1, {"model": ModelState(layer)})
     assert not (tmp_path / "ckpt" / "step-1.tmp").exists()
 
@@ -699,7 +768,9 @@ def test_sigterm_with_checkpoints_disabled_saves_nothing(tmp_path, caplog):
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
 def test_a_learning_rate_that_is_not_finite_fails_the_config_check(value):
-    with pytest.raises(ConfigError, match=f"^optimizer.lr: expected a finite number below 2\\^63 in size, got {value}$"):
+    with pytest.raises(
+        ConfigError, match=f"^optimizer.lr: expected a finite number below 2\\^63 in size, got {value}$"
+    ):
         load_config(DEBUG_TOML, ["--optimizer.lr", value])
 
 
@@ -718,7 +789,13 @@ def test_a_folder_that_cannot_be_written_is_one_line_before_any_work(dump, monke
 
     blocked = dump / "a-file"
     blocked.write_text("")
-    result = subprocess.run([sys.executable, "train.py", *overrides(blocked / "run", 2)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides(blocked / "run", 2)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "cannot write in" in one_error_line(result.stderr)

@@ -7,12 +7,12 @@ import importlib.util
 import io
 import re
 import sys
-import tomllib
 
 import pytest
+import tomllib
+from trainer_utils import ROOT
 
 from elr import cli
-from trainer_utils import ROOT
 
 SCRIPTS = sorted(p for p in (ROOT / "scripts").glob("*.py"))
 
@@ -45,6 +45,7 @@ class Parsed(Exception):
 
 def parser_of(path, monkeypatch) -> argparse.ArgumentParser:
     """The script's parser, caught where main() would parse (nothing of the script runs past it)."""
+
     def catch(self, *args, **kwargs):
         raise Parsed(self)
 

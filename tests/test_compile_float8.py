@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from trainer_utils import model_args
 
 from elr.models import build_model, flavors
 from elr.parallel.parallelize import compile_layers, convert_to_float8
-from trainer_utils import model_args
 
 
 def make():
@@ -35,7 +35,10 @@ def test_compiled_layers_match_eager(tmp_path, monkeypatch):
     compile_layers(compiled)
     tokens = torch.randint(0, flavors["debug"].vocab_size, (2, 16))
     for loops in (1, 3):
-        (loss_e, grads_e), (loss_c, grads_c) = loss_and_grads(eager, tokens, loops), loss_and_grads(compiled, tokens, loops)
+        (loss_e, grads_e), (loss_c, grads_c) = (
+            loss_and_grads(eager, tokens, loops),
+            loss_and_grads(compiled, tokens, loops),
+        )
         torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
         assert grads_c.keys() == grads_e.keys()
         for name in grads_e:
@@ -50,8 +53,11 @@ def test_float8_converts_the_large_linears_only_and_trains():
     assert converted > 0
     plain = {name for name, m in model.named_modules() if type(m) is nn.Linear}
     assert "output" in plain and all(
-        any(part in name for part in ("router", "step_size", "conditioning", "output")) or m.in_features % 16 or m.out_features % 16
-        for name, m in model.named_modules() if type(m) is nn.Linear
+        any(part in name for part in ("router", "step_size", "conditioning", "output"))
+        or m.in_features % 16
+        or m.out_features % 16
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear
     )
     tokens = torch.randint(0, flavors["debug"].vocab_size, (2, 16))
     loss_8, grads = loss_and_grads(model, tokens, 2)

@@ -61,22 +61,37 @@ def test_tokenizer_sha256_is_a_hex_digest_or_empty():
         ("[elr]\npartition = [4, 0, 4]\n", [], "elr.partition"),  # no recurrent layer
         ("[elr]\nmax_loops = 3\nloop_weights = [1.0, 1.0]\n", [], "elr.loop_weights"),
         ("[elr]\nenabled = false\n", [], "elr.max_loops"),  # the baseline runs one loop
-        ("[elr]\nupdate = \"gated\"\n", [], "elr.update"),  # the recurrence's options check themselves
-        ("[elr]\nrecurrent_input = \"input\"\n", [], "elr.recurrent_input"),
-        ("[elr]\nstep_input = \"both\"\n", [], "elr.step_input"),
+        ('[elr]\nupdate = "gated"\n', [], "elr.update"),  # the recurrence's options check themselves
+        ('[elr]\nrecurrent_input = "input"\n', [], "elr.recurrent_input"),
+        ('[elr]\nstep_input = "both"\n', [], "elr.step_input"),
         ("[elr]\nswitch_at = 0.5\n", [], "checkpoint.enable"),  # the switch goes through a checkpoint
-        ("[elr]\nswitch_conditioning = \"never\"\n", [], "elr.switch_conditioning"),
+        ('[elr]\nswitch_conditioning = "never"\n', [], "elr.switch_conditioning"),
         ("[elr]\nstop_at_switch = true\n", [], "elr.stop_at_switch"),  # no switch to stop at
         ("[elr]\nloop_gate_lr_scale = 0\n", [], "elr.loop_gate_lr_scale"),
         ("[rl]\nenable = true\n", [], "rl.prompts"),
-        ("[rl]\nenable = true\nprompts = \"arithmetic\"\n[checkpoint]\ninitial_load_path = \"x\"\n[training]\n"
-         "global_batch_size = 16\n[parallelism]\ntensor_parallel_degree = 2\n", [], "parallelism"),
-        ("[rl]\nenable = true\nprompts = \"arithmetic\"\nreward = \"not a function\"\n[checkpoint]\n"
-         "initial_load_path = \"x\"\n[training]\nglobal_batch_size = 16\n", [], "rl.reward"),
-        ("[rl]\nenable = true\nprompts = \"arithmetic\"\n[checkpoint]\ninitial_load_path = \"x\"\n",
-         [], "training.global_batch_size"),  # -1: a batch of rollouts needs its size
-        ("[elr]\nswitch_conditioning = \"from_start\"\nswitch_at = 0.5\nconditioning = false\n"
-         "[checkpoint]\nenable = true\n", [], "elr.switch_conditioning"),  # nothing to train from the start
+        (
+            '[rl]\nenable = true\nprompts = "arithmetic"\n[checkpoint]\ninitial_load_path = "x"\n[training]\n'
+            "global_batch_size = 16\n[parallelism]\ntensor_parallel_degree = 2\n",
+            [],
+            "parallelism",
+        ),
+        (
+            '[rl]\nenable = true\nprompts = "arithmetic"\nreward = "not a function"\n[checkpoint]\n'
+            'initial_load_path = "x"\n[training]\nglobal_batch_size = 16\n',
+            [],
+            "rl.reward",
+        ),
+        (
+            '[rl]\nenable = true\nprompts = "arithmetic"\n[checkpoint]\ninitial_load_path = "x"\n',
+            [],
+            "training.global_batch_size",
+        ),  # -1: a batch of rollouts needs its size
+        (
+            '[elr]\nswitch_conditioning = "from_start"\nswitch_at = 0.5\nconditioning = false\n'
+            "[checkpoint]\nenable = true\n",
+            [],
+            "elr.switch_conditioning",
+        ),  # nothing to train from the start
         ("[elr]\nmax_loops = 3\nloop_weights_start = [0, 1]\nloop_schedule_steps = 5\n", [], "elr.loop_weights_start"),
         ("[elr]\nmax_loops = 2\nloop_weights_start = [0, 1]\n", [], "elr.loop_schedule_steps"),  # no length
         ("[elr]\nloop_schedule_steps = 5\n", [], "elr.loop_schedule_steps"),  # nothing to start from
@@ -103,8 +118,8 @@ def test_bad_input_names_the_key(tmp_path, toml, overrides, key):
     "toml, key",
     [
         ("[elr]\npartition = [2, 2, 2]\n", "elr.partition"),  # 6 != 8 layers of debug
-        ("[model]\nflavor = \"gpt5\"\n", "model.flavor"),
-        ("[model]\ngdp_impl = \"cuda\"\n", "model.gdp_impl"),
+        ('[model]\nflavor = "gpt5"\n', "model.flavor"),
+        ('[model]\ngdp_impl = "cuda"\n', "model.gdp_impl"),
     ],
 )
 def test_bad_model_settings_name_the_key(tmp_path, toml, key):
@@ -119,8 +134,19 @@ def test_bad_model_settings_name_the_key(tmp_path, toml, key):
 
 def test_elr_settings_come_from_the_config_alone():
     """The flavor is a backbone: every recurrence setting of the model is the job's [elr] value."""
-    cfg = load_config(None, ["--elr.max_loops", "2", "--elr.update", "residual", "--elr.recurrent_input",
-                             "state_plus_input", "--elr.conditioning", "true"])
+    cfg = load_config(
+        None,
+        [
+            "--elr.max_loops",
+            "2",
+            "--elr.update",
+            "residual",
+            "--elr.recurrent_input",
+            "state_plus_input",
+            "--elr.conditioning",
+            "true",
+        ],
+    )
     r = model_args_from_config(cfg, vocab_size=256).recurrence
     assert (r.max_loops, r.update, r.recurrent_input, r.conditioning) == (2, "residual", "state_plus_input", True)
     assert not model_args_from_config(cfg, vocab_size=256, mixed_depth=False).recurrence.conditioning
@@ -137,14 +163,15 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(write(tmp_path, "[training\n"))
 
 
-@pytest.mark.parametrize(
-    "key, value", [("elr.max_loops", "0"), ("elr.update", "bogus"), ("model.flavor", "bogus")]
-)
+@pytest.mark.parametrize("key, value", [("elr.max_loops", "0"), ("elr.update", "bogus"), ("model.flavor", "bogus")])
 def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, key, value):
     dump = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "train.py", f"--{key}", value, "--job.dump_folder", str(dump)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -169,23 +196,41 @@ def test_train_py_lets_an_internal_error_keep_its_traceback(monkeypatch, tmp_pat
 
 
 def test_torchtitan_spellings_bare_booleans_dashes_and_lists():
-    cfg = load_config(None, ["--checkpoint.enable", "--checkpoint.keep-latest-k", "5", "--lr-scheduler.warmup_steps=3",
-                             "--compile.enable", "--optimizer.betas", "0.8,0.99", "--float8.enable"])
+    cfg = load_config(
+        None,
+        [
+            "--checkpoint.enable",
+            "--checkpoint.keep-latest-k",
+            "5",
+            "--lr-scheduler.warmup_steps=3",
+            "--compile.enable",
+            "--optimizer.betas",
+            "0.8,0.99",
+            "--float8.enable",
+        ],
+    )
     assert cfg.checkpoint.enable and cfg.compile.enable and cfg.float8.enable
-    assert cfg.checkpoint.keep_latest_k == 5 and cfg.lr_scheduler.warmup_steps == 3 and cfg.optimizer.betas == [0.8, 0.99]
+    assert (
+        cfg.checkpoint.keep_latest_k == 5 and cfg.lr_scheduler.warmup_steps == 3 and cfg.optimizer.betas == [0.8, 0.99]
+    )
     assert load_config(None, ["--checkpoint.enable", "false"]).checkpoint.enable is False
     with pytest.raises(ConfigError, match="^training.steps: expected an integer"):
         load_config(None, ["--training.steps", "--checkpoint.enable"])  # only a boolean may be bare
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--chekpoint.enable"], "chekpoint.enable: unknown section 'chekpoint', did you mean 'checkpoint'?"),
-    (["--checkpoint.intervall", "3"], "checkpoint.intervall: unknown key 'intervall' in [checkpoint], did you mean "
-                                      "'interval'?"),
-    (["--training.lr", "1e-3"], "training.lr: unknown key 'lr' in [training], did you mean 'optimizer.lr'?"),
-    (["--checkpoint"], "checkpoint: a section, not a key"),
-    (["--zzz.enable", "true"], "zzz.enable: unknown section 'zzz'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--chekpoint.enable"], "chekpoint.enable: unknown section 'chekpoint', did you mean 'checkpoint'?"),
+        (
+            ["--checkpoint.intervall", "3"],
+            "checkpoint.intervall: unknown key 'intervall' in [checkpoint], did you mean 'interval'?",
+        ),
+        (["--training.lr", "1e-3"], "training.lr: unknown key 'lr' in [training], did you mean 'optimizer.lr'?"),
+        (["--checkpoint"], "checkpoint: a section, not a key"),
+        (["--zzz.enable", "true"], "zzz.enable: unknown section 'zzz'"),
+    ],
+)
 def test_a_misspelt_flag_is_unknown_with_the_nearest_spelling(overrides, message):
     """Not "missing value" for a bare misspelt boolean: the key is checked before its value is looked for."""
     with pytest.raises(ConfigError) as err:
@@ -209,17 +254,22 @@ def test_the_readme_commands_write_separate_dump_folders(monkeypatch):
     sft = load_config(configs / "sft_debug.toml").job.dump_folder
     assert (quick, own, sft) == ("outputs/debug", "outputs/debug-mycorpus", "outputs/sft_debug")
     assert load_config(configs / "debug.toml", ["--data.path", "data/tinyprose/"]).job.dump_folder == quick  # its own
-    assert load_config(configs / "debug.toml", ["--data.task", "var_chain"]).job.dump_folder == "outputs/debug-var_chain"
+    assert (
+        load_config(configs / "debug.toml", ["--data.task", "var_chain"]).job.dump_folder == "outputs/debug-var_chain"
+    )
     assert load_config(configs / "debug.toml", ["--job.run_name", "try2"]).job.dump_folder == "outputs/try2"
     assert load_config(configs / "debug.toml", ["--job.dump_folder", "x/y"]).job.dump_folder == "x/y"
     # the SFT config starts from the quick start's folder
     assert load_config(configs / "sft_debug.toml").checkpoint.initial_load_path == f"{quick}/checkpoint"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--job.run_name", "../up"], "job.run_name: must be a folder name"),
-    (["--job.run_name", "a", "--job.dump_folder", "b"], "job.run_name: names the default dump folder"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--job.run_name", "../up"], "job.run_name: must be a folder name"),
+        (["--job.run_name", "a", "--job.dump_folder", "b"], "job.run_name: names the default dump folder"),
+    ],
+)
 def test_run_name_is_a_folder_name_and_not_beside_dump_folder(overrides, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
         load_config(None, overrides)

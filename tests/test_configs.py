@@ -4,12 +4,11 @@ slot drawing its own k, FiLM on the output block only), and a matched baseline f
 from pathlib import Path
 
 import pytest
+from trainer_utils import ROOT
 
 from elr.config import load_config
 from elr.config.recurrence import names as recurrence_names
 from elr.train.loop_sampler import LoopSampler
-
-from trainer_utils import ROOT
 
 CONFIGS = ROOT / "train_configs"
 # The recurrence's options: they build the network, so every stage of one model keeps them (frozen on resume).
@@ -17,8 +16,13 @@ FROZEN = [f"elr.{name}" for name in recurrence_names()]
 # (config, K, one-loop override, switch): Table 3's "synchronized, 15% override" for GPT-0.5B;
 # Table 6's "10% one-loop rank override" for the 4B/30B hybrids; no late switch (README, "Late switch":
 # it cost the recommended recipe its one-loop parity on the study's text).
-PRODUCTION = [("gpt_0p5b.toml", 5, 0.15, 0.0), ("gdp_hybrid_4b.toml", 4, 0.1, 0.0), ("koi4b.toml", 4, 0.1, 0.0),
-              ("gdp_hybrid_30b_a3b.toml", 4, 0.1, 0.0), ("koi4b_sft.toml", 4, 0.1, 0.0)]
+PRODUCTION = [
+    ("gpt_0p5b.toml", 5, 0.15, 0.0),
+    ("gdp_hybrid_4b.toml", 4, 0.1, 0.0),
+    ("koi4b.toml", 4, 0.1, 0.0),
+    ("gdp_hybrid_30b_a3b.toml", 4, 0.1, 0.0),
+    ("koi4b_sft.toml", 4, 0.1, 0.0),
+]
 # A later stage starts from its own run's checkpoint: the baseline's stage from the baseline's run.
 FROM_OWN_RUN = {"koi4b_sft.toml", "koi4b_rlvr.toml"}
 # The RLVR stage draws its k per group (4:1:1:1, no override): not the pretraining recipe's sampling.
@@ -28,8 +32,11 @@ CPU_RUNS = {"debug.toml", "sft_debug.toml", "sft_arith_debug.toml", "debug_rlvr.
 
 
 def flat(path: Path) -> dict:
-    return {f"{section}.{key}": value for section, keys in load_config(path).to_dict().items()
-            for key, value in keys.items()}
+    return {
+        f"{section}.{key}": value
+        for section, keys in load_config(path).to_dict().items()
+        for key, value in keys.items()
+    }
 
 
 def test_every_production_config_is_listed_here_with_a_baseline():
@@ -45,9 +52,19 @@ def test_production_configs_run_the_recommended_recipe(name, max_loops, override
     loops buying 1.0% / 1.5%), with the state norm between loops."""
     e = load_config(CONFIGS / name).elr
     assert (e.enabled, e.sampling, e.max_loops, e.one_loop_override, e.loop_weights, e.switch_at) == (
-        True, "stratified", max_loops, override, [], switch_at)
+        True,
+        "stratified",
+        max_loops,
+        override,
+        [],
+        switch_at,
+    )
     assert (e.conditioning, e.conditioning_first_loop, e.conditioning_later_loops, e.conditioning_exit) == (
-        True, True, False, True)
+        True,
+        True,
+        False,
+        True,
+    )
     assert e.state_norm  # README "The training aids on text": loops buy 2.1% instead of 1.3%, 3 seeds
     sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights)
     expected_p1 = {0.1: 0.325, 0.15: 0.32}[override]  # paper: Table 6 (K=4), Table 3 (K=5)
@@ -108,7 +125,11 @@ def test_koi4b_rlvr_continues_sft_with_its_recurrence_and_the_papers_rlvr_loop_c
     sft, rl = flat(CONFIGS / "koi4b_sft.toml"), flat(CONFIGS / "koi4b_rlvr.toml")
     assert {k: rl[k] for k in FROZEN} == {k: sft[k] for k in FROZEN}
     assert (rl["rl.enable"], rl["training.steps"], rl["elr.loop_weights"], rl["elr.one_loop_override"]) == (
-        True, 200, [4.0, 1.0, 1.0, 1.0], 0.0)
+        True,
+        200,
+        [4.0, 1.0, 1.0, 1.0],
+        0.0,
+    )
     final = Path(sft["job.dump_folder"]) / sft["checkpoint.folder"] / f"step-{sft['training.steps']}"
     assert Path(rl["checkpoint.initial_load_path"]) == final and rl["model.flavor"] == sft["model.flavor"]
     p1 = LoopSampler(4, "stratified", 0.0, rl["elr.loop_weights"]).p_one_loop()

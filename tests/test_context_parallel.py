@@ -7,12 +7,12 @@ import sys
 
 import pytest
 import torch
+from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, records, run, run_script
 
 from elr.config import load_config
 from elr.models.from_config import model_args_from_config
 from elr.parallel.context_parallel import lower_right_causal, shard_sequence
 from elr.tools.memory_plan import activation_bytes, fake_sequence_meshes, plan_memory
-from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, records, run, run_script
 
 
 def test_shard_sequence_gives_contiguous_slices_and_refuses_uneven_lengths():
@@ -37,9 +37,19 @@ def test_two_cp_ranks_equal_one_process_and_keep_what_the_memory_plan_traces():
     plan's count of the last CP rank's activations, traced on the meta device over fake ranks (the
     gathered K/V and GDP's widened values included), is within 5% of what its real forward keeps."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "distributed" / "cp_layers.py")],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "distributed" / "cp_layers.py"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "all checks passed" in result.stdout
@@ -58,10 +68,21 @@ def test_memory_plan_traces_one_slice_through_the_cp_path(ac):
     """CP 2 over 64 tokens plans a 32-token slice on 2 FSDP ranks, plus at least every attention
     call's other 32 keys and values: kept for backward without AC, in the recompute working set
     (with their gradients) under full AC, where the kept activations are a slice's alone."""
+
     def plan(seq_len, cp):
-        cfg = load_config(DEBUG_TOML, ["--training.seq_len", str(seq_len), "--training.local_batch_size", "1",
-                                       "--activation_checkpoint.mode", ac,
-                                       "--parallelism.context_parallel_degree", str(cp)])
+        cfg = load_config(
+            DEBUG_TOML,
+            [
+                "--training.seq_len",
+                str(seq_len),
+                "--training.local_batch_size",
+                "1",
+                "--activation_checkpoint.mode",
+                ac,
+                "--parallelism.context_parallel_degree",
+                str(cp),
+            ],
+        )
         return plan_memory(cfg, model_args_from_config(cfg, 8192), ngpu=2, gpu_memory_gib=80)
 
     one_slice, cp = plan(32, 1), plan(64, 2)
@@ -118,8 +139,19 @@ def test_cp2_x_fsdp2_trains_like_one_process(tmp_path):
     run(tmp_path / "seed", 2, *CKPT, *CP_SEQ, *per_rank, "--checkpoint.create_seed", "true")
     for name in ("2d", "one"):
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
-    run_script(tmp_path / "2d", 2, *CKPT, *CP_SEQ, *per_rank, "--parallelism.context_parallel_degree", "2",
-               "--training.global_batch_size", "2", nproc=4, timeout=400)
+    run_script(
+        tmp_path / "2d",
+        2,
+        *CKPT,
+        *CP_SEQ,
+        *per_rank,
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--training.global_batch_size",
+        "2",
+        nproc=4,
+        timeout=400,
+    )
     # validation: 2 data-parallel ranks x 2 steps x 1 window = the single process's 4 steps x 1 window
     run(tmp_path / "one", 2, *CKPT, *CP_SEQ, *per_rank, "--training.global_batch_size", "2", "--validation.steps", "4")
     got = records(tmp_path / "2d")
@@ -131,12 +163,33 @@ def test_cp2_x_fsdp2_trains_like_one_process(tmp_path):
 def test_cp2_x_tp2_with_balance_loss_trains_like_one_process(tmp_path):
     """Each CP slice of 38 tokens is split again over 2 TP ranks (sequence parallel, 19 each); the MoE
     balance loss (coefficient 0.01) counts routes over all four ranks' pieces of each sequence."""
-    seq = ["--training.seq_len", "76", "--validation.freq", "3", "--validation.steps", "2", "--moe.aux_loss_coeff", "0.01"]
+    seq = [
+        "--training.seq_len",
+        "76",
+        "--validation.freq",
+        "3",
+        "--validation.steps",
+        "2",
+        "--moe.aux_loss_coeff",
+        "0.01",
+    ]
     run(tmp_path / "seed", 3, *CKPT, *seq, "--checkpoint.create_seed", "true")
     for name in ("cp_tp", "one"):
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
-    run_script(tmp_path / "cp_tp", 3, *CKPT, *seq, "--parallelism.context_parallel_degree", "2",
-               "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full", nproc=4, timeout=400)
+    run_script(
+        tmp_path / "cp_tp",
+        3,
+        *CKPT,
+        *seq,
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--activation_checkpoint.mode",
+        "full",
+        nproc=4,
+        timeout=400,
+    )
     run(tmp_path / "one", 3, *CKPT, *seq)
     got, one = records(tmp_path / "cp_tp"), records(tmp_path / "one")
     assert_same_run(got, one, range(1, 4))
@@ -145,7 +198,9 @@ def test_cp2_x_tp2_with_balance_loss_trains_like_one_process(tmp_path):
     # per-loop statistics (update norm, step size, FiLM gate) describe whole sequences, as in one process
     for a, b in zip((r for r in got if "loss/train" in r), (r for r in one if "loss/train" in r)):
         loop_keys = [key for key in b if key.startswith("loop") and "/" in key]
-        assert loop_keys and {key: a[key] for key in loop_keys} == pytest.approx({key: b[key] for key in loop_keys}, rel=1e-4)
+        assert loop_keys and {key: a[key] for key in loop_keys} == pytest.approx(
+            {key: b[key] for key in loop_keys}, rel=1e-4
+        )
 
 
 @pytest.mark.slow  # inductor compiles the GDP and attention layers: ~7 min cold on 2 cores, ~100 s warm
@@ -154,9 +209,19 @@ def test_cp2_with_inductor_compiled_layers_equals_one_eager_process():
     logits and gradients (summed over the CP ranks) within 1e-5 of the uncompiled model on the whole
     sequence. (aot_eager cannot be used: it fails on the GDP layer's backward with or without CP.)"""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "distributed" / "cp_compile.py")],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "distributed" / "cp_compile.py"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("inductor: logits") == 2

@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from export_utils import script
 
+from elr.text.tokenizer import build_tokenizer, file_sha256
 from elr.train.data import WindowPermutation, build_train_loader, val_batches
 from elr.train.token_files import load_tokens
-from elr.text.tokenizer import build_tokenizer, file_sha256
-from export_utils import script
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizer" / "elr8k.tiktoken"
@@ -31,8 +31,7 @@ VAL_FRACTION = "0.3"  # the 11 fixture documents then fill both splits
 
 def prepare(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--tokenizer", str(TOKENIZER),
-         *args],
+        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--tokenizer", str(TOKENIZER), *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -182,8 +181,7 @@ def test_files_that_are_not_utf8_are_one_line_naming_the_file(tmp_path, capsys):
 
 def test_prepare_data_tail_split(tmp_path):
     out = tmp_path / "tail"
-    result = prepare("--out", str(out), "--split", "tail", "--val-fraction", VAL_FRACTION,
-                     str(CORPUS))
+    result = prepare("--out", str(out), "--split", "tail", "--val-fraction", VAL_FRACTION, str(CORPUS))
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
     meta = json.loads((out / "meta.json").read_text())
@@ -198,21 +196,17 @@ def test_prepare_data_tail_split(tmp_path):
     # part followed by <|endoftext|>; together they are exactly the document's tokens.
     train = split_parts(out / "train.bin", tok.eot_id)
     val = split_parts(out / "val.bin", tok.eot_id)
-    assert sorted(map(tuple, train)) == sorted(
-        tuple(ids[: len(ids) - k]) for ids, k in zip(encoded, n_val)
-    )
-    assert sorted(map(tuple, val)) == sorted(
-        tuple(ids[len(ids) - k :]) for ids, k in zip(encoded, n_val)
-    )
+    assert sorted(map(tuple, train)) == sorted(tuple(ids[: len(ids) - k]) for ids, k in zip(encoded, n_val))
+    assert sorted(map(tuple, val)) == sorted(tuple(ids[len(ids) - k :]) for ids, k in zip(encoded, n_val))
     for part in val:  # a tail decodes to the end of one of the texts
         assert any(text.endswith(tok.decode(part)) for text in texts)
     for split, parts in (("train", train), ("val", val)):
         c = meta["splits"][split]
         assert c["documents"] == len(parts) == len(texts)
         assert c["tokens"] == sum(len(part) + 1 for part in parts)
-    assert sum(meta["splits"][s]["tokens"] for s in ("train", "val")) == sum(
-        len(ids) for ids in encoded
-    ) + 2 * len(texts)
+    assert sum(meta["splits"][s]["tokens"] for s in ("train", "val")) == sum(len(ids) for ids in encoded) + 2 * len(
+        texts
+    )
     assert sum(meta["splits"][s]["text_bytes"] for s in ("train", "val")) == sum(
         len(text.encode("utf-8")) for text in texts
     )
@@ -221,8 +215,7 @@ def test_prepare_data_tail_split(tmp_path):
     # input order (train parts follow the input order; the loader shuffles them anyway).
     files = sorted(str(p) for p in CORPUS.iterdir() if p.suffix in (".txt", ".jsonl"))
     for name, inputs in (("again", [str(CORPUS)]), ("reordered", files[::-1])):
-        rerun = prepare("--out", str(tmp_path / name), "--split", "tail", "--val-fraction",
-                        VAL_FRACTION, *inputs)
+        rerun = prepare("--out", str(tmp_path / name), "--split", "tail", "--val-fraction", VAL_FRACTION, *inputs)
         assert rerun.returncode == 0, rerun.stderr
         assert (tmp_path / name / "val.bin").read_bytes() == (out / "val.bin").read_bytes()
     for name in ("train.bin", "meta.json"):
@@ -293,8 +286,7 @@ def test_windows_and_labels_match_the_memmap():
 
 def test_window_count_and_epochs(tmp_path):
     seq_len = 4
-    assert build_train_loader(str(make_token_file(tmp_path / "a", 41)), seq_len, 1, 0, 1,
-                              0).dataset.num_windows == 10
+    assert build_train_loader(str(make_token_file(tmp_path / "a", 41)), seq_len, 1, 0, 1, 0).dataset.num_windows == 10
     path = make_token_file(tmp_path / "b", 40)  # the last window would need token 40
     loader = build_train_loader(str(path), seq_len, 1, 0, 1, seed=3)
     assert loader.dataset.num_windows == 9
@@ -345,8 +337,7 @@ def test_state_dict_round_trip(tmp_path):
     fresh = build_train_loader(path, 4, 3, 0, 1, seed=11)
     fresh.load_state_dict(state)
     resumed = take(fresh, 7)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-               for a, b in zip(expected, resumed))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected, resumed))
     assert fresh.dataset.position == loader.dataset.position
 
 
@@ -515,10 +506,27 @@ def test_own_data_one_text_file_prepares_and_trains_with_the_defaults(tmp_path, 
     meta = json.loads((out / "meta.json").read_text())
     assert meta["split"] == "tail" and meta["splits"]["val"]["tokens"] > 0
     assert Path(meta["tokenizer_path"]) == TOKENIZER
-    cfg = load_config(REPO / "train_configs" / "debug.toml", [
-        "--data.path", str(out), "--training.steps", "1", "--training.seq_len", "16", "--training.local_batch_size", "2",
-        "--training.global_batch_size", "2", "--validation.steps", "1", "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", str(tmp_path / "run")])
+    cfg = load_config(
+        REPO / "train_configs" / "debug.toml",
+        [
+            "--data.path",
+            str(out),
+            "--training.steps",
+            "1",
+            "--training.seq_len",
+            "16",
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "2",
+            "--validation.steps",
+            "1",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+        ],
+    )
     trainer = Trainer(cfg)
     trainer.close()
     assert Path(trainer.cfg.tokenizer.path) == TOKENIZER  # recorded in config.json

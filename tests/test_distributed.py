@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from trainer_utils import ROOT, copy_checkpoint, records, run, run_script
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]
@@ -57,8 +56,9 @@ def test_hsdp_two_replicas_of_two_shards_match_one_process(tmp_path):
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "hsdp")
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "one")
     per_rank = ["--training.local_batch_size", "1"]
-    hsdp = run_script(tmp_path / "hsdp", 2, *CKPT, *FP32, *per_rank,
-                      "--parallelism.data_parallel_replicate_degree", "2", nproc=4)
+    hsdp = run_script(
+        tmp_path / "hsdp", 2, *CKPT, *FP32, *per_rank, "--parallelism.data_parallel_replicate_degree", "2", nproc=4
+    )
     one = run(tmp_path / "one", 2, *CKPT, *per_rank)
     for step in (1, 2):
         assert hsdp[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step
@@ -66,10 +66,21 @@ def test_hsdp_two_replicas_of_two_shards_match_one_process(tmp_path):
 
 @pytest.mark.slow  # multi-process: the slow tier
 def test_muon_under_fsdp_on_two_ranks_equals_one_process():
-    """A row-split matrix is gathered for Newton-Schulz, an expert-split stack is not (tests/distributed/muon_fsdp.py)."""
+    """A row-split matrix is gathered for Newton-Schulz, an expert-split stack is not
+    (tests/distributed/muon_fsdp.py)."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "distributed" / "muon_fsdp.py")],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "distributed" / "muon_fsdp.py"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

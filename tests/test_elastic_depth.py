@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_infer import ROWS_PROMPTS, small_model
+from trainer_utils import model_args
 
 from elr.infer.cache import InferenceCache
 from elr.infer.evaluate import decoded_loss, validation_loss
@@ -12,12 +14,13 @@ from elr.infer.generate import AdaptiveDepth, generate, left_pad
 from elr.infer.speculative import SpeculationStats, speculative_generate
 from elr.models import ELRModel, flavors
 from elr.models.early_exit import ExitRule
-from test_infer import ROWS_PROMPTS, small_model
-from trainer_utils import model_args
 
-VARIANTS = [{}, {"recurrent_input": "state_plus_input", "update": "residual", "moe_route_replay": True},
-            {"conditioning_exit": True},
-            {"state_norm": True, "recurrent_input": "state_plus_adapted_input"}]  # a finished row keeps its un-normed state
+VARIANTS = [
+    {},
+    {"recurrent_input": "state_plus_input", "update": "residual", "moe_route_replay": True},
+    {"conditioning_exit": True},
+    {"state_norm": True, "recurrent_input": "state_plus_adapted_input"},
+]  # a finished row keeps its un-normed state
 
 
 @torch.no_grad()
@@ -28,7 +31,7 @@ def test_mixed_budgets_full_forward_equal_each_row_alone(overrides):
     budgets = torch.tensor([1, 3, 2])
     got = model(tokens, budgets)
     for b, k in enumerate(budgets.tolist()):
-        torch.testing.assert_close(got[b], model(tokens[b:b + 1], k)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[b], model(tokens[b : b + 1], k)[0], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got[0], model(tokens[:1], 3)[0], atol=1e-3)  # the budget matters
 
 
@@ -43,7 +46,7 @@ def decode_with_budgets(model, rows, prompt_lens, budgets, mode):
     for t in range(n_decode):
         chunks.append(model(torch.tensor([[r[p + t]] for r, p in zip(rows, prompt_lens)]), loops, cache))
     logits = torch.cat(chunks, dim=1)
-    return [logits[b, int(pad[b]):] for b in range(len(rows))]
+    return [logits[b, int(pad[b]) :] for b in range(len(rows))]
 
 
 @pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv", "last_loop"])
@@ -77,8 +80,9 @@ def test_generate_takes_a_budget_per_prompt(mode):
 
 def study_model(seed: int = 0) -> ELRModel:
     """study_gpt (attention only: the cache rewinds by its length) with conditioning, nudged off init."""
-    args = model_args(flavors["study_gpt"], max_seq_len=96, max_loops=3, update="adaptive_delta",
-                      conditioning=True, cond_dim=16)
+    args = model_args(
+        flavors["study_gpt"], max_seq_len=96, max_loops=3, update="adaptive_delta", conditioning=True, cond_dim=16
+    )
     torch.manual_seed(seed)
     model = ELRModel(args)
     model.init_weights()
@@ -88,8 +92,14 @@ def study_model(seed: int = 0) -> ELRModel:
     return model.eval()
 
 
-@pytest.mark.parametrize("build,mode", [(small_model, "per_loop"), (study_model, "per_loop"),
-                                        (lambda: small_model(layer_pattern="GF" + "GEGF" + "AF"), "last_loop_kv")])
+@pytest.mark.parametrize(
+    "build,mode",
+    [
+        (small_model, "per_loop"),
+        (study_model, "per_loop"),
+        (lambda: small_model(layer_pattern="GF" + "GEGF" + "AF"), "last_loop_kv"),
+    ],
+)
 def test_self_speculative_greedy_equals_plain_decoding(build, mode):
     """Drafted at k=1 (and k=2), verified at k=3: the plain k=3 greedy text, token for token. The debug
     model has GDP layers (rejections rewind a snapshot and re-feed); study_gpt has none (rewind by
@@ -136,8 +146,11 @@ def test_exit_rules_and_their_spelling():
     assert not ExitRule("kl", 0.1).exits(s_prev, s, None, logp).any()  # never after the first loop
     assert ExitRule("kl", 0.1).exits(s_prev, s, logp, moved).tolist() == [[True, False]]
     assert ExitRule.parse("kl:0.01") == ExitRule("kl", 0.01) and str(ExitRule("state", 0.05)) == "state:0.05"
-    for bad, message in [("entropy:1", "unknown exit rule 'entropy'"), ("state:0", "must be > 0"),
-                         ("state", "write RULE:THRESHOLD")]:
+    for bad, message in [
+        ("entropy:1", "unknown exit rule 'entropy'"),
+        ("state:0", "must be > 0"),
+        ("state", "write RULE:THRESHOLD"),
+    ]:
         with pytest.raises(ValueError, match=message):
             ExitRule.parse(bad)
 
@@ -148,8 +161,12 @@ def test_exit_thresholds_at_the_extremes_are_fixed_depths():
     the rule may (state: 1, kl: 2) under a huge one, which is the fixed-k forward there."""
     model = prefix_model()
     tokens = torch.tensor([[5, 9, 2, 33, 7, 1], [8, 8, 60, 2, 11, 4]])
-    for rule, k in [(ExitRule("state", 1e-12), 3), (ExitRule("kl", 1e-12), 3), (ExitRule("state", 1e9), 1),
-                    (ExitRule("kl", 1e9), 2)]:
+    for rule, k in [
+        (ExitRule("state", 1e-12), 3),
+        (ExitRule("kl", 1e-12), 3),
+        (ExitRule("state", 1e9), 1),
+        (ExitRule("kl", 1e9), 2),
+    ]:
         got = model(tokens, 3, exit_rule=rule)
         assert torch.equal(model.loops_used(), torch.full_like(tokens, k)), rule
         torch.testing.assert_close(got, model(tokens, k), atol=1e-5, rtol=1e-5)

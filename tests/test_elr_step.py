@@ -4,14 +4,14 @@ trains in its own optimizer group."""
 import pytest
 import torch
 import torch.nn.functional as F
+from trainer_utils import model_args
 
 from elr.config import ELR, Optimizer, load_config
+from elr.config.recurrence import STEP_INPUTS
 from elr.errors import ConfigError
 from elr.models import build_model, flavors
 from elr.models.from_config import check_model_config
-from elr.config.recurrence import STEP_INPUTS
 from elr.train.optimizer import build_optimizer
-from trainer_utils import model_args
 
 BASELINE = flavors["debug"]
 DEBUG = model_args(BASELINE, max_loops=3, update="adaptive_delta")
@@ -67,8 +67,9 @@ def test_step_has_its_own_lr_and_weight_decay_group():
     assert all(g["lr"] == 1e-3 for g in opt.param_groups if g is not group)
 
 
-@pytest.mark.parametrize("key, value", [("elr.step_input", "token"), ("elr.step_lr_scale", "0"),
-                                        ("elr.step_weight_decay", "-1")])
+@pytest.mark.parametrize(
+    "key, value", [("elr.step_input", "token"), ("elr.step_lr_scale", "0"), ("elr.step_weight_decay", "-1")]
+)
 def test_bad_step_settings_are_refused(key, value):
     with pytest.raises(ConfigError, match=key):
         check_model_config(load_config(None, [f"--{key}", value]))

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import tiktoken
+from trainer_utils import ROOT
 
 from elr.text.tokenizer import ENCODING_VOCAB
-from trainer_utils import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from estimate_cost import estimate  # noqa: E402
@@ -46,6 +46,7 @@ def test_gpt_0p5b_flop_cost_at_the_paper_vocabulary_is_close_to_the_paper(tmp_pa
 
 def test_estimate_is_the_same_whether_or_not_the_encoding_is_cached(monkeypatch):
     """Offline (the encoding cannot be fetched) and cached (it loads) give identical rows."""
+
     def offline(name):
         raise ConnectionError(f"no network for {name}")
 
@@ -70,7 +71,15 @@ def test_encoding_sizes_match_tiktoken_where_the_encoding_loads(name):
 
 
 def test_cli_prints_the_formula_and_takes_a_vocabulary():
-    command = [sys.executable, "scripts/estimate_cost.py", "train_configs/debug.toml", "--vocab-size", "512", "--gpus", "2"]
+    command = [
+        sys.executable,
+        "scripts/estimate_cost.py",
+        "train_configs/debug.toml",
+        "--vocab-size",
+        "512",
+        "--gpus",
+        "2",
+    ]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "cost / baseline = s + (1 - s)" in out.stdout
     vocab = next(line for line in out.stdout.splitlines() if line.startswith("vocab "))

@@ -13,26 +13,40 @@ import sys
 
 import pytest
 import torch
+from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, overrides, records, run, run_script
 
 from elr.config import load_config
 from elr.errors import ConfigError
 from elr.models.from_config import check_model_config
 from elr.parallel.parallel_dims import ParallelDims, expert_groups
-from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, overrides, records, run, run_script
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]
 FP32 = ["--training.mixed_precision_param", "float32"]
 # Independent draws without the override: k differs across microbatches (and across EP groups); the
 # route replay, the balance loss and the bias update all run through the expert-parallel path.
-MOE = ["--elr.one_loop_override", "0", "--moe.route_replay", "true", "--moe.aux_loss_coeff", "0.01",
-       "--moe.bias_update_rate", "0.01"]
+MOE = [
+    "--elr.one_loop_override",
+    "0",
+    "--moe.route_replay",
+    "true",
+    "--moe.aux_loss_coeff",
+    "0.01",
+    "--moe.bias_update_rate",
+    "0.01",
+]
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["--parallelism.expert_parallel_degree", "0"], "parallelism.expert_parallel_degree"),
-    (["--parallelism.expert_parallel_degree", "3"], "parallelism.expert_parallel_degree"),  # 8 experts
-    (["--parallelism.expert_parallel_degree", "2", "--model.flavor", "gpt_0p5b"], "parallelism.expert_parallel_degree"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["--parallelism.expert_parallel_degree", "0"], "parallelism.expert_parallel_degree"),
+        (["--parallelism.expert_parallel_degree", "3"], "parallelism.expert_parallel_degree"),  # 8 experts
+        (
+            ["--parallelism.expert_parallel_degree", "2", "--model.flavor", "gpt_0p5b"],
+            "parallelism.expert_parallel_degree",
+        ),
+    ],
+)
 def test_impossible_expert_parallel_degrees_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key) as err:
         check_model_config(load_config(DEBUG_TOML, overrides))
@@ -69,9 +83,19 @@ def test_dispatch_combine_and_a_unit_called_k_times_on_two_ranks():
     """tests/distributed/expert_parallel_ops.py: all-to-all dispatch/combine vs the one-process grouped
     GEMM (forward and backward), and FSDP2 units called k times per forward vs one process."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "distributed" / "expert_parallel_ops.py")],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "distributed" / "expert_parallel_ops.py"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("==") == 4, result.stdout
@@ -83,8 +107,19 @@ def test_ep2_matches_one_process_and_its_checkpoint_loads_in_one_process(tmp_pat
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "ep")
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "one")
     batch = ["--training.global_batch_size", "8"]
-    ep = run_script(tmp_path / "ep", 4, *CKPT, *FP32, *MOE, *batch, "--training.local_batch_size", "2",
-                    "--parallelism.expert_parallel_degree", "2", nproc=2)
+    ep = run_script(
+        tmp_path / "ep",
+        4,
+        *CKPT,
+        *FP32,
+        *MOE,
+        *batch,
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        nproc=2,
+    )
     one = run(tmp_path / "one", 4, *CKPT, *MOE, *batch, "--training.local_batch_size", "4")
     ep_loops = [r["loops"] for r in records(tmp_path / "ep")]
     assert all(ks[0] == ks[1] for ks in ep_loops), "both ranks of the expert group run the same k"
@@ -106,8 +141,18 @@ def test_two_expert_groups_with_different_k_match_one_process(tmp_path):
     run(tmp_path / "seed", 2, *CKPT, "--checkpoint.create_seed", "true")
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "ep")
     copy_checkpoint(tmp_path / "seed", 0, tmp_path / "one")
-    ep = run_script(tmp_path / "ep", 3, *CKPT, *FP32, *MOE, "--training.local_batch_size", "1",
-                    "--parallelism.expert_parallel_degree", "2", nproc=4)
+    ep = run_script(
+        tmp_path / "ep",
+        3,
+        *CKPT,
+        *FP32,
+        *MOE,
+        "--training.local_batch_size",
+        "1",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        nproc=4,
+    )
     one = run(tmp_path / "one", 3, *CKPT, *MOE)  # 2 microbatches of 2 sequences: one per group
     ep_loops = [r["loops"] for r in records(tmp_path / "ep")]
     assert [[[ks[0][0], ks[2][0]]] for ks in ep_loops] == [r["loops"] for r in records(tmp_path / "one")]
@@ -123,9 +168,21 @@ EP_TP_CP = str(ROOT / "tests" / "distributed" / "ep_tp_cp.py")
 def train_ep_tp_cp(dump, steps: int, *extra: str, nproc: int = 4) -> str:
     """Training through tests/distributed/ep_tp_cp.py (checks each expert group ran one k)."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", EP_TP_CP,
-         str(DEBUG_TOML), *overrides(dump, steps, *extra)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            EP_TP_CP,
+            str(DEBUG_TOML),
+            *overrides(dump, steps, *extra),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ep_tp_cp: expert groups" in result.stdout, result.stdout
@@ -156,8 +213,20 @@ def test_ep2_x_tp2_or_cp2_matches_one_process_and_its_checkpoint_loads_in_one_pr
     run(tmp_path / "seed", 4, *CKPT, "--checkpoint.create_seed", "true")
     for name in ("ep", "one"):
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
-    train_ep_tp_cp(tmp_path / "ep", 4, *CKPT, *FP32, *MOE, *BATCH, "--training.local_batch_size", "2",
-                   "--parallelism.expert_parallel_degree", "2", f"--parallelism.{split}_parallel_degree", "2")
+    train_ep_tp_cp(
+        tmp_path / "ep",
+        4,
+        *CKPT,
+        *FP32,
+        *MOE,
+        *BATCH,
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        f"--parallelism.{split}_parallel_degree",
+        "2",
+    )
     run(tmp_path / "one", 4, *CKPT, *MOE, *BATCH, "--training.local_batch_size", "4")
     got, want = records(tmp_path / "ep"), records(tmp_path / "one")
     assert any(len(set(r["loops"][0])) > 1 for r in got), "microbatches should run different k in some update"
@@ -176,9 +245,22 @@ def test_expert_groups_with_different_k_under_hsdp2_x_ep2_x_tp2_match_one_proces
     run(tmp_path / "seed", 3, *CKPT, "--checkpoint.create_seed", "true")
     for name in ("ep_tp", "one"):
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
-    train_ep_tp_cp(tmp_path / "ep_tp", 3, *CKPT, *FP32, *MOE, "--training.local_batch_size", "1",
-                   "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree", "2",
-                   "--parallelism.tensor_parallel_degree", "2", nproc=8)
+    train_ep_tp_cp(
+        tmp_path / "ep_tp",
+        3,
+        *CKPT,
+        *FP32,
+        *MOE,
+        "--training.local_batch_size",
+        "1",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        nproc=8,
+    )
     run(tmp_path / "one", 3, *CKPT, *MOE)  # 2 microbatches of 2 sequences: one per group
     got = records(tmp_path / "ep_tp")
     assert all(ks[0] == ks[1] and ks[2] == ks[3] for ks in (r["loops"] for r in got))

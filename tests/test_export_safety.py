@@ -12,15 +12,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+from export_utils import edit_config, one_error_line, reseal, script, tiny_export
 
 from elr.errors import CheckpointError, UserError
 from elr.infer.load import load_model
 from elr.interop import write_export
 from elr.interop.hf_export import PARTIAL
-from export_utils import edit_config, one_error_line, reseal, script, tiny_export
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
-                                reason='safetensors is not installed (pip install -e ".[hf]")')
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("safetensors") is None, reason='safetensors is not installed (pip install -e ".[hf]")'
+)
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 SECRET = "SECRET-FIRST-LINE root:x:0:0"
 
@@ -33,6 +34,7 @@ def export(tmp_path_factory):
 
 def snapshot(root: Path) -> dict[str, bytes | str]:
     """Every path under `root`: a file's bytes, a symlink's target."""
+
     def what(p: Path):
         return f"-> {p.readlink()}" if p.is_symlink() else p.read_bytes() if p.is_file() else "dir"
 
@@ -131,11 +133,15 @@ def test_a_crafted_export_is_one_line_and_changes_nothing(export, tmp_path, caps
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason='transformers is not installed (pip install -e ".[hf]")')
-@pytest.mark.parametrize("craft, message", [CRAFTED[0], CRAFTED[1], CRAFTED[7], CRAFTED[8], CRAFTED[9]],
-                         ids=["flipped_byte", "symlink", "dims_2_40", "ffn_2_30", "positions_2_27"])
+@pytest.mark.parametrize(
+    "craft, message",
+    [CRAFTED[0], CRAFTED[1], CRAFTED[7], CRAFTED[8], CRAFTED[9]],
+    ids=["flipped_byte", "symlink", "dims_2_40", "ffn_2_30", "positions_2_27"],
+)
 def test_transformers_refuses_a_crafted_export_before_reading_it(export, tmp_path, craft, message):
-    import elr.interop.hf_model  # noqa: F401  registers the Auto classes
     from transformers import AutoModelForCausalLM
+
+    import elr.interop.hf_model  # noqa: F401  registers the Auto classes
 
     folder, outside = tmp_path / "hf", tmp_path / "outside"
     shutil.copytree(export[2], folder)

@@ -7,12 +7,12 @@ import importlib.util
 import json
 
 import pytest
+from trainer_utils import DEBUG_TOML, losses, overrides, run
 
 from elr.config import load_config
 from elr.errors import RunWriteFailed
 from elr.train.metrics import EventFile, MetricsLogger
 from elr.train.resume import finished_step
-from trainer_utils import DEBUG_TOML, losses, overrides, run
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
 
@@ -44,8 +44,11 @@ def test_a_full_metrics_disk_saves_a_checkpoint_and_the_resume_is_exact(tmp_path
 
     monkeypatch.setattr(MetricsLogger, "__init__", on_a_filling_disk)
     dump = tmp_path / "run"
-    with pytest.raises(RunWriteFailed, match=r"^metrics: could not write \S*metrics.jsonl at step 3 \(No space left "
-                                             r"on device\); saved checkpoint step-3 in \S+; the same command resumes"):
+    with pytest.raises(
+        RunWriteFailed,
+        match=r"^metrics: could not write \S*metrics.jsonl at step 3 \(No space left "
+        r"on device\); saved checkpoint step-3 in \S+; the same command resumes",
+    ):
         run(dump, 6, *CKPT)
     assert (dump / "checkpoint" / "step-3").is_dir()
     assert sorted(losses(dump)) == [1, 2]  # nothing torn
@@ -92,9 +95,12 @@ def test_a_full_tensorboard_disk_is_one_line_after_a_checkpoint_and_the_resume_i
     monkeypatch.setattr(EventFile, "__init__", on_a_filling_disk)
     monkeypatch.setattr(EventFile, "add_scalars", fills_at)
     dump = tmp_path / "run"
-    with pytest.raises(RunWriteFailed, match=r"^metrics: could not write \S*/tb/events\.out\.tfevents\.\S* at step 2 "
-                                             r"\(No space left on device\); saved checkpoint step-2 in \S+; the same "
-                                             r"command resumes"):
+    with pytest.raises(
+        RunWriteFailed,
+        match=r"^metrics: could not write \S*/tb/events\.out\.tfevents\.\S* at step 2 "
+        r"\(No space left on device\); saved checkpoint step-2 in \S+; the same "
+        r"command resumes",
+    ):
         run(dump, 4, *tensorboard)
     assert "Traceback" not in capfd.readouterr().err  # no writer thread died
     assert (dump / "checkpoint" / "step-2").is_dir()
@@ -109,16 +115,21 @@ def no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("safetensors") is None, reason='needs safetensors (pip install -e ".[hf]")')
+@pytest.mark.skipif(
+    importlib.util.find_spec("safetensors") is None, reason='needs safetensors (pip install -e ".[hf]")'
+)
 def test_a_full_disk_during_the_final_export_keeps_the_checkpoint_and_the_same_command_writes_it(tmp_path, monkeypatch):
     from elr.interop import hf_export
 
     export = [*CKPT, "--checkpoint.export_dtype", "float32", "--checkpoint.export_format", "hf"]
     dump = tmp_path / "run"
     monkeypatch.setattr(hf_export, "write_tokenizer", no_space)  # the weights are written by then
-    with pytest.raises(RunWriteFailed, match=r"^export: could not write \S*/step-2-hf \(No space left on device\); the "
-                                             r"partial export was removed; checkpoint step-2 in \S+ is kept; the same "
-                                             r"command writes the export once the folder can be written$"):
+    with pytest.raises(
+        RunWriteFailed,
+        match=r"^export: could not write \S*/step-2-hf \(No space left on device\); the "
+        r"partial export was removed; checkpoint step-2 in \S+ is kept; the same "
+        r"command writes the export once the folder can be written$",
+    ):
         run(dump, 2, *export)
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]  # no step-2-hf(.tmp)
     metrics = (dump / "metrics.jsonl").read_bytes()
@@ -144,7 +155,10 @@ def test_a_full_disk_during_the_dcp_model_export_removes_the_partial_folder(tmp_
 
     monkeypatch.setattr(storage, "tensor_writer", lambda folder: FullDisk(str(folder), save_distributed=True))
     dump = tmp_path / "run"
-    with pytest.raises(RunWriteFailed, match=r"^export: could not write \S*/step-2-model \(No space left on device\); "
-                                             r"the partial export was removed; checkpoint step-2 in \S+ is kept"):
+    with pytest.raises(
+        RunWriteFailed,
+        match=r"^export: could not write \S*/step-2-model \(No space left on device\); "
+        r"the partial export was removed; checkpoint step-2 in \S+ is kept",
+    ):
         run(dump, 2, *CKPT, "--checkpoint.export_dtype", "bfloat16")
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]

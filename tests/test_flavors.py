@@ -11,7 +11,7 @@ def blocks(name: str) -> list[str]:
     args = flavors[name]
     n_in, n_rec, _ = args.partition
     p = args.layer_pattern
-    return [p[:n_in], p[n_in:n_in + n_rec], p[n_in + n_rec:]]
+    return [p[:n_in], p[n_in : n_in + n_rec], p[n_in + n_rec :]]
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -33,9 +33,7 @@ def test_patterns_follow_nemotron_3_nano_layer_by_layer():
     for name, ff in [("gdp_hybrid_4b", "F"), ("gdp_hybrid_30b_a3b", "E")]:
         mapped = "".join({"M": "G", "E": ff, "*": "A"}[c] for c in nemotron)
         assert flavors[name].layer_pattern == mapped
-    assert flavors["gdp_hybrid_4b"].layer_pattern == (
-        "GFGFGAFGFGFGAF" + "GFGFGAFGFGFGAFGFGFGAFGFG" + "FGFGAFGFGFGFGF"
-    )
+    assert flavors["gdp_hybrid_4b"].layer_pattern == ("GFGFGAFGFGFGAF" + "GFGFGAFGFGFGAFGFGFGAFGFG" + "FGFGAFGFGFGFGF")
 
 
 def test_koi_4b_is_the_gdp_hybrid_4b_backbone():

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from export_utils import script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trainer_utils import ROOT, run
 
 from elr.config import load_config
 from elr.config.reference import config_keys
@@ -24,8 +26,6 @@ from elr.infer.cache import MODES
 from elr.text.chat_data import prepare_chat
 from elr.text.tokenizer import build_tokenizer
 from elr.train.token_files import load_tokens
-from export_utils import script
-from trainer_utils import ROOT, run
 
 USER_ERRORS = (UserError, FileNotFoundError)  # what train.py prints in one line (exit 2)
 KEYS = [f"{section}.{name}" for section, _, keys in config_keys() for name, *_ in keys]
@@ -71,6 +71,7 @@ def overrides_property(examples: int):
     def prop(pairs):
         argv = [x for key, value in pairs for x in (f"--{key}", cli_value(value))]
         ends_cleanly(lambda: load_config(None, argv))
+
     prop()
 
 
@@ -87,14 +88,29 @@ def toml_property(examples: int, folder: Path):
             lines += [f"{json.dumps(k)} = {toml_value(v)}" for k, v in keys.items()]
         path.write_bytes("\n".join(lines).encode() + (b"\n" + noise if noise else b""))
         ends_cleanly(lambda: load_config(path))
+
     prop()
 
 
 def token_file_property(examples: int, folder: Path):
-    meta = st.fixed_dictionaries({}, optional={
-        "dtype": st.sampled_from(["uint16", "uint32", "int8", "float32", ""]), "vocab_size": st.one_of(st.integers(-5, 2**33), text),
-        "splits": st.one_of(st.just({}), st.fixed_dictionaries({"train": st.fixed_dictionaries({}, optional={
-            "tokens": st.integers(-1, 100), "max_token_id": st.integers(-1, 2**20)})}), text)})
+    meta = st.fixed_dictionaries(
+        {},
+        optional={
+            "dtype": st.sampled_from(["uint16", "uint32", "int8", "float32", ""]),
+            "vocab_size": st.one_of(st.integers(-5, 2**33), text),
+            "splits": st.one_of(
+                st.just({}),
+                st.fixed_dictionaries(
+                    {
+                        "train": st.fixed_dictionaries(
+                            {}, optional={"tokens": st.integers(-1, 100), "max_token_id": st.integers(-1, 2**20)}
+                        )
+                    }
+                ),
+                text,
+            ),
+        },
+    )
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.binary(max_size=64), st.one_of(meta.map(json.dumps), text))
@@ -104,15 +120,23 @@ def token_file_property(examples: int, folder: Path):
         (data_dir / "train.bin").write_bytes(data)
         (data_dir / "meta.json").write_text(meta_text)
         ends_cleanly(lambda: np.asarray(load_tokens(data_dir / "train.bin")).sum())
+
     prop()
 
 
 def chat_property(examples: int, folder: Path):
-    turn = st.fixed_dictionaries({}, optional={"role": st.one_of(st.sampled_from(["user", "assistant", "system"]), text),
-                                               "content": st.one_of(text, st.integers(), st.none())})
-    record = st.one_of(st.fixed_dictionaries({"messages": st.lists(turn, max_size=4)}),
-                       st.fixed_dictionaries({"prompt": text, "completion": st.one_of(text, st.integers())}),
-                       st.dictionaries(text, text, max_size=2))
+    turn = st.fixed_dictionaries(
+        {},
+        optional={
+            "role": st.one_of(st.sampled_from(["user", "assistant", "system"]), text),
+            "content": st.one_of(text, st.integers(), st.none()),
+        },
+    )
+    record = st.one_of(
+        st.fixed_dictionaries({"messages": st.lists(turn, max_size=4)}),
+        st.fixed_dictionaries({"prompt": text, "completion": st.one_of(text, st.integers())}),
+        st.dictionaries(text, text, max_size=2),
+    )
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(st.one_of(record.map(json.dumps), text), min_size=1, max_size=6), st.floats(0.0, 1.0))
@@ -121,6 +145,7 @@ def chat_property(examples: int, folder: Path):
         src.write_text("\n".join(lines) + "\n")
         ends_cleanly(lambda: prepare_chat([src], TOKENIZER, "elr8k.tiktoken", folder / "out", val_fraction, 64))
         assert {p.name for p in folder.iterdir()} <= {"c.jsonl", "out"}
+
     prop()
 
 
@@ -133,17 +158,27 @@ def generate_property(examples: int, checkpoint: Path):
     over a tiny checkpoint; at most 3 new tokens a prompt, so a run that succeeds costs a few forwards."""
     generate = script("generate")
     ints = st.one_of(st.integers(-2, 4), st.sampled_from([2**31, 2**63, 2**64, -(2**63) - 1, 10**30]))
-    floats = st.one_of(st.sampled_from([0.0, 1e-300, 1e-45, 0.5, 1.0, 2.0]), st.floats(allow_nan=True, allow_infinity=True))
+    floats = st.one_of(
+        st.sampled_from([0.0, 1e-300, 1e-45, 0.5, 1.0, 2.0]), st.floats(allow_nan=True, allow_infinity=True)
+    )
     loop_lists = st.lists(st.integers(-1, 5), min_size=1, max_size=4).map(lambda ks: ",".join(map(str, ks)))
     flags = {
-        "--loops": loop_lists, "--budgets": loop_lists, "--draft-loops": ints.map(str), "--draft-tokens": ints.map(str),
+        "--loops": loop_lists,
+        "--budgets": loop_lists,
+        "--draft-loops": ints.map(str),
+        "--draft-tokens": ints.map(str),
         "--max-new-tokens": st.one_of(st.integers(-1, 3), st.sampled_from([10**11, 2**63, 10**30])).map(str),
-        "--temperature": floats.map(str), "--top-p": floats.map(str), "--top-k": ints.map(str),
+        "--temperature": floats.map(str),
+        "--top-p": floats.map(str),
+        "--top-k": ints.map(str),
         "--exit": st.tuples(st.sampled_from(["kl", "state"]), floats).map(lambda r: f"{r[0]}:{r[1]}"),
-        "--kv": st.sampled_from(MODES), "--seed": ints.map(str), "--memory": ints.map(str),
+        "--kv": st.sampled_from(MODES),
+        "--seed": ints.map(str),
+        "--memory": ints.map(str),
         "--dtype": st.sampled_from(["float32", "bfloat16"]),
-        "--prompt": st.text(st.characters(codec="utf-8") | st.characters(min_codepoint=0xDC80, max_codepoint=0xDCFF),
-                            max_size=12),  # what Python makes of bytes that are not UTF-8 on a command line
+        "--prompt": st.text(
+            st.characters(codec="utf-8") | st.characters(min_codepoint=0xDC80, max_codepoint=0xDCFF), max_size=12
+        ),  # what Python makes of bytes that are not UTF-8 on a command line
     }
     names = st.sampled_from(sorted(flags))
     plausible = names.flatmap(lambda f: flags[f].map(lambda v: (f, v)))
@@ -162,6 +197,7 @@ def generate_property(examples: int, checkpoint: Path):
         errors = [line for line in err.getvalue().splitlines() if "error:" in line]
         assert (code, errors) == (0, []) or (code == 2 and len(errors) == 1), (argv, err.getvalue())
         assert files(checkpoint.parent) == before
+
     prop()
 
 

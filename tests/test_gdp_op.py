@@ -38,12 +38,19 @@ def run_with_grads(impl, inputs, n_h, use_state):
     if not use_state:
         inputs = inputs[:5]
     q, k, v, g, beta, *state = inputs
-    o, final = gated_delta_product(q, k, v, g, beta, num_householder=n_h,
-                                   initial_state=state[0] if state else None,
-                                   output_final_state=True, impl=impl)
+    o, final = gated_delta_product(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        num_householder=n_h,
+        initial_state=state[0] if state else None,
+        output_final_state=True,
+        impl=impl,
+    )
     gen = torch.Generator().manual_seed(1)
-    loss = (o * torch.randn(o.shape, generator=gen)).sum() \
-        + (final * torch.randn(final.shape, generator=gen)).sum()
+    loss = (o * torch.randn(o.shape, generator=gen)).sum() + (final * torch.randn(final.shape, generator=gen)).sum()
     return [o, final, *torch.autograd.grad(loss, inputs)]
 
 
@@ -95,8 +102,7 @@ def transition_matrix_reference(q, k, v, g, beta, n_h, scale, state):
                 S = torch.exp(g[b, t, h]) * S
                 for j in range(n_h):
                     kj, vj, bj = k[b, t * n_h + j, h], v[b, t * n_h + j, h], beta[b, t * n_h + j, h]
-                    S = (torch.eye(K, dtype=torch.float64) - bj * torch.outer(kj, kj)) @ S \
-                        + bj * torch.outer(kj, vj)
+                    S = (torch.eye(K, dtype=torch.float64) - bj * torch.outer(kj, kj)) @ S + bj * torch.outer(kj, vj)
                 o[b, t, h] = scale * (S.T @ q[b, t, h])
             final[b, h] = S
     return o, final
@@ -106,8 +112,9 @@ def transition_matrix_reference(q, k, v, g, beta, n_h, scale, state):
 def test_naive_matches_transition_matrices(n_h):
     q, k, v, g, beta, state = make_inputs(B=2, T=6, H=2, K=3, V=2, n_h=n_h, dtype=torch.float64)
     o_ref, s_ref = transition_matrix_reference(q, k, v, g, beta, n_h, 0.7, state)
-    o, s = gated_delta_product(q, k, v, g, beta, num_householder=n_h, scale=0.7,
-                               initial_state=state, output_final_state=True, impl="naive")
+    o, s = gated_delta_product(
+        q, k, v, g, beta, num_householder=n_h, scale=0.7, initial_state=state, output_final_state=True, impl="naive"
+    )
     torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(s, s_ref, atol=1e-12, rtol=1e-12)
 
@@ -115,8 +122,7 @@ def test_naive_matches_transition_matrices(n_h):
 def test_naive_single_step_by_hand():
     """One token, one sub-step, zero state: S = beta k v^T, so o = scale * beta (q . k) v."""
     q, k, v, g, beta, _ = make_inputs(B=1, T=1, H=1, K=4, V=3, n_h=1)
-    o, s = gated_delta_product(q, k, v, g, beta, num_householder=1, output_final_state=True,
-                               impl="naive")
+    o, s = gated_delta_product(q, k, v, g, beta, num_householder=1, output_final_state=True, impl="naive")
     qk = (q[0, 0, 0] * k[0, 0, 0]).sum()
     torch.testing.assert_close(o[0, 0, 0], 0.5 * beta[0, 0, 0] * qk * v[0, 0, 0])
     torch.testing.assert_close(s[0, 0], beta[0, 0, 0] * torch.outer(k[0, 0, 0], v[0, 0, 0]))
@@ -132,8 +138,7 @@ def test_default_scale_and_no_final_state():
 
 def test_bf16_inputs_give_bf16_output_and_fp32_state():
     q, k, v, g, beta, state = make_inputs(B=1, T=9, H=2, K=8, V=4, n_h=2, dtype=torch.bfloat16)
-    o, final = gated_delta_product(q, k, v, g, beta, num_householder=2, initial_state=state,
-                                   output_final_state=True)
+    o, final = gated_delta_product(q, k, v, g, beta, num_householder=2, initial_state=state, output_final_state=True)
     assert o.dtype == torch.bfloat16 and o.shape == (1, 9, 2, 4)
     assert final.dtype == torch.float32 and final.shape == (1, 2, 8, 4)
 

@@ -20,10 +20,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from elr_kernels.gated_delta_product import gated_delta_product, gated_delta_product_step  # noqa: E402
-from elr_kernels.gated_delta_product import triton_chunk  # noqa: E402
-from elr_kernels.gated_delta_product.triton_op import triton_gated_delta_product  # noqa: E402
 from test_gdp_op import NAMES, make_inputs  # noqa: E402
+
+from elr_kernels.gated_delta_product import (  # noqa: E402
+    gated_delta_product,
+    gated_delta_product_step,
+    triton_chunk,  # noqa: E402
+)
+from elr_kernels.gated_delta_product.triton_op import triton_gated_delta_product  # noqa: E402
 
 ATOL, RTOL = 1e-5, 1e-4
 RUNS_KERNELS = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
@@ -36,9 +40,14 @@ kernel_test = pytest.mark.skipif(not RUNS_KERNELS, reason="run by test_kernels_u
 def test_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                             __file__], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 
@@ -85,10 +94,20 @@ def test_forward_backward_match_naive(case, use_state):
     def run(impl):
         def fn(q, k, v, g, beta, state, final):
             if impl == "triton":
-                return triton_gated_delta_product(q, k, v, g, beta, n_h, 0.3, state, final,
-                                                  chunk_size=chunk)
-            return gated_delta_product(q, k, v, g, beta, num_householder=n_h, scale=0.3,
-                                       initial_state=state, output_final_state=final, impl=impl)
+                return triton_gated_delta_product(q, k, v, g, beta, n_h, 0.3, state, final, chunk_size=chunk)
+            return gated_delta_product(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                num_householder=n_h,
+                scale=0.3,
+                initial_state=state,
+                output_final_state=final,
+                impl=impl,
+            )
+
         return fn
 
     expected = grads_of(run("naive"), inputs, n_h, use_state)
@@ -107,8 +126,19 @@ def test_value_blocks_and_in_kernel_l2norm(monkeypatch):
 
     def run(impl):
         def fn(q, k, v, g, beta, state, final):
-            return gated_delta_product(q, k, v, g, beta, num_householder=2, initial_state=state,
-                                       output_final_state=final, use_qk_l2norm=True, impl=impl)
+            return gated_delta_product(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                num_householder=2,
+                initial_state=state,
+                output_final_state=final,
+                use_qk_l2norm=True,
+                impl=impl,
+            )
+
         return fn
 
     expected = grads_of(run("naive"), inputs, 2, True)
@@ -121,17 +151,33 @@ def test_value_blocks_and_in_kernel_l2norm(monkeypatch):
 def test_decode_matches_naive_token_by_token(use_qk_l2norm):
     n_h, T = 2, 5
     q, k, v, g, beta, state = make_inputs(B=2, T=T, H=2, K=16, V=32, n_h=n_h)
-    o_ref, final_ref = gated_delta_product(q, k, v, g, beta, num_householder=n_h,
-                                           initial_state=state, output_final_state=True,
-                                           use_qk_l2norm=use_qk_l2norm, impl="naive")
+    o_ref, final_ref = gated_delta_product(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        num_householder=n_h,
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm=use_qk_l2norm,
+        impl="naive",
+    )
     S = state.to(DEVICE)
     for t in range(T):
         sub = slice(t * n_h, (t + 1) * n_h)
         o_t, S = gated_delta_product_step(
-            q[:, t:t + 1].to(DEVICE), k[:, sub].to(DEVICE), v[:, sub].to(DEVICE),
-            g[:, t:t + 1].to(DEVICE), beta[:, sub].to(DEVICE), S, num_householder=n_h,
-            use_qk_l2norm=use_qk_l2norm, impl="triton")
-        torch.testing.assert_close(o_t.cpu(), o_ref[:, t:t + 1], atol=ATOL, rtol=RTOL)
+            q[:, t : t + 1].to(DEVICE),
+            k[:, sub].to(DEVICE),
+            v[:, sub].to(DEVICE),
+            g[:, t : t + 1].to(DEVICE),
+            beta[:, sub].to(DEVICE),
+            S,
+            num_householder=n_h,
+            use_qk_l2norm=use_qk_l2norm,
+            impl="triton",
+        )
+        torch.testing.assert_close(o_t.cpu(), o_ref[:, t : t + 1], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(S.cpu(), final_ref, atol=ATOL, rtol=RTOL)
 
 
@@ -142,8 +188,7 @@ def test_custom_op_registrations():
     q, k, v, g, beta, state = (x.to(DEVICE) for x in make_inputs(B=1, T=5, H=2, K=16, V=16, n_h=2))
     q, k = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k))
     q, k, v, g, beta, state = (x.requires_grad_() for x in (q, k, v, g, beta, state))
-    torch.library.opcheck(torch.ops.elr.gated_delta_product.default,
-                          (q, k, v, g, beta, state, 2, 0.25, 16, False))
+    torch.library.opcheck(torch.ops.elr.gated_delta_product.default, (q, k, v, g, beta, state, 2, 0.25, 16, False))
 
 
 @kernel_test
@@ -153,8 +198,7 @@ def test_compiled_gdp_layer_has_no_graph_break():
     from elr.models.args import ModelArgs
     from elr.models.gdp import GatedDeltaProduct
 
-    args = ModelArgs(dim=32, layer_pattern="G", partition=(1, 0, 0), gdp_heads=2,
-                     gdp_head_dim=16, gdp_impl="triton")
+    args = ModelArgs(dim=32, layer_pattern="G", partition=(1, 0, 0), gdp_heads=2, gdp_head_dim=16, gdp_impl="triton")
     torch.manual_seed(0)
     layer = GatedDeltaProduct(args).to(DEVICE)
     with torch.no_grad():
@@ -193,8 +237,7 @@ def test_selective_checkpointing_can_save_the_op_output(monkeypatch, save_gdp_ou
         return triton_chunk.chunk_forward(*args)
 
     monkeypatch.setattr(triton_op, "chunk_forward", counting_forward)
-    args = ModelArgs(dim=32, layer_pattern="G", partition=(1, 0, 0), gdp_heads=2,
-                     gdp_head_dim=16, gdp_impl="triton")
+    args = ModelArgs(dim=32, layer_pattern="G", partition=(1, 0, 0), gdp_heads=2, gdp_head_dim=16, gdp_impl="triton")
     layer = GatedDeltaProduct(args).to(DEVICE)
     with torch.no_grad():
         layer.init_weights(out_std=0.02)
@@ -218,8 +261,16 @@ def test_decoding_takes_the_triton_step_and_equals_the_full_forward(monkeypatch)
     steps = []
     kernel = gdp_op.triton_gated_delta_product_step
     monkeypatch.setattr(gdp_op, "triton_gated_delta_product_step", lambda *a, **kw: steps.append(1) or kernel(*a, **kw))
-    args = ModelArgs(dim=32, layer_pattern="GG", partition=(1, 1, 0), vocab_size=16, max_seq_len=16, gdp_heads=2,
-                     gdp_head_dim=16, gdp_impl="triton").with_recurrence(max_loops=2)
+    args = ModelArgs(
+        dim=32,
+        layer_pattern="GG",
+        partition=(1, 1, 0),
+        vocab_size=16,
+        max_seq_len=16,
+        gdp_heads=2,
+        gdp_head_dim=16,
+        gdp_impl="triton",
+    ).with_recurrence(max_loops=2)
     torch.manual_seed(0)
     model = build_model(args).to(DEVICE)
     model.init_weights()
@@ -227,7 +278,7 @@ def test_decoding_takes_the_triton_step_and_equals_the_full_forward(monkeypatch)
     with torch.no_grad():
         full = model(tokens, loops=2)
         cache = InferenceCache(model, 2, 7, 2, "per_loop")
-        chunks = [model(tokens[:, :4], 2, cache)] + [model(tokens[:, t:t + 1], 2, cache) for t in range(4, 7)]
+        chunks = [model(tokens[:, :4], 2, cache)] + [model(tokens[:, t : t + 1], 2, cache) for t in range(4, 7)]
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=ATOL, rtol=RTOL)
     assert len(steps) == 3 * 3  # three decoded tokens, each through three GDP calls (one input, two loops)
 

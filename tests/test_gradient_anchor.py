@@ -4,18 +4,16 @@ gradients a unit's parameters have; a parameter one rank's k leaves unused would
 different tensors (the 8-rank koi4b crash of 2026-12-04). tests/distributed/loop_mismatch.py runs the
 same configs on 2 ranks at different k against one process."""
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from test_recurrence_options import NEEDS, OTHER_VALUE
+from trainer_utils import ROOT, model_args
 
 from elr.config import load_config
 from elr.models import build_model, flavors
 from elr.models.from_config import model_args_from_config
 from elr.parallel.gradient_anchor import anchor_parameters
-from test_recurrence_options import NEEDS, OTHER_VALUE
-from trainer_utils import ROOT, model_args
 
 BASE = flavors["debug"]  # every layer kind: G, A, F, E
 PRODUCTION = sorted(p.name for p in (ROOT / "train_configs").glob("*.toml") if p.stem not in ("debug", "sft_debug"))
@@ -93,9 +91,20 @@ def test_two_ranks_at_k1_and_K_match_one_process_for_each_production_config():
 
     configs = [c for c in PRODUCTION if not c.endswith("_baseline.toml")]  # baselines run one loop on every rank
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "distributed" / "loop_mismatch.py"), *configs],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "distributed" / "loop_mismatch.py"),
+            *configs,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"loop_mismatch: all checks passed ({', '.join(configs)})" in result.stdout

@@ -14,16 +14,17 @@ import sys
 
 import pytest
 import torch
+from export_utils import reseal, script, tiny_export
+from trainer_utils import DEBUG_TOML, ROOT, overrides
 
 from elr.config import load_config
 from elr.infer.generate import generate
 from elr.infer.load import load_model
-from export_utils import reseal, script, tiny_export
-from trainer_utils import DEBUG_TOML, ROOT, overrides
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
-                                or importlib.util.find_spec("safetensors") is None,
-                                reason='transformers is not installed (pip install -e ".[hf]")')
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None,
+    reason='transformers is not installed (pip install -e ".[hf]")',
+)
 PROMPTS = ["The king said", "Once upon a time there was"]
 
 
@@ -34,8 +35,9 @@ def export(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(export):
-    import elr.interop.hf_model  # noqa: F401  registers model_type "elr" with the Auto classes
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import elr.interop.hf_model  # noqa: F401  registers model_type "elr" with the Auto classes
 
     _, _, folder = export
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -68,10 +70,23 @@ def test_auto_classes_load_an_export_without_running_its_code(export, tmp_path):
     for name in ("configuration_elr.py", "modeling_elr.py"):  # remote code that would leave a trace
         (copy / name).write_text(f"open({str(ran)!r}, 'w').close()\n" + (copy / name).read_text())
     reseal(copy)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_MODULES_CACHE": str(tmp_path / "modules"), "TRANSFORMERS_VERBOSITY": "error"}
-    result = subprocess.run([sys.executable, "-c", AUTO_SCRIPT, str(copy)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", AUTO_SCRIPT, str(copy)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     want = [tokenizer.eot_id] + tokenizer.encode("The king")  # the tokenizer begins a text with <|endoftext|>
     assert result.stdout.splitlines()[-1] == f"elr.interop.hf_model {want}"
@@ -87,7 +102,7 @@ def test_greedy_generate_is_this_packages_decoder(export, hf):
         for kv in ("per_loop", "last_loop"):
             got = hf_model.generate(**batch, max_new_tokens=8, loops=k, kv=kv, do_sample=False)[:, width:].tolist()
             for row, want in zip(got, ours(model, tokenizer, PROMPTS, k, 8, kv)):
-                assert row[:len(want)] == want, (k, kv)
+                assert row[: len(want)] == want, (k, kv)
 
 
 def test_generate_and_forward_print_no_deprecation(hf):
@@ -125,10 +140,12 @@ def test_beam_search_with_the_cache_equals_beam_search_without(hf):
     batch = hf_tokenizer(PROMPTS, return_tensors="pt", padding=True)
     found = {}
     for k in (1, 3):
-        cached = hf_model.generate(**batch, max_new_tokens=6, loops=k, kv="per_loop", num_beams=3,
-                                   num_return_sequences=2, do_sample=False)
-        full = hf_model.generate(**batch, max_new_tokens=6, loops=k, num_beams=3, num_return_sequences=2,
-                                 do_sample=False, use_cache=False)  # every step a full forward: no reordering
+        cached = hf_model.generate(
+            **batch, max_new_tokens=6, loops=k, kv="per_loop", num_beams=3, num_return_sequences=2, do_sample=False
+        )
+        full = hf_model.generate(
+            **batch, max_new_tokens=6, loops=k, num_beams=3, num_return_sequences=2, do_sample=False, use_cache=False
+        )  # every step a full forward: no reordering
         assert torch.equal(cached, full), k
         found[k] = cached
     assert not torch.equal(found[1], found[3]), "the loop count reaches the model"
@@ -163,7 +180,7 @@ def test_repetition_penalty_and_a_streamer_at_two_loop_counts(hf):
         assert torch.equal(out, want), k
         assert len(set(out[0].tolist())) == out.shape[1], "no token repeats under a large penalty"
         assert streamer.ended and streamer.tokens[0] == ids[0].tolist()  # the prompt first, then each token
-        assert sum(streamer.tokens[1:], []) == out[0, ids.shape[1]:].tolist()
+        assert sum(streamer.tokens[1:], []) == out[0, ids.shape[1] :].tolist()
         texts[k] = out
     assert not torch.equal(texts[1], texts[3])
 
@@ -175,24 +192,26 @@ def test_generation_config_carries_loops_and_kv(export, hf):
     hf_model, hf_tokenizer = hf
     assert (hf_model.generation_config.loops, hf_model.generation_config.kv) == (3, "last_loop")
     ids = hf_tokenizer(PROMPTS[0], return_tensors="pt").input_ids
-    config = GenerationConfig(max_new_tokens=6, loops=1, kv="per_loop", eos_token_id=tokenizer.eot_id,
-                              pad_token_id=tokenizer.eot_id)
-    got = hf_model.generate(ids, generation_config=config)[0, ids.shape[1]:].tolist()
+    config = GenerationConfig(
+        max_new_tokens=6, loops=1, kv="per_loop", eos_token_id=tokenizer.eot_id, pad_token_id=tokenizer.eot_id
+    )
+    got = hf_model.generate(ids, generation_config=config)[0, ids.shape[1] :].tolist()
     want = ours(model, tokenizer, PROMPTS[:1], 1, 6, "per_loop")[0]
-    assert got[:len(want)] == want
-    default = hf_model.generate(ids, max_new_tokens=6)[0, ids.shape[1]:].tolist()
+    assert got[: len(want)] == want
+    default = hf_model.generate(ids, max_new_tokens=6)[0, ids.shape[1] :].tolist()
     want = ours(model, tokenizer, PROMPTS[:1], 3, 6, "last_loop")[0]
-    assert default[:len(want)] == want
+    assert default[: len(want)] == want
     two = AutoModelForCausalLM.from_pretrained(folder, loops=2)
     assert (two.config.loops, two.generation_config.loops) == (2, 2)
-    got = two.generate(ids, max_new_tokens=6)[0, ids.shape[1]:].tolist()
+    got = two.generate(ids, max_new_tokens=6)[0, ids.shape[1] :].tolist()
     want = ours(model, tokenizer, PROMPTS[:1], 2, 6, "last_loop")[0]
-    assert got[:len(want)] == want
+    assert got[: len(want)] == want
 
 
 def test_pipeline_twice_in_one_process_at_two_loop_counts(export):
-    import elr.interop.hf_model  # noqa: F401
     from transformers import pipeline
+
+    import elr.interop.hf_model  # noqa: F401
 
     model, tokenizer, folder = export
     for k in (1, 3):
@@ -201,15 +220,18 @@ def test_pipeline_twice_in_one_process_at_two_loop_counts(export):
         assert text == PROMPTS[0] + tokenizer.decode(ours(model, tokenizer, PROMPTS[:1], k, 8)[0]), k
 
 
-@pytest.mark.parametrize("option, message", [
-    ({"assistant_model": "x"}, "generate\\(assistant_model=...\\) is not offered"),
-    ({"output_attentions": True}, "logits only"),
-    ({"no_such_option": 1}, "not used by the model: \\['no_such_option'\\]"),
-    ({"kv": "every_loop"}, "kv must be one of per_loop"),
-    ({"loops": 0}, "loops must be an integer >= 1"),
-    ({"num_beam_groups": 2, "num_beams": 2}, "group_beam_search is not offered"),
-    ({"custom_generate": "someone/decoder"}, "runs decoding code from the Hub"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"assistant_model": "x"}, "generate\\(assistant_model=...\\) is not offered"),
+        ({"output_attentions": True}, "logits only"),
+        ({"no_such_option": 1}, "not used by the model: \\['no_such_option'\\]"),
+        ({"kv": "every_loop"}, "kv must be one of per_loop"),
+        ({"loops": 0}, "loops must be an integer >= 1"),
+        ({"num_beam_groups": 2, "num_beams": 2}, "group_beam_search is not offered"),
+        ({"custom_generate": "someone/decoder"}, "runs decoding code from the Hub"),
+    ],
+)
 def test_unsupported_generate_options_raise(hf, option, message):
     hf_model, hf_tokenizer = hf
     ids = hf_tokenizer(PROMPTS[0], return_tensors="pt").input_ids
@@ -220,8 +242,9 @@ def test_unsupported_generate_options_raise(hf, option, message):
 def test_a_transformers_fine_tune_saved_with_save_pretrained_loads_back(export, hf, tmp_path, capsys):
     """TRL-style: a training step in transformers, then model.save_pretrained(state_dict=...) (sharded)
     and tokenizer.save_pretrained into a fresh folder, which holds no elr.tiktoken."""
-    from elr.train.trainer import Trainer
     from transformers import AutoModelForCausalLM
+
+    from elr.train.trainer import Trainer
 
     _, tokenizer, folder = export
     _, hf_tokenizer = hf
@@ -248,13 +271,33 @@ def test_a_transformers_fine_tune_saved_with_save_pretrained_loads_back(export, 
     assert script("generate").main(argv) == 0
     text = tokenizer.decode(ours(tuned.model, tokenizer, PROMPTS[:1], 2, 6, "per_loop")[0]).replace("\n", " ")
     assert capsys.readouterr().out.splitlines()[-1] == text
-    argv = ["--checkpoint", str(out), "--loops", "1,3", "--val-batches", "1", "--batch-size", "2",
-            "--latency-new-tokens", "0", "--out", str(tmp_path / "eval.json")]
+    argv = [
+        "--checkpoint",
+        str(out),
+        "--loops",
+        "1,3",
+        "--val-batches",
+        "1",
+        "--batch-size",
+        "2",
+        "--latency-new-tokens",
+        "0",
+        "--out",
+        str(tmp_path / "eval.json"),
+    ]
     assert script("evaluate").main(argv) == 0
-    assert AutoModelForCausalLM.from_pretrained(out).generate(
-        hf_tokenizer(PROMPTS[0], return_tensors="pt").input_ids, max_new_tokens=2).shape[1] > 0
-    t = Trainer(load_config(DEBUG_TOML, overrides(tmp_path / "next", 3, "--training.seq_len", "64",
-                                                   "--checkpoint.initial_load_path", str(out))))
+    assert (
+        AutoModelForCausalLM.from_pretrained(out)
+        .generate(hf_tokenizer(PROMPTS[0], return_tensors="pt").input_ids, max_new_tokens=2)
+        .shape[1]
+        > 0
+    )
+    t = Trainer(
+        load_config(
+            DEBUG_TOML,
+            overrides(tmp_path / "next", 3, "--training.seq_len", "64", "--checkpoint.initial_load_path", str(out)),
+        )
+    )
     try:
         got = t.model.state_dict()
         assert all(torch.equal(got[k], v) for k, v in want.items())

@@ -5,13 +5,20 @@ conditioning offsets), and the gates then learn like any parameter."""
 import pytest
 import torch
 import torch.nn.functional as F
+from trainer_utils import looped_model as make
+from trainer_utils import token_batch as tokens
 
 from elr.config import ELR
 from elr.train.optimizer import param_groups
-from trainer_utils import looped_model as make, token_batch as tokens
 
 # koi4b.toml's recurrence: FiLM from the budget on the output block only, the state norm, the learned step
-RECIPE = dict(conditioning=True, conditioning_first_loop=False, conditioning_later_loops=False, conditioning_exit=True, state_norm=True)
+RECIPE = dict(
+    conditioning=True,
+    conditioning_first_loop=False,
+    conditioning_later_loops=False,
+    conditioning_exit=True,
+    state_norm=True,
+)
 
 
 @torch.no_grad()
@@ -49,7 +56,7 @@ def test_gates_and_offsets_follow_their_formulas():
     norm); loop and budget embeddings of index j >= 2 are row 1 + their own row."""
     model, x = make(identity_loops=True, update="replace", conditioning=False, state_norm=True), tokens()
     torch.nn.init.normal_(model.recurrent.loop_gates.weight, std=0.5)
-    block, rope = model.recurrent, model.rope[:, :x.shape[1]]
+    block, rope = model.recurrent, model.rope[:, : x.shape[1]]
     with torch.no_grad():
         h = model.tok_embeddings(x)
         for layer in model.input_layers:
@@ -67,7 +74,9 @@ def test_gates_and_offsets_follow_their_formulas():
     E = conditioned.budget_embed.weight
     torch.nn.init.normal_(E)
     budgets = torch.tensor([1, 2, 3])
-    torch.testing.assert_close(conditioned._row(conditioned.budget_embed, budgets), torch.stack([E[0], E[0] + E[1], E[0] + E[2]]))
+    torch.testing.assert_close(
+        conditioned._row(conditioned.budget_embed, budgets), torch.stack([E[0], E[0] + E[1], E[0] + E[2]])
+    )
     assert torch.equal(conditioned._row(conditioned.budget_embed, 3), E[0] + E[2])
 
 
@@ -85,9 +94,11 @@ def test_gates_learn_from_the_later_loops_only_in_their_own_optimizer_group():
         model(x, loops=3)
     stats = model.loop_statistics()
     assert "loop_gate_mean" not in stats[0] and [s["loop_gate_mean"].item() for s in stats[1:]] == pytest.approx(
-        gates.mean(1).tolist())
-    group = next(g for g in param_groups(model, 0.1, 1e-3, ELR(loop_gate_lr_scale=20.0))
-                 if any(p is gates for p in g["params"]))
+        gates.mean(1).tolist()
+    )
+    group = next(
+        g for g in param_groups(model, 0.1, 1e-3, ELR(loop_gate_lr_scale=20.0)) if any(p is gates for p in g["params"])
+    )
     assert len(group["params"]) == 1 and group["lr"] == pytest.approx(2e-2) and group["weight_decay"] == 0.0
 
 
@@ -101,7 +112,7 @@ def test_budgets_per_row_with_identity_loops_equal_each_row_alone():
     with torch.no_grad():
         mixed = model(x, loops=budgets)
         for row, k in enumerate(budgets.tolist()):
-            torch.testing.assert_close(mixed[row], model(x[row:row + 1], loops=k)[0])
+            torch.testing.assert_close(mixed[row], model(x[row : row + 1], loops=k)[0])
 
 
 def test_a_fully_faded_model_is_the_plain_recurrence_and_the_fade_follows_the_step():
@@ -120,7 +131,20 @@ def test_a_fully_faded_model_is_the_plain_recurrence_and_the_fade_follows_the_st
     with torch.no_grad():
         for k in (1, 2, 3):
             torch.testing.assert_close(gated(x, loops=k), plain(x, loops=k), rtol=0, atol=1e-5)  # E0 + (Ek - E0)
-    cfg = load_config(None, ["--elr.switch_at", "0.5", "--training.steps", "10", "--checkpoint.enable", "true",
-                             "--elr.identity_loops", "true", "--elr.loop_fade_steps", "4"])
+    cfg = load_config(
+        None,
+        [
+            "--elr.switch_at",
+            "0.5",
+            "--training.steps",
+            "10",
+            "--checkpoint.enable",
+            "true",
+            "--elr.identity_loops",
+            "true",
+            "--elr.loop_fade_steps",
+            "4",
+        ],
+    )
     depths = DepthSchedule(cfg, 1, 2)
     assert [depths.loop_fade(s, 4) for s in range(5, 11)] == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0]

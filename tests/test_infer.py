@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_utils import model_args
 
 from elr.infer.cache import InferenceCache
 from elr.infer.evaluate import load_task, mc_requests, parse_item, score_multiple_choice
@@ -14,7 +15,6 @@ from elr.infer.generate import Sampling, generate, left_pad, sample
 from elr.infer.memory import inference_state_bytes
 from elr.models import ELRModel, flavors
 from elr.text.tokenizer import build_tokenizer
-from trainer_utils import model_args
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "elr8k.tiktoken"
 
@@ -45,16 +45,24 @@ def incremental_logits(model, rows: list[list[int]], prompt_lens: list[int], loo
         step = torch.tensor([[r[p + t]] for r, p in zip(rows, prompt_lens)])
         chunks.append(model(step, loops, cache))
     logits = torch.cat(chunks, dim=1)
-    return [logits[b, int(pad[b]):] for b in range(len(rows))], cache
+    return [logits[b, int(pad[b]) :] for b in range(len(rows))], cache
 
 
-ROWS_PROMPTS = ([[5, 9, 2, 33, 7, 1, 12, 40, 3], [8, 8, 60, 2, 11, 4], [19, 3, 27, 50, 6, 9, 14, 2, 31, 17, 5]],
-                [5, 2, 7])
+ROWS_PROMPTS = (
+    [[5, 9, 2, 33, 7, 1, 12, 40, 3], [8, 8, 60, 2, 11, 4], [19, 3, 27, 50, 6, 9, 14, 2, 31, 17, 5]],
+    [5, 2, 7],
+)
 
 
 @pytest.mark.parametrize("loops", [1, 2, 3])
-@pytest.mark.parametrize("overrides", [{}, {"recurrent_input": "state_plus_input", "update": "residual",
-                                           "moe_route_replay": True}, {"conditioning_exit": True}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"recurrent_input": "state_plus_input", "update": "residual", "moe_route_replay": True},
+        {"conditioning_exit": True},
+    ],
+)
 def test_per_loop_decoding_equals_full_forward(loops, overrides):
     model = small_model(**overrides)
     rows, prompt_lens = ROWS_PROMPTS
@@ -202,10 +210,13 @@ def test_decoded_option_scores_equal_the_full_forward_in_per_loop_mode_only():
     item's options follow its context as written."""
     tokenizer = build_tokenizer(TOKENIZER)
     model = small_model(vocab_size=tokenizer.n_vocab)
-    items = [parse_item(item) for item in (
-        {"question": "The sun rises in the", "choices": ["east", "far west of the hills", "sea"], "answer": 0},
-        {"context": "The king said that the", "choices": [" queen was", " old man of the sea", "x"], "answer": 1},
-    )]
+    items = [
+        parse_item(item)
+        for item in (
+            {"question": "The sun rises in the", "choices": ["east", "far west of the hills", "sea"], "answer": 0},
+            {"context": "The king said that the", "choices": [" queen was", " old man of the sea", "x"], "answer": 1},
+        )
+    ]
     cloze = mc_requests(items[1], tokenizer)
     assert cloze[0] == ([tokenizer.eot_id] + tokenizer.encode("The king said that the"), tokenizer.encode(" queen was"))
     for loops in (1, 3):
@@ -234,13 +245,17 @@ def test_cloze_task_cuts_held_out_windows_into_items(tmp_path):
     for item in items:
         right = item["choices"][item["answer"]]
         assert len(set(item["choices"])) == 3
-        start = next(s for s in range(0, len(tokens) - 8, 9) if tokenizer.decode(tokens[s:s + 6].tolist()) == item["context"])
-        assert tokenizer.eot_id not in tokens[start:start + 9]  # no window crosses a document boundary
-        assert right == tokenizer.decode(tokens[start + 6:start + 9].tolist())
+        start = next(
+            s for s in range(0, len(tokens) - 8, 9) if tokenizer.decode(tokens[s : s + 6].tolist()) == item["context"]
+        )
+        assert tokenizer.eot_id not in tokens[start : start + 9]  # no window crosses a document boundary
+        assert right == tokenizer.decode(tokens[start + 6 : start + 9].tolist())
     assert parse_item(items[0])["context"] == items[0]["context"]
     with pytest.raises(ValueError, match="windows"):
         cloze.cloze_items(tokens[:30], tokenizer, 5, 6, 3, 3, seed=0)
-    with pytest.raises(ValueError, match="different continuations"):  # every wrong option must differ from the right one
+    with pytest.raises(
+        ValueError, match="different continuations"
+    ):  # every wrong option must differ from the right one
         cloze.cloze_items(np.full(90, 300, dtype=np.uint16), tokenizer, 5, 6, 3, 3, seed=0)
 
 
@@ -273,9 +288,11 @@ def test_decoded_loss_in_per_loop_mode_is_the_full_forward_loss_of_the_second_ha
 
     model, seq_len = small_model(), 16
     tokens = np.random.default_rng(0).integers(0, 64, size=3 * seq_len + 1).astype(np.uint16)
-    rows = torch.from_numpy(np.stack([tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(3)]).astype(np.int64))
-    logits = model(rows[:, :-1], 3)[:, seq_len // 2 - 1:]
-    want = F.cross_entropy(logits.flatten(0, 1), rows[:, seq_len // 2:].flatten()).item()
+    rows = torch.from_numpy(
+        np.stack([tokens[w * seq_len : w * seq_len + seq_len + 1] for w in range(3)]).astype(np.int64)
+    )
+    logits = model(rows[:, :-1], 3)[:, seq_len // 2 - 1 :]
+    want = F.cross_entropy(logits.flatten(0, 1), rows[:, seq_len // 2 :].flatten()).item()
     assert decoded_loss(model, tokens, seq_len, 3, "per_loop", 3) == pytest.approx(want, rel=1e-5)
     assert decoded_loss(model, tokens, seq_len, 3, "last_loop", 3) != pytest.approx(want, rel=1e-4)
 
@@ -287,7 +304,10 @@ def test_rows_that_join_leave_and_move_decode_as_they_would_alone(mode):
     leave, and every row's columns move left and right; each row's logits at every step are those it
     gets decoded alone at its own k."""
     model = small_model()
-    prompts, budgets = {"a": [5, 9, 2, 33, 7], "b": [8, 60, 4], "c": [19, 3, 27, 50, 6, 9, 14, 2, 31]}, {"a": 3, "b": 1, "c": 2}
+    prompts, budgets = (
+        {"a": [5, 9, 2, 33, 7], "b": [8, 60, 4], "c": [19, 3, 27, 50, 6, 9, 14, 2, 31]},
+        {"a": 3, "b": 1, "c": 2},
+    )
 
     def fed(name, t):  # the token a request is fed at its decoding step t (teacher forced)
         return (7 * t + 3 * len(name) + len(prompts[name])) % 60
@@ -321,7 +341,8 @@ def test_rows_that_join_leave_and_move_decode_as_they_would_alone(mode):
             got[name].append(logits[row])
 
     join("a", 1)  # the cache starts empty: the columns move right to hold the prompt
-    step(); step()
+    step()
+    step()
     join("c", 0)  # longer than the 7 columns cached: every row moves right
     step()
     pool.release_row(rows.pop("a"))
@@ -329,7 +350,8 @@ def test_rows_that_join_leave_and_move_decode_as_they_would_alone(mode):
     step()
     pool.move_columns(-int(pool.pad[[rows["b"], rows["c"]]].min()))  # drop the columns no row reads
     assert pool.length == len(prompts["c"]) + 2
-    step(); step()
+    step()
+    step()
     for name, logits in got.items():
         torch.testing.assert_close(torch.stack(logits), alone(name, len(logits) - 1), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="would drop cached columns"):

@@ -8,21 +8,32 @@ import re
 
 import pytest
 import torch
+from trainer_utils import ROOT, run, run_script
 
 from elr.checkpoint import Stored, verify
 from elr.infer.generate import generate
 from elr.infer.load import load_model, load_tokenizer
-from trainer_utils import ROOT, run, run_script
 
-SWITCH = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
-          "--elr.switch_at", "0.5", "--checkpoint.export_dtype", "float32"]
+SWITCH = [
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "1",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--elr.switch_at",
+    "0.5",
+    "--checkpoint.export_dtype",
+    "float32",
+]
 
 
 def saved_model_tensors(path, prefix: str, keys) -> dict[str, torch.Tensor]:
     """The model tensors as stored, assembled from the checkpoint's shards (one file per rank that saved)."""
     stored = Stored(path, verify(path))
-    state = {k: torch.empty(stored.tensors[prefix + k].size, dtype=stored.tensors[prefix + k].properties.dtype)
-             for k in keys}
+    state = {
+        k: torch.empty(stored.tensors[prefix + k].size, dtype=stored.tensors[prefix + k].properties.dtype) for k in keys
+    }
     stored.load({"model": state} if prefix else state)
     return state
 
@@ -61,8 +72,20 @@ def test_checkpoints_before_and_after_the_switch_and_the_export_load(trained):
 
 def test_generate_script_prints_the_generated_text_last(trained, capsys):
     checkpoint = trained / "step-2"
-    argv = ["--checkpoint", str(checkpoint), "--loops", "1,3", "--kv", "last_loop", "--prompt", "The king",
-            "--max-new-tokens", "5", "--temperature", "0"]
+    argv = [
+        "--checkpoint",
+        str(checkpoint),
+        "--loops",
+        "1,3",
+        "--kv",
+        "last_loop",
+        "--prompt",
+        "The king",
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "0",
+    ]
     assert script("generate").main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("--- k=1") and lines[2].startswith("--- k=3") and "tokens/s" in lines[2]
@@ -95,11 +118,18 @@ def test_generate_script_budgets_per_prompt_and_self_speculative(trained, capsys
     assert "--draft-loops decodes greedily" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--max-new-tokens", "100000000000", r"need [\d.]+ [GMK]iB of inference state, more than the [\d.]+ [GMK]iB free"),
-    ("--temperature", "nan", "temperature must be finite and >= 0, got nan"),
-    ("--top-p", "nan", "top_p must lie in"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        (
+            "--max-new-tokens",
+            "100000000000",
+            r"need [\d.]+ [GMK]iB of inference state, more than the [\d.]+ [GMK]iB free",
+        ),
+        ("--temperature", "nan", "temperature must be finite and >= 0, got nan"),
+        ("--top-p", "nan", "top_p must lie in"),
+    ],
+)
 def test_generate_refuses_what_the_machine_cannot_hold_or_sample_in_one_line(trained, capsys, flag, value, message):
     argv = ["--checkpoint", str(trained / "step-2"), "--prompt", "The king", "--max-new-tokens", "5", flag, value]
     assert script("generate").main(argv) == 2
@@ -107,10 +137,13 @@ def test_generate_refuses_what_the_machine_cannot_hold_or_sample_in_one_line(tra
     assert len(err) == 1 and re.search(message, err[0]), err
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--seed", str(10**23), "--seed must lie in -2^63..2^64-1, not 100000000000000000000000"),
-    ("--memory", "-5", "--memory takes a token count of at least 1, not -5"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--seed", str(10**23), "--seed must lie in -2^63..2^64-1, not 100000000000000000000000"),
+        ("--memory", "-5", "--memory takes a token count of at least 1, not -5"),
+    ],
+)
 def test_generate_refuses_a_seed_or_token_count_out_of_range(trained, capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit:
         script("generate").main(["--checkpoint", str(trained / "step-2"), flag, value])
@@ -120,17 +153,48 @@ def test_generate_refuses_a_seed_or_token_count_out_of_range(trained, capsys, fl
 @pytest.mark.slow
 def test_evaluate_script_table_json_baseline_and_plots(trained, tmp_path, capsys):
     base = tmp_path / "base"
-    run(base, 1, "--checkpoint.enable", "true", "--elr.enabled", "false", "--elr.max_loops", "1",
-        "--elr.conditioning", "false", "--elr.one_loop_override", "0")
+    run(
+        base,
+        1,
+        "--checkpoint.enable",
+        "true",
+        "--elr.enabled",
+        "false",
+        "--elr.max_loops",
+        "1",
+        "--elr.conditioning",
+        "false",
+        "--elr.one_loop_override",
+        "0",
+    )
     task = tmp_path / "tiny.jsonl"
-    task.write_text('{"question": "Snow is", "options": "A. cold\\nB. hot", "answer": "A. cold"}\n'
-                    '{"question": "Fire is", "choices": ["cold", "hot"], "answer": 1}\n'
-                    '{"context": "The king said", "choices": [" no", " the sea was"], "answer": 0}\n')
+    task.write_text(
+        '{"question": "Snow is", "options": "A. cold\\nB. hot", "answer": "A. cold"}\n'
+        '{"question": "Fire is", "choices": ["cold", "hot"], "answer": 1}\n'
+        '{"context": "The king said", "choices": [" no", " the sea was"], "answer": 0}\n'
+    )
     out = tmp_path / "eval" / "result.json"
-    argv = ["--checkpoint", str(trained / "step-2"), "--loops", "1,2", "--tasks", str(task), "--val-batches", "1",
-            "--decoded-tasks",
-            "--batch-size", "2", "--latency-prompt-tokens", "8", "--latency-new-tokens", "2",
-            "--baseline", str(base / "checkpoint" / "step-1"), "--out", str(out)]
+    argv = [
+        "--checkpoint",
+        str(trained / "step-2"),
+        "--loops",
+        "1,2",
+        "--tasks",
+        str(task),
+        "--val-batches",
+        "1",
+        "--decoded-tasks",
+        "--batch-size",
+        "2",
+        "--latency-prompt-tokens",
+        "8",
+        "--latency-new-tokens",
+        "2",
+        "--baseline",
+        str(base / "checkpoint" / "step-1"),
+        "--out",
+        str(out),
+    ]
     assert script("evaluate").main(argv) == 0
     table = capsys.readouterr().out
     assert table.splitlines()[0] == "| metric | k=1 | k=2 | baseline |"
@@ -156,9 +220,27 @@ def test_evaluate_and_generate_scripts_with_exit_rules(trained, tmp_path, capsys
     task = tmp_path / "tiny.jsonl"
     task.write_text('{"question": "Snow is", "choices": ["cold", "hot"], "answer": 0}\n')
     out = tmp_path / "eval.json"
-    argv = ["--checkpoint", checkpoint, "--loops", "1,2", "--val-batches", "1", "--decoded-windows", "1",
-            "--tasks", str(task), "--batch-size", "2", "--latency-new-tokens", "0", "--out", str(out),
-            "--exit", "state:1e-12", "kl:1e9"]
+    argv = [
+        "--checkpoint",
+        checkpoint,
+        "--loops",
+        "1,2",
+        "--val-batches",
+        "1",
+        "--decoded-windows",
+        "1",
+        "--tasks",
+        str(task),
+        "--batch-size",
+        "2",
+        "--latency-new-tokens",
+        "0",
+        "--out",
+        str(out),
+        "--exit",
+        "state:1e-12",
+        "kl:1e9",
+    ]
     assert script("evaluate").main(argv) == 0
     table = capsys.readouterr().out
     assert "| metric | exit state:1e-12 (cap k=2) | exit kl:1e+09 (cap k=2) |" in table
@@ -207,8 +289,9 @@ def test_lm_eval_adapter_scores_as_evaluate_does(trained):
         return Instance(request_type=kind, doc={}, arguments=args, idx=0)
 
     got = lm.loglikelihood([request("loglikelihood", ("The king", " said")), request("loglikelihood", ("", "Hi"))])
-    want = continuation_logprobs(model, [([tok.eot_id] + tok.encode("The king"), tok.encode(" said")),
-                                         ([tok.eot_id], tok.encode("Hi"))], 2)
+    want = continuation_logprobs(
+        model, [([tok.eot_id] + tok.encode("The king"), tok.encode(" said")), ([tok.eot_id], tok.encode("Hi"))], 2
+    )
     assert got == want
     text = "the old man walked by the sea " * 4  # more tokens than the 32-token window: two chunks
     ids = [tok.eot_id] + tok.encode(text)

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from trainer_utils import DEBUG_TOML, overrides
 
 from elr.config import load_config
 from elr.errors import ConfigError
 from elr.train.trainer import Trainer
-from trainer_utils import DEBUG_TOML, overrides
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0"]
 

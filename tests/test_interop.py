@@ -17,23 +17,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from export_utils import one_error_line, reseal, script, tiny_export
+from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
-from elr.text.chat import CHAT_TEMPLATE, encode_conversation
 from elr.config import load_config
+from elr.config.recurrence import RecurrenceOptions
 from elr.errors import CheckpointError, ConfigError, UserError
 from elr.infer.generate import generate, left_pad
 from elr.infer.load import load_model
 from elr.interop import hf_config, write_export
 from elr.models import ModelArgs
-from elr.config.recurrence import RecurrenceOptions
-from export_utils import one_error_line, reseal, script, tiny_export
-from trainer_utils import DEBUG_TOML, ROOT, overrides, run
+from elr.text.chat import CHAT_TEMPLATE, encode_conversation
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HAS_TOKENIZERS = importlib.util.find_spec("tokenizers") is not None
-needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason='transformers is not installed (pip install -e ".[hf]")')
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
-                                reason='safetensors is not installed (pip install -e ".[hf]")')
+needs_transformers = pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason='transformers is not installed (pip install -e ".[hf]")'
+)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("safetensors") is None, reason='safetensors is not installed (pip install -e ".[hf]")'
+)
 
 PROMPTS = ["The king said", "Once upon a time there was"]
 
@@ -53,8 +56,17 @@ def model_and_export(tmp_path_factory):
 def test_the_export_holds_what_transformers_needs(model_and_export):
     model, _, folder = model_and_export
     names = {p.name for p in folder.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-            "tokenizer_config.json", "configuration_elr.py", "modeling_elr.py", "elr.tiktoken", "elr_sha256.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "configuration_elr.py",
+        "modeling_elr.py",
+        "elr.tiktoken",
+        "elr_sha256.json",
+    } <= names
     listed = set(json.loads((folder / "elr_sha256.json").read_text())["files"])
     assert listed == names - {"elr_sha256.json", "README.md"}
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -92,8 +104,18 @@ def test_this_packages_loaders_read_the_export(model_and_export, capsys):
     with torch.no_grad():
         for k in (1, 2, 3):
             torch.testing.assert_close(loaded(tokens, k), model(tokens, k), atol=0, rtol=0)
-    argv = ["--checkpoint", str(folder), "--loops", "2", "--kv", "last_loop", "--prompt", PROMPTS[0],
-            "--max-new-tokens", "6"]
+    argv = [
+        "--checkpoint",
+        str(folder),
+        "--loops",
+        "2",
+        "--kv",
+        "last_loop",
+        "--prompt",
+        PROMPTS[0],
+        "--max-new-tokens",
+        "6",
+    ]
     assert script("generate").main(argv) == 0
     want = generate(model, [[tokenizer.eot_id] + tokenizer.encode(PROMPTS[0])], 2, 6, tokenizer.eot_id, "last_loop")[0]
     assert capsys.readouterr().out.splitlines()[-1] == tokenizer.decode(want).replace("\n", " ")
@@ -102,8 +124,20 @@ def test_this_packages_loaders_read_the_export(model_and_export, capsys):
 def test_evaluate_script_scores_the_export(model_and_export, tmp_path):
     _, _, folder = model_and_export
     out = tmp_path / "eval.json"
-    argv = ["--checkpoint", str(folder), "--loops", "1,3", "--val-batches", "1", "--batch-size", "2",
-            "--latency-new-tokens", "0", "--out", str(out)]
+    argv = [
+        "--checkpoint",
+        str(folder),
+        "--loops",
+        "1,3",
+        "--val-batches",
+        "1",
+        "--batch-size",
+        "2",
+        "--latency-new-tokens",
+        "0",
+        "--out",
+        str(out),
+    ]
     assert script("evaluate").main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert set(rows["val_loss"]) == {"1", "3"} and all(v > 0 for v in rows["val_loss"].values())
@@ -141,10 +175,23 @@ def test_transformers_loads_the_export_in_a_fresh_process_with_this_packages_log
 
     model, tokenizer, folder = model_and_export
     out = tmp_path / "hf.safetensors"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_MODULES_CACHE": str(tmp_path / "modules"), "TRANSFORMERS_VERBOSITY": "error"}
-    result = subprocess.run([sys.executable, "-c", HF_SCRIPT, str(folder), str(out), *PROMPTS], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", HF_SCRIPT, str(folder), str(out), *PROMPTS],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     got = load_file(str(out))
     prompts = [[tokenizer.eot_id] + tokenizer.encode(p) for p in PROMPTS]  # the tokenizer begins them with it
@@ -155,29 +202,42 @@ def test_transformers_loads_the_export_in_a_fresh_process_with_this_packages_log
             want = model(torch.tensor([prompts[1]]), k)
             torch.testing.assert_close(got[f"logits{k}"], want, atol=1e-5, rtol=1e-5)
             # the left-padded row's real positions score as the row alone
-            short = got[f"padded{k}"][0, pad[0]:]
+            short = got[f"padded{k}"][0, pad[0] :]
             torch.testing.assert_close(short, model(torch.tensor([prompts[0]]), k)[0], atol=1e-5, rtol=1e-5)
             for kv in ("per_loop", "last_loop_kv", "last_loop"):
                 ours = generate(model, prompts, k, 8, tokenizer.eot_id, kv)
-                theirs = got[f"greedy{k}_{kv}"][:, tokens.shape[1]:]
+                theirs = got[f"greedy{k}_{kv}"][:, tokens.shape[1] :]
                 for row, want_row in zip(theirs.tolist(), ours):
-                    assert row[:len(want_row)] == want_row, (k, kv)
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 plus 7?"},
-            {"role": "assistant", "content": "19."}, {"role": "user", "content": "And 3 plus 4?"}]
+                    assert row[: len(want_row)] == want_row, (k, kv)
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 12 plus 7?"},
+        {"role": "assistant", "content": "19."},
+        {"role": "user", "content": "And 3 plus 4?"},
+    ]
     ids, _ = encode_conversation(chat, tokenizer, add_generation_prompt=True)  # the template SFT trains with
     assert got["chat_ids"].flatten().tolist() == ids
     ours = generate(model, prompts, 3, 8, tokenizer.eot_id, "last_loop")  # the export's defaults: k = 3, last_loop
-    assert [row[:len(w)] for row, w in zip(got["greedy_default"][:, tokens.shape[1]:].tolist(), ours)] == ours
+    assert [row[: len(w)] for row, w in zip(got["greedy_default"][:, tokens.shape[1] :].tolist(), ours)] == ours
 
 
 # ---- training: exported at the end of a run, and a run started from an export ----
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 2-step debug run that checkpoints and exports as hf at the end."""
     dump = tmp_path_factory.mktemp("interop") / "run"
-    run(dump, 2, "--checkpoint.enable", "true", "--checkpoint.export_dtype", "float32",
-        "--checkpoint.export_format", "hf")
+    run(
+        dump,
+        2,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.export_dtype",
+        "float32",
+        "--checkpoint.export_format",
+        "hf",
+    )
     return dump / "checkpoint"
 
 
@@ -186,7 +246,10 @@ def test_the_trainer_and_the_script_export_the_same_model(trained, tmp_path, cap
 
     assert (trained / "step-2-hf" / "model.safetensors").is_file()
     assert script("export_hf").main(["--checkpoint", str(trained / "step-2"), "--out", str(tmp_path / "hf")]) == 0
-    ours, theirs = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(trained / "step-2-hf" / "model.safetensors"))
+    ours, theirs = (
+        load_file(str(tmp_path / "hf" / "model.safetensors")),
+        load_file(str(trained / "step-2-hf" / "model.safetensors")),
+    )
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     capsys.readouterr()
     assert script("export_hf").main(["--checkpoint", str(trained / "step-2"), "--out", str(tmp_path / "hf")]) == 2
@@ -205,8 +268,14 @@ def test_a_run_starts_from_an_export_and_names_what_differs(trained, tmp_path, c
     export = trained / "step-2-hf"
     want, _ = load_model(export)
     with caplog.at_level(logging.WARNING):
-        t = Trainer(load_config(DEBUG_TOML, overrides(tmp_path / "next", 3, "--training.seq_len", "48",
-                                                       "--checkpoint.initial_load_path", str(export))))
+        t = Trainer(
+            load_config(
+                DEBUG_TOML,
+                overrides(
+                    tmp_path / "next", 3, "--training.seq_len", "48", "--checkpoint.initial_load_path", str(export)
+                ),
+            )
+        )
     try:
         got = t.model.state_dict()
         assert all(torch.equal(got[k], v) for k, v in want.state_dict().items()) and t.step == 0
@@ -215,11 +284,18 @@ def test_a_run_starts_from_an_export_and_names_what_differs(trained, tmp_path, c
     lines = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
     assert lines == ["checkpoint.initial_load_path: the export's model differs from this job's: max_seq_len 32 -> 48"]
     with pytest.raises(CheckpointError, match=r"does not fit this model .*its config differs: .*partition"):
-        Trainer(load_config(DEBUG_TOML, overrides(tmp_path / "other", 3, "--elr.partition", "1,5,2",
-                                                  "--checkpoint.initial_load_path", str(export))))
+        Trainer(
+            load_config(
+                DEBUG_TOML,
+                overrides(
+                    tmp_path / "other", 3, "--elr.partition", "1,5,2", "--checkpoint.initial_load_path", str(export)
+                ),
+            )
+        )
 
 
 # ---- nothing pickled is ever opened ----
+
 
 class RunsCode:
     """Unpickled by a plain unpickler, this creates the file `path`."""
@@ -323,8 +399,10 @@ def test_a_full_disk_during_the_scripts_export_is_one_line_and_leaves_nothing(tr
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     before = sorted(p.name for p in trained.iterdir())
     assert script("export_hf").main(["--checkpoint", str(trained / "step-2"), "--out", str(tmp_path / "hf")]) == 2
-    assert one_error_line(capsys.readouterr().err) == (f"export_hf: error: export: could not write {tmp_path / 'hf'} "
-                                                       "(No space left on device); the partial export was removed")
+    assert one_error_line(capsys.readouterr().err) == (
+        f"export_hf: error: export: could not write {tmp_path / 'hf'} "
+        "(No space left on device); the partial export was removed"
+    )
     assert list(tmp_path.iterdir()) == [] and sorted(p.name for p in trained.iterdir()) == before
 
 
@@ -375,12 +453,27 @@ def test_a_format_1_export_is_still_read(model_and_export, tmp_path):
         load_model(old)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--checkpoint.export_format", "hf"], "checkpoint.export_format: writes an export only with checkpoint.export_dtype"),
-    (["--checkpoint.export_format", "safetensors"], "checkpoint.export_format: must be one of dcp, hf"),
-    (["--checkpoint.export_dtype", "float32", "--checkpoint.export_format", "hf", "--data.task", "pointer_chase"],
-     "checkpoint.export_format: hf exports a tokenizer; a data.task run has none"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--checkpoint.export_format", "hf"],
+            "checkpoint.export_format: writes an export only with checkpoint.export_dtype",
+        ),
+        (["--checkpoint.export_format", "safetensors"], "checkpoint.export_format: must be one of dcp, hf"),
+        (
+            [
+                "--checkpoint.export_dtype",
+                "float32",
+                "--checkpoint.export_format",
+                "hf",
+                "--data.task",
+                "pointer_chase",
+            ],
+            "checkpoint.export_format: hf exports a tokenizer; a data.task run has none",
+        ),
+    ],
+)
 def test_export_format_is_validated(extra, message):
     with pytest.raises(ConfigError, match=message):
         load_config(DEBUG_TOML, extra)
@@ -402,21 +495,50 @@ HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 needs_lm_eval = pytest.mark.skipif(not HAS_LM_EVAL, reason='lm-eval is not installed (pip install -e ".[eval,hf]")')
 TASKS = ROOT / "tests" / "fixtures" / "lm_eval"  # two tasks on four questions: multiple choice and generation
 TASK_NAMES = ("elr_tiny_mc", "elr_tiny_gen")
-QUESTIONS = [(d["question"], d["choices"]) for d in map(json.loads, (TASKS / "questions.jsonl").read_text().splitlines())]
+QUESTIONS = [
+    (d["question"], d["choices"]) for d in map(json.loads, (TASKS / "questions.jsonl").read_text().splitlines())
+]
 
 
 def lm_eval_cli(command: list[str], out, tmp_path) -> dict[str, list[dict]]:
     """Run lm-eval's command line on the local tasks (from the repository root, as the README does);
     returns each task's logged samples."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
-           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
-    result = subprocess.run([*command, "--tasks", ",".join(TASK_NAMES), "--include_path", str(TASKS), "--device",
-                             "cpu", "--batch_size", "4", "--output_path", str(out), "--log_samples"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+    }
+    result = subprocess.run(
+        [
+            *command,
+            "--tasks",
+            ",".join(TASK_NAMES),
+            "--include_path",
+            str(TASKS),
+            "--device",
+            "cpu",
+            "--batch_size",
+            "4",
+            "--output_path",
+            str(out),
+            "--log_samples",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return {name: [json.loads(line) for f in out.rglob(f"samples_{name}_*.jsonl") for line in f.read_text().splitlines()]
-            for name in TASK_NAMES}
+    return {
+        name: [json.loads(line) for f in out.rglob(f"samples_{name}_*.jsonl") for line in f.read_text().splitlines()]
+        for name in TASK_NAMES
+    }
 
 
 @needs_lm_eval
@@ -426,21 +548,43 @@ def test_lm_eval_cli_scores_the_export_at_k_1_and_3(model_and_export, tmp_path):
     from elr.infer.evaluate import continuation_logprobs
 
     model, tokenizer, folder = model_and_export
-    lm_eval = [str(shutil.which("lm_eval") or Path(sys.executable).with_name("lm_eval")), "--model", "hf", "--model_args"]
+    lm_eval = [
+        str(shutil.which("lm_eval") or Path(sys.executable).with_name("lm_eval")),
+        "--model",
+        "hf",
+        "--model_args",
+    ]
     for k in (1, 3):
-        hf = lm_eval_cli([*lm_eval, f"pretrained={folder},trust_remote_code=True,loops={k},kv=last_loop,"
-                          "add_bos_token=True"], tmp_path / f"hf{k}", tmp_path)
-        pairs = [([tokenizer.eot_id] + tokenizer.encode(q), tokenizer.encode(" " + c)) for q, cs in QUESTIONS for c in cs]
+        hf = lm_eval_cli(
+            [*lm_eval, f"pretrained={folder},trust_remote_code=True,loops={k},kv=last_loop,add_bos_token=True"],
+            tmp_path / f"hf{k}",
+            tmp_path,
+        )
+        pairs = [
+            ([tokenizer.eot_id] + tokenizer.encode(q), tokenizer.encode(" " + c)) for q, cs in QUESTIONS for c in cs
+        ]
         want = [score for score, _ in continuation_logprobs(model, pairs, k, 4)]
         got = [float(r[0][0]) for s in sorted(hf["elr_tiny_mc"], key=lambda s: s["doc_id"]) for r in s["resps"]]
         np.testing.assert_allclose(got, want, atol=1e-4)
         texts = [s["resps"][0][0] for s in sorted(hf["elr_tiny_gen"], key=lambda s: s["doc_id"])]
-        ours = generate(model, [[tokenizer.eot_id] + tokenizer.encode(q) for q, _ in QUESTIONS], k, 8,
-                        tokenizer.eot_id, "last_loop")
+        ours = generate(
+            model, [[tokenizer.eot_id] + tokenizer.encode(q) for q, _ in QUESTIONS], k, 8, tokenizer.eot_id, "last_loop"
+        )
         assert texts == [tokenizer.decode(t).split("\n")[0].split(".")[0] for t in ours]
     # the package's own "elr" model through lm-eval's command line: the same scores at k = 3
-    elr = lm_eval_cli([sys.executable, "-m", "elr.infer.lm_eval_adapter", "--model", "elr", "--model_args",
-                       f"checkpoint={folder},loops=3,kv=last_loop"], tmp_path / "elr3", tmp_path)
+    elr = lm_eval_cli(
+        [
+            sys.executable,
+            "-m",
+            "elr.infer.lm_eval_adapter",
+            "--model",
+            "elr",
+            "--model_args",
+            f"checkpoint={folder},loops=3,kv=last_loop",
+        ],
+        tmp_path / "elr3",
+        tmp_path,
+    )
     got = [float(r[0][0]) for s in sorted(elr["elr_tiny_mc"], key=lambda s: s["doc_id"]) for r in s["resps"]]
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert [s["resps"][0][0] for s in sorted(elr["elr_tiny_gen"], key=lambda s: s["doc_id"])] == texts

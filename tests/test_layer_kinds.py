@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_infer import small_model
 from torch import nn
 
 from elr.errors import ConfigError
@@ -15,10 +16,9 @@ from elr.models import build_model
 from elr.models.kinds import InferenceState, LayerKind, TensorSplit
 from elr.models.layers import LAYER_KINDS
 from elr.parallel.tensor_parallel import LocalCompute, check_tensor_parallel, sublayer_plan
-from test_infer import small_model
-
 
 # ---- the kind's own file: a token mixer y_t = W_out silu(W_in (x_t + x_{t-1})), keeping x_{t-1} ----
+
 
 def hidden(a):
     return 5 * a.dim // 4
@@ -58,16 +58,21 @@ class LastInput:
 
 
 SHIFT = LayerKind(
-    "S", "shift mixer", ShiftMix,
+    "S",
+    "shift mixer",
+    ShiftMix,
     flops_per_token=lambda a, seq_len: 6 * 2 * a.dim * hidden(a),
-    tensor_split=lambda a, tp: TensorSplit("heads", {"w_in.weight": 0, "w_out.weight": 1},
-                                           divides={"shift-mixer hidden size": hidden(a)}),
-    inputs=("cache",), mixes_tokens=True,
+    tensor_split=lambda a, tp: TensorSplit(
+        "heads", {"w_in.weight": 0, "w_out.weight": 1}, divides={"shift-mixer hidden size": hidden(a)}
+    ),
+    inputs=("cache",),
+    mixes_tokens=True,
     inference_state=InferenceState("shift_state", LastInput, lambda a, context_len, size: a.dim * size),
 )
 
 
 # ---- the registration, and what it gives ----
+
 
 @pytest.fixture
 def model(monkeypatch):
@@ -82,7 +87,9 @@ def test_a_registered_kind_decodes_like_the_full_forward_and_counts_its_bytes(mo
         with torch.no_grad():
             full = model(tokens, loops=loops)
             cache = InferenceCache(model, 2, 10, loops, "per_loop")
-            chunks = [model(tokens[:, :6], loops, cache)] + [model(tokens[:, t:t + 1], loops, cache) for t in range(6, 10)]
+            chunks = [model(tokens[:, :6], loops, cache)] + [
+                model(tokens[:, t : t + 1], loops, cache) for t in range(6, 10)
+            ]
         torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
         measured = cache.nbytes()
         assert measured["shift_state"] == 2 * (2 + 2 * loops) * args.dim * 4  # 2 outside the block, 2 inside

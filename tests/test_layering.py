@@ -3,37 +3,51 @@
 From the bottom: the kernels (elr_kernels); errors and the console; text and data (elr.text); the
 job config (elr.config); the single-device models; parallelism, checkpoints and the export format side
 by side; training and inference side by side; tools, scripts, train.py, the server and the RLVR stage on top (the
-server never imports training, and it and the RLVR stage never import each other). A module imports its own layer or lower ones, never its side-by-side neighbour; the models
-never import torch.distributed, and only the server's HTTP side imports the serve extra (fastapi, uvicorn). Imports inside functions count too. The checker
+server never imports training, and it and the RLVR stage never import each other). A module imports its own layer or
+lower ones, never its side-by-side neighbour; the models
+never import torch.distributed, and only the server's HTTP side imports the serve extra (fastapi, uvicorn). Imports
+inside functions count too. The checker
 is also run on planted violations, so it is known to fail when it should.
 """
 
 import ast
-from pathlib import Path
 
 from trainer_utils import ROOT
 
 LAYERS = {
     "elr_kernels": 0,
-    "elr.errors": 1, "elr.console": 1,
+    "elr.errors": 1,
+    "elr.console": 1,
     "elr.text": 2,
     "elr.config": 3,
     "elr.models": 4,
     # interop (the Hugging Face export format) sits beside checkpoint: training writes and reads it,
     # inference reads it, and it needs only the models below
-    "elr.parallel": 5, "elr.checkpoint": 5, "elr.interop": 5,
-    "elr.train": 6, "elr.infer": 6,
+    "elr.parallel": 5,
+    "elr.checkpoint": 5,
+    "elr.interop": 5,
+    "elr.train": 6,
+    "elr.infer": 6,
     # the transformers classes of an export (and the remote code that imports them) wrap inference's
     # cache for transformers: on top
-    "elr.tools": 7, "elr.cli": 7, "scripts": 7, "train": 7, "elr.interop.remote": 7, "elr.interop.hf_model": 7,
+    "elr.tools": 7,
+    "elr.cli": 7,
+    "scripts": 7,
+    "train": 7,
+    "elr.interop.remote": 7,
+    "elr.interop.hf_model": 7,
     # the server: inference and below, never training (its neighbour below, by NEIGHBOURS)
     "elr.serve": 7,
     # the RLVR stage: training and inference both (its rollouts decode through elr.infer); only train.py
     # and scripts import it, and it never imports the server
     "elr.rl": 7,
 }
-NEIGHBOURS = [("elr.parallel", "elr.checkpoint"), ("elr.train", "elr.infer"),  # neither imports the other
-              ("elr.serve", "elr.train"), ("elr.serve", "elr.rl")]
+NEIGHBOURS = [
+    ("elr.parallel", "elr.checkpoint"),
+    ("elr.train", "elr.infer"),  # neither imports the other
+    ("elr.serve", "elr.train"),
+    ("elr.serve", "elr.rl"),
+]
 # the serve extra's packages: only the HTTP side of the server and its command import them
 SERVE_EXTRA = ("fastapi", "starlette", "pydantic", "uvicorn", "openai")
 SERVE_EXTRA_IMPORTERS = ("elr.serve.api", "elr.serve.protocol", "scripts.serve", "scripts.bench_serve")
@@ -78,11 +92,17 @@ def violations(sources: dict[str, str]) -> list[str]:
 
 
 def repository_sources() -> dict[str, str]:
-    files = [*(ROOT / "elr").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"),
-             ROOT / "train.py"]
+    files = [
+        *(ROOT / "elr").rglob("*.py"),
+        *(ROOT / "kernels").rglob("*.py"),
+        *(ROOT / "scripts").rglob("*.py"),
+        ROOT / "train.py",
+    ]
     sources = {}
     for path in files:
-        base = ROOT / "kernels" if path.is_relative_to(ROOT / "kernels") else ROOT  # kernels/ is a folder, not a package
+        base = (
+            ROOT / "kernels" if path.is_relative_to(ROOT / "kernels") else ROOT
+        )  # kernels/ is a folder, not a package
         parts = path.relative_to(base).with_suffix("").parts
         sources[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path.read_text()
     return sources

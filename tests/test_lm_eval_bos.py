@@ -10,7 +10,9 @@ def test_hf_model_on_an_export_without_bos_is_warned(tmp_path):
     export = tmp_path / "hf"
     export.mkdir()
     (export / "config.json").write_text(json.dumps({"model_type": MODEL_TYPE}))
-    warned = missing_bos_warning(["--model", "hf", "--model_args", f"pretrained={export},trust_remote_code=True,loops=2"])
+    warned = missing_bos_warning(
+        ["--model", "hf", "--model_args", f"pretrained={export},trust_remote_code=True,loops=2"]
+    )
     assert warned and "add_bos_token=True" in warned and str(export) in warned
     assert missing_bos_warning(["--model=hf", f"--model_args=pretrained={export},loops=2"])  # = spellings
     assert missing_bos_warning(["--model", "hf", "--model_args", f"pretrained={export},add_bos_token=True"]) is None

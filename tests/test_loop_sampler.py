@@ -37,7 +37,7 @@ def test_override_picks_whole_ranks_exactly_f_of_them_in_rotation(f, sampling):
     n_ranks, n_micro, steps = 4, 3, 600
     sampler = LoopSampler(5, sampling, one_loop_override=f, loop_weights=[0, 1, 1, 1, 1], seed=0)
     ks = draw(sampler, steps, n_ranks, n_micro)  # k=1 only through the override here
-    ones = (ks == 1)
+    ones = ks == 1
     assert torch.equal(ones.all(-1), ones.any(-1))  # an overridden rank runs k=1 on all its microbatches
     overridden = ones.all(-1)  # [steps, n_ranks]
     assert overridden.sum().item() == pytest.approx(f * steps * n_ranks, abs=1)
@@ -105,7 +105,7 @@ def test_one_group_over_every_rank_rotates_the_override_over_microbatch_slots(sa
     sampler = LoopSampler(4, sampling, one_loop_override=f, loop_weights=[0, 1, 1, 1], seed=0)
     ks = torch.stack([sampler.sample(s, n_ranks, n_micro, group_size=n_ranks) for s in range(1, steps + 1)])
     assert torch.equal(ks, ks[:, :1].expand_as(ks))  # every rank the same k
-    ones = (ks[:, 0] == 1)  # [steps, n_micro]
+    ones = ks[:, 0] == 1  # [steps, n_micro]
     assert torch.equal(ones.sum(-1), torch.full((steps,), round(f * n_micro)))  # every update mixes depths
     assert ones.any(0).all()  # every slot takes its turn
 
@@ -136,8 +136,10 @@ def test_stratified_closed_forms_hold_and_the_wait_factor_is_the_synchronized_on
     ks = draw(stratified, 300, n_ranks=8, n_micro=96).double()
     assert (ks == 1).double().mean().item() == pytest.approx(0.325, abs=0.004)
     assert ks.mean().item() == pytest.approx(2.35, abs=0.01)
-    waits = {mode: expected_wait(LoopSampler(4, mode, one_loop_override=0.1, seed=0), 8, 96, 28 / 24, steps=50)
-             for mode in ("independent", "synchronized", "stratified")}
+    waits = {
+        mode: expected_wait(LoopSampler(4, mode, one_loop_override=0.1, seed=0), 8, 96, 28 / 24, steps=50)
+        for mode in ("independent", "synchronized", "stratified")
+    }
     assert waits["independent"][0] == pytest.approx(1.43, abs=0.02)
     assert waits["stratified"][0] <= 1.06 and waits["synchronized"][0] <= 1.06
     assert waits["stratified"][1] == 4.0 and waits["synchronized"][1] < 2.1  # depths per update
@@ -159,8 +161,21 @@ def test_stratified_schedule_is_the_same_on_every_rank_across_resume_and_reshard
     from elr.config import load_config
     from elr.train.loop_sampler import DepthSchedule
 
-    cfg = load_config(None, ["--elr.max_loops", "4", "--elr.sampling", "stratified", "--elr.one_loop_override",
-                             "0.1", "--training.global_batch_size", "32", "--training.local_batch_size", "2"])
+    cfg = load_config(
+        None,
+        [
+            "--elr.max_loops",
+            "4",
+            "--elr.sampling",
+            "stratified",
+            "--elr.one_loop_override",
+            "0.1",
+            "--training.global_batch_size",
+            "32",
+            "--training.local_batch_size",
+            "2",
+        ],
+    )
     n_micro = 32 // (2 * world)
     ranks = [DepthSchedule(cfg, world, n_micro) for _ in range(world)]  # each process builds its own
     resumed = DepthSchedule(cfg, world, n_micro)
@@ -179,8 +194,19 @@ def test_one_process_emulates_ranks_x_microbatches():
     from elr.errors import ConfigError
     from elr.train.loop_sampler import DepthSchedule
 
-    cfg = load_config(None, ["--elr.max_loops", "4", "--elr.sampling", "stratified", "--elr.one_loop_override",
-                             "0.5", "--elr.emulated_ranks", "2"])
+    cfg = load_config(
+        None,
+        [
+            "--elr.max_loops",
+            "4",
+            "--elr.sampling",
+            "stratified",
+            "--elr.one_loop_override",
+            "0.5",
+            "--elr.emulated_ranks",
+            "2",
+        ],
+    )
     one = DepthSchedule(cfg, 1, 4)
     for step in range(1, 20):
         assert torch.equal(one.loop_counts(step), one.sampler.sample(step, 2, 2).reshape(1, 4))
@@ -210,8 +236,23 @@ def test_loop_schedule_starts_at_the_late_switch():
     from elr.config import load_config
     from elr.train.loop_sampler import DepthSchedule
 
-    cfg = load_config(None, ["--elr.max_loops", "3", "--elr.loop_weights_start", "0,0,1", "--elr.loop_schedule_steps",
-                             "4", "--elr.switch_at", "0.5", "--training.steps", "20", "--checkpoint.enable", "true"])
+    cfg = load_config(
+        None,
+        [
+            "--elr.max_loops",
+            "3",
+            "--elr.loop_weights_start",
+            "0,0,1",
+            "--elr.loop_schedule_steps",
+            "4",
+            "--elr.switch_at",
+            "0.5",
+            "--training.steps",
+            "20",
+            "--checkpoint.enable",
+            "true",
+        ],
+    )
     schedule = DepthSchedule(cfg, 2, 2)
     assert all((schedule.loop_counts(step) == 1).all() for step in range(1, 11))  # the one-loop phase
     assert (schedule.loop_counts(11) == 3).all()  # the first mixed-depth update: the start weights

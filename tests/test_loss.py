@@ -4,12 +4,12 @@ trainer gives the same losses with it on or off, and it keeps far less for backw
 import pytest
 import torch
 import torch.nn.functional as F
+from trainer_utils import DEBUG_TOML, records, run
 
 from elr.config import load_config
 from elr.errors import ConfigError
 from elr.tools.activation_memory import storage_key
 from elr.train.loss import chunked_cross_entropy, summed_loss
-from trainer_utils import DEBUG_TOML, records, run
 
 
 def plain_and_chunked(hidden, weight, labels, chunk):

@@ -11,18 +11,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from trainer_utils import DEBUG_TOML, ROOT
 
 from elr.config import load_config
 from elr.models import build_model
+from elr.models.from_config import model_args_from_config
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
-from elr.tools.activation_memory import live_activation_bytes, storage_key
-from elr.tools.memory_plan import activation_bytes, meta_model, plan_memory
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
-from elr.train.optimizer import build_optimizer
-from elr.models.from_config import model_args_from_config
+from elr.tools.activation_memory import live_activation_bytes, storage_key
+from elr.tools.memory_plan import activation_bytes, meta_model, plan_memory
 from elr.train.loss import chunked_cross_entropy, summed_loss
-from trainer_utils import DEBUG_TOML, ROOT
+from elr.train.optimizer import build_optimizer
 
 MODES = [("none", "op"), ("full", "op"), ("selective", "op"), ("selective", "2")]
 
@@ -47,9 +47,19 @@ def saved_tensor_bytes(model: torch.nn.Module, tokens: torch.Tensor, loops: int)
 
 @pytest.mark.parametrize("mode,option", MODES)
 def test_predicted_activations_match_a_real_forward_within_10_percent(mode, option):
-    cfg = load_config(DEBUG_TOML, ["--training.seq_len", "32", "--training.local_batch_size", "2",
-                                   "--activation_checkpoint.mode", mode,
-                                   "--activation_checkpoint.selective_ac_option", option])
+    cfg = load_config(
+        DEBUG_TOML,
+        [
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            "--activation_checkpoint.mode",
+            mode,
+            "--activation_checkpoint.selective_ac_option",
+            option,
+        ],
+    )
     args = model_args_from_config(cfg, 8192)
     torch.manual_seed(0)
     model = build_model(args)
@@ -94,8 +104,10 @@ def test_chunked_loss_plan_matches_a_real_forward_and_drops_the_log_softmax():
 
 
 def test_full_ac_grows_with_k_by_about_one_layer_input_per_recurrent_call():
-    cfg = load_config(DEBUG_TOML, ["--training.seq_len", "32", "--training.local_batch_size", "2",
-                                   "--activation_checkpoint.mode", "full"])
+    cfg = load_config(
+        DEBUG_TOML,
+        ["--training.seq_len", "32", "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full"],
+    )
     args = model_args_from_config(cfg, 8192)
     per_loop = activation_bytes(args, cfg, torch.float32, 3) - activation_bytes(args, cfg, torch.float32, 2)
     hidden = 2 * 32 * args.dim * 4
@@ -104,21 +116,36 @@ def test_full_ac_grows_with_k_by_about_one_layer_input_per_recurrent_call():
 
 
 @pytest.mark.slow  # 40-90 s each: a 4.7B or 32B model traced at 8192 tokens on the meta device
-@pytest.mark.parametrize("config,overrides,fits", [
-    ("koi4b.toml", [], True),
-    ("koi4b.toml", ["--activation_checkpoint.mode", "none"], False),
-    ("gdp_hybrid_30b_a3b.toml", [], True),  # expert parallel 8, Muon, per-layer recurrent units
-    ("gdp_hybrid_30b_a3b.toml", ["--parallelism.expert_parallel_degree", "1"], False),
-    ("koi4b_midtrain.toml", [], True),  # 256K over CP 8: fits through the chunked loss alone
-    ("koi4b_midtrain.toml", ["--training.loss_chunk_tokens", "0"], False),
-    ("koi4b_sft.toml", [], True),  # 8192-token conversation rows, FSDP 8, AC full
-    ("koi4b_rlvr.toml", [], True),  # 128 rollouts per rank of 8192 tokens through the last-loop KV cache
-    ("koi4b_rlvr.toml", ["--rl.rollout_kv", "per_loop", "--training.global_batch_size", "4096"], False),
-])
+@pytest.mark.parametrize(
+    "config,overrides,fits",
+    [
+        ("koi4b.toml", [], True),
+        ("koi4b.toml", ["--activation_checkpoint.mode", "none"], False),
+        ("gdp_hybrid_30b_a3b.toml", [], True),  # expert parallel 8, Muon, per-layer recurrent units
+        ("gdp_hybrid_30b_a3b.toml", ["--parallelism.expert_parallel_degree", "1"], False),
+        ("koi4b_midtrain.toml", [], True),  # 256K over CP 8: fits through the chunked loss alone
+        ("koi4b_midtrain.toml", ["--training.loss_chunk_tokens", "0"], False),
+        ("koi4b_sft.toml", [], True),  # 8192-token conversation rows, FSDP 8, AC full
+        ("koi4b_rlvr.toml", [], True),  # 128 rollouts per rank of 8192 tokens through the last-loop KV cache
+        ("koi4b_rlvr.toml", ["--rl.rollout_kv", "per_loop", "--training.global_batch_size", "4096"], False),
+    ],
+)
 def test_plan_verdicts_of_shipped_configs(config, overrides, fits):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--config", str(ROOT / "train_configs" / config),
-         "--ngpu", "8", "--gpu-memory-gib", "80", *overrides], capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "plan_memory.py"),
+            "--config",
+            str(ROOT / "train_configs" / config),
+            "--ngpu",
+            "8",
+            "--gpu-memory-gib",
+            "80",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == (0 if fits else 1), result.stdout + result.stderr
     assert ("FITS: margin" in result.stdout) == fits and ("DOES NOT FIT" in result.stdout) != fits
@@ -129,10 +156,19 @@ def test_planned_parameter_bytes_are_what_each_rank_holds(shard, ep, tp):
     """Built as the trainer builds it (parallelize on the meta device) on rank 0 of 8 fake ranks:
     FSDP shards dense weights over dp_shard, expert parallelism splits expert stacks over ep, tensor
     parallelism splits all but the MoE, norms and ELR heads (GQA's 2 kv heads replicated at TP 4)."""
-    cfg = load_config(DEBUG_TOML, ["--parallelism.data_parallel_shard_degree", str(shard),
-                                   "--parallelism.data_parallel_replicate_degree", str(8 // shard // tp),
-                                   "--parallelism.expert_parallel_degree", str(ep),
-                                   "--parallelism.tensor_parallel_degree", str(tp)])
+    cfg = load_config(
+        DEBUG_TOML,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            str(shard),
+            "--parallelism.data_parallel_replicate_degree",
+            str(8 // shard // tp),
+            "--parallelism.expert_parallel_degree",
+            str(ep),
+            "--parallelism.tensor_parallel_degree",
+            str(tp),
+        ],
+    )
     args = model_args_from_config(cfg, 8192)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
@@ -159,8 +195,12 @@ def test_planned_optimizer_bytes_are_what_a_step_allocates(name):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    allocated = sum(v.numel() * v.element_size() for state in optimizer.state.values()
-                    for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+    allocated = sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.ndim > 0
+    )
     assert plan_memory(cfg, args, 1, 80).optimizer == allocated
 
 
@@ -171,8 +211,20 @@ def test_the_rlvr_stage_plans_its_rollout_peak_from_the_inference_state():
     from elr.models.from_config import model_args_from_config
     from elr.tools.memory_plan import plan_memory
 
-    base = ["--rl.enable", "true", "--rl.prompts", "arithmetic", "--checkpoint.initial_load_path", "x",
-            "--training.seq_len", "64", "--training.global_batch_size", "32", "--elr.max_loops", "4"]
+    base = [
+        "--rl.enable",
+        "true",
+        "--rl.prompts",
+        "arithmetic",
+        "--checkpoint.initial_load_path",
+        "x",
+        "--training.seq_len",
+        "64",
+        "--training.global_batch_size",
+        "32",
+        "--elr.max_loops",
+        "4",
+    ]
     plans = {}
     for mode in ("last_loop_kv", "per_loop"):
         cfg = load_config(ROOT / "train_configs" / "debug.toml", [*base, "--rl.rollout_kv", mode])

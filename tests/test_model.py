@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
+from trainer_utils import model_args
 
 import elr.models.gdp as gdp_module
 from elr.models import build_model, flavors
 from elr.models.attention import apply_partial_rope, rope_table
 from elr.models.layers import Layer
 from elr_kernels.gated_delta_product import gated_delta_product
-from trainer_utils import model_args
 
 # A flavor is a backbone; ModelArgs' ELR defaults make it the non-recurrent baseline.
 BASELINE = flavors["debug"]
@@ -58,8 +58,12 @@ def test_flavor_parameter_counts(name, total, active):
 
 @pytest.mark.parametrize("name", ["gpt_0p5b", "gdp_hybrid_4b", "koi_4b", "gdp_hybrid_30b_a3b"])
 def test_flavor_layer_counts_match_paper_table(name):
-    expected = {"gpt_0p5b": (0, 15, 15, (8, 14, 8)), "gdp_hybrid_4b": (23, 6, 23, (14, 24, 14)),
-                "koi_4b": (23, 6, 23, (14, 24, 14)), "gdp_hybrid_30b_a3b": (23, 6, 23, (14, 24, 14))}[name]
+    expected = {
+        "gpt_0p5b": (0, 15, 15, (8, 14, 8)),
+        "gdp_hybrid_4b": (23, 6, 23, (14, 24, 14)),
+        "koi_4b": (23, 6, 23, (14, 24, 14)),
+        "gdp_hybrid_30b_a3b": (23, 6, 23, (14, 24, 14)),
+    }[name]
     p = flavors[name].layer_pattern
     assert (p.count("G"), p.count("A"), p.count("F") + p.count("E")) == expected[:3]
     assert flavors[name].partition == expected[3]
@@ -68,12 +72,12 @@ def test_flavor_layer_counts_match_paper_table(name):
 def test_koi_has_three_recurrent_attention_layers():
     a = flavors["koi_4b"]
     n_in, n_rec, _ = a.partition
-    assert a.layer_pattern[n_in:n_in + n_rec].count("A") == 3
+    assert a.layer_pattern[n_in : n_in + n_rec].count("A") == 3
 
 
 def test_debug_flavor_has_every_layer_kind_in_the_recurrent_block():
     n_in, n_rec, _ = DEBUG.partition
-    assert set(DEBUG.layer_pattern[n_in:n_in + n_rec]) == set("GAFE")
+    assert set(DEBUG.layer_pattern[n_in : n_in + n_rec]) == set("GAFE")
 
 
 def test_meta_build_then_init_materialises_everything():
@@ -235,7 +239,7 @@ def test_partial_rope_rotates_half_the_dims_and_keeps_relative_positions():
     D, T = 32, 10
     rope = rope_table(16, T, 10000.0)
     q, k = torch.randn(1, T, 1, D), torch.randn(1, T, 1, D)
-    qr, kr = apply_partial_rope(q, rope), apply_partial_rope(k, rope)
+    qr = apply_partial_rope(q, rope)
     assert torch.equal(qr[..., 16:], q[..., 16:])
     torch.testing.assert_close(qr.norm(dim=-1), q.norm(dim=-1))
     # same vectors at every position: the score depends only on the distance between positions
@@ -247,10 +251,12 @@ def test_partial_rope_rotates_half_the_dims_and_keeps_relative_positions():
 
 
 CPU_ATTENTION_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *args, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda grad_out, q, k, v, *args, **kwargs: flop_counter.sdpa_backward_flop_count(grad_out, q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *args, **kwargs: (
+        flop_counter.sdpa_flop_count(q, k, v)
+    ),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda grad_out, q, k, v, *args, **kwargs: (
+        flop_counter.sdpa_backward_flop_count(grad_out, q, k, v)
+    ),
 }
 
 
@@ -271,7 +277,7 @@ def test_flops_per_token_matches_counted_flops(monkeypatch):
 
     def no_state_recurrence(q, k, v, g, beta, *, num_householder, **kwargs):
         every_input = (q.sum() + k.sum() + g.sum() + beta.sum()) * 0  # so every projection gets a gradient
-        return v[:, num_householder - 1::num_householder] + every_input, None
+        return v[:, num_householder - 1 :: num_householder] + every_input, None
 
     monkeypatch.setattr(gdp_module, "gated_delta_product", no_state_recurrence)
     a = DEBUG
@@ -285,7 +291,7 @@ def test_flops_per_token_matches_counted_flops(monkeypatch):
     # Integer-exact: the conditioning heads run once per sequence, so they are kept off here.
     model = make(conditioning=False)
     n_in, n_rec, _ = a.partition
-    recurrent = a.layer_pattern[n_in:n_in + n_rec]
+    recurrent = a.layer_pattern[n_in : n_in + n_rec]
     for loops in (1, 2, 3):
         n_gdp = a.layer_pattern.count("G") + (loops - 1) * recurrent.count("G")
         n_attention = a.layer_pattern.count("A") + (loops - 1) * recurrent.count("A")
@@ -388,15 +394,19 @@ def test_exit_only_conditioning_leaves_every_loop_as_the_shared_block():
     k are the plain model's), and only the output block sees the budget."""
     x = tokens()
     plain = make(conditioning=False)
-    exit_only = perturb_conditioning(make(conditioning=True, conditioning_first_loop=False, conditioning_later_loops=False, conditioning_exit=True))
+    exit_only = perturb_conditioning(
+        make(conditioning=True, conditioning_first_loop=False, conditioning_later_loops=False, conditioning_exit=True)
+    )
     copy_shared_weights(plain, exit_only)
     c = exit_only.recurrent.conditioning
     assert not c.heads and c.loop_embed is None and len(c.exit_heads) == DEBUG.partition[2]
     assert exit_only.recurrent.prefix_consistent
     with torch.no_grad():
         for k in (1, 2, 3):
-            assert torch.equal(plain.recurrent(plain.tok_embeddings(x), plain.rope[:, :x.shape[1]], k)[0],
-                               exit_only.recurrent(exit_only.tok_embeddings(x), exit_only.rope[:, :x.shape[1]], k)[0])
+            assert torch.equal(
+                plain.recurrent(plain.tok_embeddings(x), plain.rope[:, : x.shape[1]], k)[0],
+                exit_only.recurrent(exit_only.tok_embeddings(x), exit_only.rope[:, : x.shape[1]], k)[0],
+            )
         assert not torch.allclose(plain(x, loops=2), exit_only(x, loops=2))
         # zero exit heads (the initial model) are invisible
         for head in c.exit_heads:
@@ -408,7 +418,9 @@ def test_exit_only_conditioning_leaves_every_loop_as_the_shared_block():
 def test_exit_conditioning_gives_every_exit_its_own_budget():
     """every_loop stacks the exits of loops 1..k; each exit's rows get the FiLM of its own budget, so
     they equal separate forwards at k = 1..K."""
-    model = perturb_conditioning(make(conditioning=True, conditioning_first_loop=False, conditioning_later_loops=False, conditioning_exit=True))
+    model = perturb_conditioning(
+        make(conditioning=True, conditioning_first_loop=False, conditioning_later_loops=False, conditioning_exit=True)
+    )
     x = tokens()
     with torch.no_grad():
         exits = model(x, loops=3, every_loop=True)

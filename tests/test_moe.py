@@ -5,11 +5,11 @@ import dataclasses
 
 import pytest
 import torch
+from test_model import DEBUG, make, tokens
 
 import elr.models.ffn as ffn_module
 from elr.models.ffn import MoE, relu2, sequence_balance_loss
 from elr.train.optimizer import update_expert_biases
-from test_model import DEBUG, make, tokens
 
 
 def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:

@@ -9,31 +9,48 @@ import re
 
 import pytest
 import torch
-
-from elr.config import load_config
-from elr.errors import DataError
-from elr.console.progress import Progress, duration
-from elr.train.trainer import Trainer
 from trainer_utils import DEBUG_TOML, overrides, run
 
-STEP_LINE = re.compile(r"^step +\d+/\d+ \| loss [\d.]+ \((k\d [\d.]+ ?)+\) \| mean k [\d.]+ \| lr \S+ \| gnorm [\d.]+ \| "
-                       r"[\d,]+ tok/s \| mfu (?:[\d.]+%|n/a) \| mem [\d.]+ GiB \| elapsed \d+\w+ \| eta \d+\w+$")
+from elr.config import load_config
+from elr.console.progress import Progress, duration
+from elr.errors import DataError
+from elr.train.trainer import Trainer
+
+STEP_LINE = re.compile(
+    r"^step +\d+/\d+ \| loss [\d.]+ \((k\d [\d.]+ ?)+\) \| mean k [\d.]+ \| lr \S+ \| gnorm [\d.]+ \| "
+    r"[\d,]+ tok/s \| mfu (?:[\d.]+%|n/a) \| mem [\d.]+ GiB \| elapsed \d+\w+ \| eta \d+\w+$"
+)
 
 
 def test_step_lines_carry_elapsed_and_eta_and_the_config_is_printed(tmp_path, caplog):
     dump = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="elr"):
-        run(dump, 4, "--metrics.log_freq", "2", "--lr_scheduler.warmup_steps", "9", "--checkpoint.enable", "true",
-            "--metrics.enable_tensorboard", "true")
+        run(
+            dump,
+            4,
+            "--metrics.log_freq",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "9",
+            "--checkpoint.enable",
+            "true",
+            "--metrics.enable_tensorboard",
+            "true",
+        )
     messages = [r.getMessage() for r in caplog.records]
     lines = [m for m in messages if m.startswith("step ")]
     assert [m.split("|")[0].strip() for m in lines] == ["step 1/4", "step 2/4", "step 4/4"]
     assert all(STEP_LINE.match(m) and "| mfu n/a |" in m for m in lines), lines  # a CPU has no known peak
     saved = [m for m in messages if m.startswith("checkpoint saved: ")]
-    assert len(saved) == 1 and re.fullmatch(rf"checkpoint saved: {re.escape(str(dump))}/checkpoint/step-4 "
-                                            r"\([\d.]+ MiB, [\d.]+ s\)", saved[0]), saved
-    assert messages[-1] == (f"finished at step 4/4; outputs: {dump}/metrics.jsonl, {dump}/config.json, "
-                            f"TensorBoard {dump}/tb, checkpoint {dump}/checkpoint/step-4")
+    assert len(saved) == 1 and re.fullmatch(
+        rf"checkpoint saved: {re.escape(str(dump))}/checkpoint/step-4 "
+        r"\([\d.]+ MiB, [\d.]+ s\)",
+        saved[0],
+    ), saved
+    assert messages[-1] == (
+        f"finished at step 4/4; outputs: {dump}/metrics.jsonl, {dump}/config.json, "
+        f"TensorBoard {dump}/tb, checkpoint {dump}/checkpoint/step-4"
+    )
     assert lines[-1].endswith("eta 0s")
     config = [m for m in messages if m.startswith("config (what differs from the defaults")]
     assert len(config) == 1 and "training.steps 4" in config[0] and "metrics.log_freq 2" in config[0]
@@ -78,8 +95,11 @@ def test_wandb_without_the_package_is_one_config_error():
 
 def test_a_too_small_validation_split_names_validation_steps(tmp_path):
     with pytest.raises(DataError, match="validation.steps"):
-        Trainer(load_config(DEBUG_TOML, overrides(tmp_path / "run", 1, "--validation.freq", "1",
-                                                  "--validation.steps", "100000")))
+        Trainer(
+            load_config(
+                DEBUG_TOML, overrides(tmp_path / "run", 1, "--validation.freq", "1", "--validation.steps", "100000")
+            )
+        )
 
 
 def test_progress_counts_to_the_end_in_a_tenth_of_the_lines():
@@ -118,8 +138,10 @@ def test_importing_transformers_beside_torchao_prints_nothing():
 
     from trainer_utils import ROOT
 
-    code = ("import elr, logging, transformers.modeling_utils, sys; assert 'torchao' in sys.modules; "
-            "logging.getLogger('torchao').warning('Failed to load something else')")
+    code = (
+        "import elr, logging, transformers.modeling_utils, sys; assert 'torchao' in sys.modules; "
+        "logging.getLogger('torchao').warning('Failed to load something else')"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip() == "Failed to load something else", result.stderr

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from trainer_utils import copy_checkpoint, model_args, records, run
 
 from elr.config import LRScheduler, Optimizer
 from elr.models import build_model, flavors
 from elr.train.optimizer import MuonAdamW, build_lr_scheduler, build_optimizer, lr_lambda, muon_params
-from trainer_utils import copy_checkpoint, records, run, model_args
 
 
 def test_weight_decay_only_on_matrices_outside_norms_embeddings_and_elr_gates():
@@ -18,8 +18,13 @@ def test_weight_decay_only_on_matrices_outside_norms_embeddings_and_elr_gates():
     plain = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
     assert decayed | plain == set(names.values()) and not decayed & plain
     for name in plain:
-        assert ("norm" in name or "embed" in name or "step_size" in name or "conditioning" in name
-                or name.endswith(("bias", "A_log", "dt_bias"))), name
+        assert (
+            "norm" in name
+            or "embed" in name
+            or "step_size" in name
+            or "conditioning" in name
+            or name.endswith(("bias", "A_log", "dt_bias"))
+        ), name
     for name in ("output.weight", "recurrent.layers.0.sublayer.q_proj.weight", "recurrent.layers.1.sublayer.w1"):
         assert name in decayed
     for name in ("tok_embeddings.weight", "recurrent.step_size.proj.weight", "recurrent.conditioning.heads.0.weight"):
@@ -70,20 +75,30 @@ def test_muon_goes_to_hidden_matrices_and_adamw_to_the_rest():
     muon = {names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}
     assert {names[id(p)] for p in muon_params(model)} == muon
     assert sum(len(g["params"]) for g in opt.param_groups) == len(names)
-    for name in ("recurrent.layers.0.sublayer.q_proj.weight", "recurrent.layers.0.sublayer.g_proj.weight",
-                 "recurrent.layers.1.sublayer.w1", "recurrent.layers.1.sublayer.shared.w2.weight",
-                 "recurrent.layers.2.sublayer.wo.weight", "input_layers.1.sublayer.w3.weight"):
+    for name in (
+        "recurrent.layers.0.sublayer.q_proj.weight",
+        "recurrent.layers.0.sublayer.g_proj.weight",
+        "recurrent.layers.1.sublayer.w1",
+        "recurrent.layers.1.sublayer.shared.w2.weight",
+        "recurrent.layers.2.sublayer.wo.weight",
+        "input_layers.1.sublayer.w3.weight",
+    ):
         assert name in muon, name
     for name in muon:
-        assert not any(s in name for s in ("embed", "output.", "router", "a_proj", "b_proj", "conv", "norm",
-                                           "step_size", "conditioning")), name
+        assert not any(
+            s in name
+            for s in ("embed", "output.", "router", "a_proj", "b_proj", "conv", "norm", "step_size", "conditioning")
+        ), name
 
 
 def toy_pair(seed=0):
     """The same weights twice: a 2D matrix, an expert stack [3, 6, 4] and a bias."""
     torch.manual_seed(seed)
-    mine = [torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(3, 6, 4)),
-            torch.nn.Parameter(torch.randn(4))]
+    mine = [
+        torch.nn.Parameter(torch.randn(5, 4)),
+        torch.nn.Parameter(torch.randn(3, 6, 4)),
+        torch.nn.Parameter(torch.randn(4)),
+    ]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in mine]
     return mine, ref
 
@@ -91,11 +106,19 @@ def toy_pair(seed=0):
 def test_muon_step_equals_torch_muon_per_matrix_and_torch_adamw_elsewhere():
     (w, experts, bias), (w_ref, experts_ref, bias_ref) = toy_pair()
     lr, wd, momentum = 0.02, 0.1, 0.9
-    opt = MuonAdamW([{"params": [w, experts], "muon": True, "momentum": momentum},
-                     {"params": [bias], "muon": False, "weight_decay": 0.0}], lr=lr, weight_decay=wd, foreach=True)
+    opt = MuonAdamW(
+        [
+            {"params": [w, experts], "muon": True, "momentum": momentum},
+            {"params": [bias], "muon": False, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        weight_decay=wd,
+        foreach=True,
+    )
     expert_refs = [torch.nn.Parameter(e.detach().clone()) for e in experts_ref]  # each expert its own matrix
-    ref_muon = torch.optim.Muon([w_ref, *expert_refs], lr=lr, weight_decay=wd, momentum=momentum,
-                                adjust_lr_fn="match_rms_adamw")
+    ref_muon = torch.optim.Muon(
+        [w_ref, *expert_refs], lr=lr, weight_decay=wd, momentum=momentum, adjust_lr_fn="match_rms_adamw"
+    )
     ref_adamw = torch.optim.AdamW([bias_ref], lr=lr, weight_decay=0.0)
     torch.manual_seed(1)
     for _ in range(3):
@@ -112,8 +135,18 @@ def test_muon_step_equals_torch_muon_per_matrix_and_torch_adamw_elsewhere():
     torch.testing.assert_close(bias, bias_ref, rtol=0, atol=0)
 
 
-MUON_CKPT = ["--optimizer.name", "muon", "--moe.aux_loss_coeff", "0.01",
-             "--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]
+MUON_CKPT = [
+    "--optimizer.name",
+    "muon",
+    "--moe.aux_loss_coeff",
+    "0.01",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--checkpoint.interval",
+    "2",
+]
 
 
 def test_muon_with_aux_loss_trains_and_resumes_bit_exactly(tmp_path):

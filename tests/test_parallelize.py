@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from torchao.float8.float8_linear import Float8Linear
+from trainer_utils import DEBUG_TOML, overrides
 
 from elr.config import load_config
 from elr.models import build_model, flavors
@@ -15,7 +16,6 @@ from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.parallelize import parallelize
 from elr.train.step_report import LogWindow
 from elr.train.trainer import Trainer
-from trainer_utils import DEBUG_TOML, overrides
 
 
 def test_parallelize_puts_float8_inside_the_checkpointed_layers():

@@ -6,26 +6,52 @@ import dataclasses
 import pytest
 
 from elr.config import ELR, load_config
+from elr.config.recurrence import RecurrenceOptions, names
 from elr.errors import CheckpointError, ConfigError
 from elr.interop import hf_config
 from elr.models.from_config import model_args_from_config
-from elr.config.recurrence import RecurrenceOptions, names
 from elr.train.resume import FROZEN, check_resume
 
 # The [elr] keys that are not recurrence options: they steer training (the draws of k, the loss, the
 # step's optimizer group, the late switch), or pick the backbone's split. A new key lands here only
 # on purpose; one that changes the network belongs in RecurrenceOptions.
-TRAINING_KEYS = {"enabled", "partition", "step_lr_scale", "step_weight_decay", "loop_gate_lr_scale", "loop_fade_steps", "loss_every_loop", "sampling", "emulated_ranks",
-                 "one_loop_override", "loop_weights", "loop_weights_start", "loop_schedule_steps", "switch_at",
-                 "stop_at_switch", "switch_conditioning"}
+TRAINING_KEYS = {
+    "enabled",
+    "partition",
+    "step_lr_scale",
+    "step_weight_decay",
+    "loop_gate_lr_scale",
+    "loop_fade_steps",
+    "loss_every_loop",
+    "sampling",
+    "emulated_ranks",
+    "one_loop_override",
+    "loop_weights",
+    "loop_weights_start",
+    "loop_schedule_steps",
+    "switch_at",
+    "stop_at_switch",
+    "switch_conditioning",
+}
 
 # Per option, a valid value other than its default (with the other options at their defaults).
 OTHER_VALUE = {
-    "max_loops": 2, "recurrent_input": "state_plus_input", "update": "residual", "step_input": "delta",
-    "conditioning": False, "conditioning_budget": False, "conditioning_gate": False,
-    "conditioning_first_loop": False, "conditioning_later_loops": False, "conditioning_silu": True,
-    "conditioning_exit": True, "backprop_loops": 2, "state_norm": True, "depth_scaled_init": True,
-    "initial_state_noise": 0.5, "identity_loops": True,
+    "max_loops": 2,
+    "recurrent_input": "state_plus_input",
+    "update": "residual",
+    "step_input": "delta",
+    "conditioning": False,
+    "conditioning_budget": False,
+    "conditioning_gate": False,
+    "conditioning_first_loop": False,
+    "conditioning_later_loops": False,
+    "conditioning_silu": True,
+    "conditioning_exit": True,
+    "backprop_loops": 2,
+    "state_norm": True,
+    "depth_scaled_init": True,
+    "initial_state_noise": 0.5,
+    "identity_loops": True,
 }
 # Options whose test value needs another option set too (truncated backprop needs a re-injected input).
 NEEDS = {"backprop_loops": {"recurrent_input": "state_plus_input"}}
@@ -37,7 +63,7 @@ def _overrides(options: dict) -> list[str]:
 
 def test_the_elr_section_is_the_options_and_the_training_keys():
     keys = [f.name for f in dataclasses.fields(ELR)]
-    assert keys[:len(names())] == names()
+    assert keys[: len(names())] == names()
     assert set(keys) - set(names()) == TRAINING_KEYS
     assert set(OTHER_VALUE) == set(names()), "every option has a test value below"
 
@@ -88,9 +114,18 @@ def test_the_export_writes_every_option_and_reads_it_back():
 
 
 def test_a_bad_option_names_its_key():
-    for name, value in [("max_loops", 0), ("max_loops", 1_000_000), ("initial_state_noise", float("inf")),
-                        ("initial_state_noise", float("nan")), ("update", "gated"), ("step_input", "both"), ("backprop_loops", 4),
-                        ("backprop_loops", -1), ("backprop_loops", 1), ("initial_state_noise", -0.1)]:
+    for name, value in [
+        ("max_loops", 0),
+        ("max_loops", 1_000_000),
+        ("initial_state_noise", float("inf")),
+        ("initial_state_noise", float("nan")),
+        ("update", "gated"),
+        ("step_input", "both"),
+        ("backprop_loops", 4),
+        ("backprop_loops", -1),
+        ("backprop_loops", 1),
+        ("initial_state_noise", -0.1),
+    ]:
         with pytest.raises(ConfigError, match=rf"^elr.{name}: "):
             dataclasses.replace(RecurrenceOptions(), **{name: value}).check()
     RecurrenceOptions(backprop_loops=1, recurrent_input="state_plus_input").check()  # re-injected: fine

@@ -6,15 +6,25 @@ import subprocess
 import sys
 
 import pytest
-
 from trainer_utils import ROOT
 
 
 def rehearse(config: str, ranks: int, tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "rehearse.py"), "--config", str(ROOT / "train_configs" / config),
-         "--ranks", str(ranks), "--folder", str(tmp_path / "rehearsal")],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "rehearse.py"),
+            "--config",
+            str(ROOT / "train_configs" / config),
+            "--ranks",
+            str(ranks),
+            "--folder",
+            str(tmp_path / "rehearsal"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
 
 
@@ -32,13 +42,30 @@ def test_a_bad_config_stops_before_any_run_and_a_failing_run_is_named_in_one_lin
     koi4b = (ROOT / "train_configs" / "koi4b.toml").read_text()
     for name, text, first in [
         ("refused", koi4b.replace("max_loops = 4", "max_loops = 4\nbackprop_loops = 1"), "elr.backprop_loops: "),
-        ("diverges", koi4b.replace("lr = 1.2e-3", "lr = 1e15"), "rehearsal failed in the train run (2 ranks, dp_shard 2): "),
+        (
+            "diverges",
+            koi4b.replace("lr = 1.2e-3", "lr = 1e15"),
+            "rehearsal failed in the train run (2 ranks, dp_shard 2): ",
+        ),
     ]:
         config = tmp_path / f"{name}.toml"
         config.write_text(text)
-        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "rehearse.py"), "--config", str(config),
-                                 "--ranks", "2", "--folder", str(tmp_path / name)],
-                                cwd=ROOT, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "rehearse.py"),
+                "--config",
+                str(config),
+                "--ranks",
+                "2",
+                "--folder",
+                str(tmp_path / name),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(first), result.stderr[-2000:]

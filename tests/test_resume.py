@@ -11,13 +11,13 @@ import subprocess
 import sys
 
 import pytest
+from trainer_utils import DEBUG_TOML, ROOT, losses, overrides, records, run
 
 from elr.config import load_config
 from elr.errors import ConfigError
 from elr.train.optimizer import lr_lambda
 from elr.train.resume import FROZEN, check_resume, truncate_metrics
 from elr.train.trainer import Trainer
-from trainer_utils import DEBUG_TOML, ROOT, losses, overrides, records, run
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0"]
 
@@ -69,7 +69,9 @@ def test_a_resume_records_its_changes_only_once_a_step_ran_them(tmp_path):
     assert (dump / "config.json").read_text() == before
 
 
-@pytest.mark.parametrize("key, value", [("elr.max_loops", "2"), ("model.flavor", "task_gpt"), ("elr.conditioning", "false")])
+@pytest.mark.parametrize(
+    "key, value", [("elr.max_loops", "2"), ("model.flavor", "task_gpt"), ("elr.conditioning", "false")]
+)
 def test_a_frozen_key_is_refused_before_anything_is_written(tmp_path, key, value):
     dump = tmp_path / "run"
     run(dump, 2, *CKPT)
@@ -86,7 +88,10 @@ def test_a_model_shape_change_through_train_py_is_one_line_and_exit_2(tmp_path):
     before = snapshot(dump)
     result = subprocess.run(
         [sys.executable, "train.py", *overrides(dump, 4, *CKPT, "--elr.update", "replace", "--elr.partition", "2,2,4")],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.strip()]
@@ -106,7 +111,10 @@ def test_every_frozen_key_exists_and_is_refused():
             check_resume(saved, job, 10)
     job = json.loads(json.dumps(saved))
     job["optimizer"]["lr"], job["metrics"]["log_freq"] = 1e-4, 5
-    assert check_resume(saved, job, 10) == {"optimizer.lr": [saved["optimizer"]["lr"], 1e-4], "metrics.log_freq": [10, 5]}
+    assert check_resume(saved, job, 10) == {
+        "optimizer.lr": [saved["optimizer"]["lr"], 1e-4],
+        "metrics.log_freq": [10, 5],
+    }
 
 
 def test_a_finished_run_exits_zero_and_touches_nothing(tmp_path, caplog):
@@ -128,6 +136,7 @@ def test_after_a_kill_metrics_hold_each_step_once(tmp_path):
     tensorboard = ["--metrics.enable_tensorboard", "true"]
     run(dump, 3, *CKPT, "--checkpoint.interval", "2", *tensorboard)
     import shutil
+
     shutil.rmtree(dump / "checkpoint" / "step-3")  # the kill came before step 3's save
     with open(dump / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss/tr')  # torn by kill -9
@@ -146,7 +155,11 @@ def test_after_a_kill_metrics_hold_each_step_once(tmp_path):
 def test_truncate_metrics_is_atomic_and_keeps_up_to_the_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 1, 2, 3)))
-    assert truncate_metrics(path, 2) == 1 and [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1, 2]
+    assert truncate_metrics(path, 2) == 1 and [json.loads(x)["step"] for x in path.read_text().splitlines()] == [
+        0,
+        1,
+        2,
+    ]
     assert not list(tmp_path.glob("*.tmp"))
     assert truncate_metrics(path, 2) == 0
     assert truncate_metrics(path, 0) == 3 and path.read_text() == ""  # a fresh start keeps nothing

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
+from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, model_args, records, run_script
 
 import train
 from elr.config import load_config
@@ -21,7 +21,6 @@ from elr.rl.objective import clipped_surrogate, group_advantages, k3_kl
 from elr.rl.prompts import drawn, from_question, is_held_out, load_prompts, read_jsonl, split
 from elr.rl.rewards import RewardError, exact_match, last_boxed, load_reward, normalise, score
 from elr.rl.trainer import RLTrainer
-from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, model_args, records, run_script
 
 # ---- the objective --------------------------------------------------------------------------------
 
@@ -31,8 +30,10 @@ def test_advantages_by_hand_grpo_dr_grpo_and_a_group_without_signal():
     std = math.sqrt(1 / 3)  # sample std of 1, 0, 0, 1
     expected = torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(group_advantages(rewards, scale_by_std=False), expected)
-    torch.testing.assert_close(group_advantages(rewards, scale_by_std=True),
-                               expected / torch.tensor([[std + 1e-4], [1e-4]], dtype=torch.float64))
+    torch.testing.assert_close(
+        group_advantages(rewards, scale_by_std=True),
+        expected / torch.tensor([[std + 1e-4], [1e-4]], dtype=torch.float64),
+    )
     assert not group_advantages(rewards, True)[1].any()  # all-equal rewards: zero advantage, no NaN
 
 
@@ -85,16 +86,30 @@ def test_a_reward_function_that_fails_names_the_prompt():
 
 def test_jsonl_prompts_and_their_errors(tmp_path):
     good = tmp_path / "good.jsonl"
-    good.write_text(json.dumps({"prompt": "What is 2 plus 2?", "answer": 4}) + "\n\n" + json.dumps(
-        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}],
-         "answer": "Paris"}) + "\n")
+    good.write_text(
+        json.dumps({"prompt": "What is 2 plus 2?", "answer": 4})
+        + "\n\n"
+        + json.dumps(
+            {
+                "prompt": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Capital of France?"},
+                ],
+                "answer": "Paris",
+            }
+        )
+        + "\n"
+    )
     prompts = read_jsonl(good)
     assert [p.answer for p in prompts] == ["4", "Paris"] and prompts[1].messages[0] == ("system", "Be brief.")
-    cases = {"not json\n": r"bad.jsonl:1: not JSON", json.dumps({"prompt": "x"}) + "\n": r":1: needs an \"answer\"",
-             "\n" + json.dumps({"prompt": "", "answer": "1"}) + "\n": r":2: \"prompt\" must be",
-             json.dumps({"prompt": "x", "answer": "1", "extra": 1}) + "\n": r":1: expected an object",
-             json.dumps({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-                         "answer": "a"}) + "\n": r"last turn is the assistant's"}
+    cases = {
+        "not json\n": r"bad.jsonl:1: not JSON",
+        json.dumps({"prompt": "x"}) + "\n": r":1: needs an \"answer\"",
+        "\n" + json.dumps({"prompt": "", "answer": "1"}) + "\n": r":2: \"prompt\" must be",
+        json.dumps({"prompt": "x", "answer": "1", "extra": 1}) + "\n": r":1: expected an object",
+        json.dumps({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "a"})
+        + "\n": r"last turn is the assistant's",
+    }
     for text, message in cases.items():
         (tmp_path / "bad.jsonl").write_text(text)
         with pytest.raises(DataError, match=message):
@@ -157,10 +172,21 @@ BASE = flavors["task_gpt"]
 
 def tiny_model(**options):
     torch.manual_seed(0)
-    model = build_model(model_args(BASE, max_seq_len=32, **{"max_loops": 3, "update": "adaptive_delta",
-                                                            "conditioning": True, "conditioning_exit": True,
-                                                            "conditioning_first_loop": False,
-                                                            "conditioning_later_loops": False, **options}))
+    model = build_model(
+        model_args(
+            BASE,
+            max_seq_len=32,
+            **{
+                "max_loops": 3,
+                "update": "adaptive_delta",
+                "conditioning": True,
+                "conditioning_exit": True,
+                "conditioning_first_loop": False,
+                "conditioning_later_loops": False,
+                **options,
+            },
+        )
+    )
     model.init_weights()
     for p in model.parameters():  # away from the identity init, so every k differs
         torch.nn.init.normal_(p, std=0.1) if p.ndim > 1 else None
@@ -205,24 +231,89 @@ def test_sampling_from_uniforms_is_the_distribution_and_ignores_the_batch_layout
 # ---- the stage end to end -------------------------------------------------------------------------
 
 # The debug model at K = 4 with koi4b's recurrence, a graded reward every model earns some of, tiny batches.
-RECIPE = ["--elr.max_loops", "4", "--elr.conditioning_first_loop", "false", "--elr.conditioning_later_loops",
-          "false", "--elr.conditioning_exit", "true", "--elr.state_norm", "true"]
-COMMON = ["--training.seq_len", "48", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-          "--tokenizer.path", str(ROOT / "data/tokenizer/elr8k.tiktoken"), "--lr_scheduler.warmup_steps", "1"]
-RL = [*RECIPE, *COMMON, "--rl.enable", "true", "--rl.prompts", "arithmetic", "--rl.reward", "tests.rl_rewards:length",
-      "--rl.group_size", "4", "--rl.max_new_tokens", "6", "--rl.eval_prompts", "2", "--rl.samples_every", "1",
-      "--elr.sampling", "stratified", "--elr.loop_weights", "4,1,1,1", "--elr.one_loop_override", "0",
-      "--training.global_batch_size", "8", "--training.local_batch_size", "4", "--optimizer.lr", "1e-2",
-      "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
-      "--validation.freq", "0"]
+RECIPE = [
+    "--elr.max_loops",
+    "4",
+    "--elr.conditioning_first_loop",
+    "false",
+    "--elr.conditioning_later_loops",
+    "false",
+    "--elr.conditioning_exit",
+    "true",
+    "--elr.state_norm",
+    "true",
+]
+COMMON = [
+    "--training.seq_len",
+    "48",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--tokenizer.path",
+    str(ROOT / "data/tokenizer/elr8k.tiktoken"),
+    "--lr_scheduler.warmup_steps",
+    "1",
+]
+RL = [
+    *RECIPE,
+    *COMMON,
+    "--rl.enable",
+    "true",
+    "--rl.prompts",
+    "arithmetic",
+    "--rl.reward",
+    "tests.rl_rewards:length",
+    "--rl.group_size",
+    "4",
+    "--rl.max_new_tokens",
+    "6",
+    "--rl.eval_prompts",
+    "2",
+    "--rl.samples_every",
+    "1",
+    "--elr.sampling",
+    "stratified",
+    "--elr.loop_weights",
+    "4,1,1,1",
+    "--elr.one_loop_override",
+    "0",
+    "--training.global_batch_size",
+    "8",
+    "--training.local_batch_size",
+    "4",
+    "--optimizer.lr",
+    "1e-2",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "1",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--validation.freq",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory):
     """A K = 4 debug model's initial weights, standing in for the SFT stage's checkpoint."""
     dump = tmp_path_factory.mktemp("sft")
-    cfg = load_config(DEBUG_TOML, [*RECIPE, *COMMON, "--job.dump_folder", str(dump), "--checkpoint.enable", "true",
-                                   "--checkpoint.create_seed", "true", "--data.path", str(ROOT / "data/tinyprose")])
+    cfg = load_config(
+        DEBUG_TOML,
+        [
+            *RECIPE,
+            *COMMON,
+            "--job.dump_folder",
+            str(dump),
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.create_seed",
+            "true",
+            "--data.path",
+            str(ROOT / "data/tinyprose"),
+        ],
+    )
     from elr.train.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -234,8 +325,19 @@ def sft_model(tmp_path_factory):
 
 
 def rl_run(dump, steps, sft, *extra):
-    cfg = load_config(DEBUG_TOML, [*RL, "--training.steps", str(steps), "--job.dump_folder", str(dump),
-                                   "--checkpoint.initial_load_path", str(sft), *extra])
+    cfg = load_config(
+        DEBUG_TOML,
+        [
+            *RL,
+            "--training.steps",
+            str(steps),
+            "--job.dump_folder",
+            str(dump),
+            "--checkpoint.initial_load_path",
+            str(sft),
+            *extra,
+        ],
+    )
     trainer = RLTrainer(cfg)
     try:
         trainer.train()
@@ -247,8 +349,16 @@ def rl_run(dump, steps, sft, *extra):
 def test_a_stage_resumed_mid_way_equals_the_uninterrupted_run(tmp_path, sft_model):
     full = rl_run(tmp_path / "full", 3, sft_model)
     assert all(0 < full[s]["rl/reward"] < 1 and full[s]["grad_norm"] > 0 for s in (1, 2, 3))  # a real signal
-    assert {"rl/reward_k1", "rl/length", "rl/clip_frac", "rl/entropy", "rl/zero_std_frac", "rl/gen_tokens_per_s",
-            "rl/rollout_s", "rl/train_s"} <= set(full[1])
+    assert {
+        "rl/reward_k1",
+        "rl/length",
+        "rl/clip_frac",
+        "rl/entropy",
+        "rl/zero_std_frac",
+        "rl/gen_tokens_per_s",
+        "rl/rollout_s",
+        "rl/train_s",
+    } <= set(full[1])
     samples = [json.loads(line) for line in (tmp_path / "full" / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {1, 2, 3} and all("completion" in s for s in samples)
     copy_checkpoint(tmp_path / "full", 1, tmp_path / "resumed")
@@ -259,29 +369,57 @@ def test_a_stage_resumed_mid_way_equals_the_uninterrupted_run(tmp_path, sft_mode
 
 
 def test_several_updates_per_batch_move_the_ratio_and_dr_grpo_runs(tmp_path, sft_model):
-    run = rl_run(tmp_path / "ppo", 1, sft_model, "--rl.updates_per_batch", "3", "--rl.advantage", "dr_grpo",
-                 "--rl.kl_coeff", "0.1", "--rl.loop_credit", "every_loop", "--metrics.enable_tensorboard", "true")
+    run = rl_run(
+        tmp_path / "ppo",
+        1,
+        sft_model,
+        "--rl.updates_per_batch",
+        "3",
+        "--rl.advantage",
+        "dr_grpo",
+        "--rl.kl_coeff",
+        "0.1",
+        "--rl.loop_credit",
+        "every_loop",
+        "--metrics.enable_tensorboard",
+        "true",
+    )
     assert any((tmp_path / "ppo" / "tb").iterdir())  # the samples table beside the scalars
     assert run[1]["rl/kl"] > 0  # after the first update the policy has left the reference
     assert run[1]["rl/clip_frac"] > 0  # lr 1e-2 over three updates moves some ratios past the clip
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--rl.prompts", "{bad}"], "bad.jsonl:2: not JSON"),
-    (["--rl.prompts", "{no_answer}"], "needs an \"answer\""),
-    (["--rl.reward", "tests.rl_rewards:raises"], "rl.reward raised KeyError"),
-    (["--rl.reward", "tests.rl_rewards:not_a_number"], "rl.reward returned 'high'"),
-    (["--rl.reward", "tests.rl_rewards:missing"], "rl.reward: tests.rl_rewards has no function 'missing'"),
-    (["--rl.group_size", "1"], "rl.group_size: must be >= 2"),
-    (["--rl.max_new_tokens", "40"], "rl.max_new_tokens: the longest prompt"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--rl.prompts", "{bad}"], "bad.jsonl:2: not JSON"),
+        (["--rl.prompts", "{no_answer}"], 'needs an "answer"'),
+        (["--rl.reward", "tests.rl_rewards:raises"], "rl.reward raised KeyError"),
+        (["--rl.reward", "tests.rl_rewards:not_a_number"], "rl.reward returned 'high'"),
+        (["--rl.reward", "tests.rl_rewards:missing"], "rl.reward: tests.rl_rewards has no function 'missing'"),
+        (["--rl.group_size", "1"], "rl.group_size: must be >= 2"),
+        (["--rl.max_new_tokens", "40"], "rl.max_new_tokens: the longest prompt"),
+    ],
+)
 def test_bad_inputs_are_one_line_before_any_weight_changes(tmp_path, sft_model, caplog, extra, message):
-    (tmp_path / "bad.jsonl").write_text("{\"prompt\": \"x\", \"answer\": 1}\nnot json\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": 1}\nnot json\n')
     (tmp_path / "no_answer.jsonl").write_text(json.dumps({"prompt": "What is 1 plus 1?"}) + "\n")
     extra = [e.format(bad=tmp_path / "bad.jsonl", no_answer=tmp_path / "no_answer.jsonl") for e in extra]
     dump = tmp_path / "run"
-    code = train.main(["--config", str(DEBUG_TOML), *RL, "--training.steps", "2", "--job.dump_folder", str(dump),
-                       "--checkpoint.initial_load_path", str(sft_model), *extra])
+    code = train.main(
+        [
+            "--config",
+            str(DEBUG_TOML),
+            *RL,
+            "--training.steps",
+            "2",
+            "--job.dump_folder",
+            str(dump),
+            "--checkpoint.initial_load_path",
+            str(sft_model),
+            *extra,
+        ]
+    )
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert code == 2 and len(errors) == 1 and message in errors[0], errors
     assert not (dump / "checkpoint").exists() or not any((dump / "checkpoint").glob("step-*"))
@@ -291,10 +429,15 @@ def test_bad_inputs_are_one_line_before_any_weight_changes(tmp_path, sft_model, 
 def test_two_ranks_equal_one_process(tmp_path, sft_model):
     """Each rank samples its share of the groups with the batch's own draws: the same completions, rewards
     and updates as one process (FSDP on gloo)."""
-    args = ["--checkpoint.initial_load_path", str(sft_model), *[a for a in RL], "--training.mixed_precision_param",
-            "float32"]
-    one = run_script(tmp_path / "one", 2, *args)
-    two = run_script(tmp_path / "two", 2, *args, "--training.local_batch_size", "2", nproc=2)
+    args = [
+        "--checkpoint.initial_load_path",
+        str(sft_model),
+        *[a for a in RL],
+        "--training.mixed_precision_param",
+        "float32",
+    ]
+    run_script(tmp_path / "one", 2, *args)
+    run_script(tmp_path / "two", 2, *args, "--training.local_batch_size", "2", nproc=2)
     for step in (1, 2):
         a, b = records(tmp_path / "one")[step - 1], records(tmp_path / "two")[step - 1]
         assert a["rl/reward"] == pytest.approx(b["rl/reward"], abs=1e-9) and a["rl/length"] == b["rl/length"]

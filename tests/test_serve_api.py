@@ -17,6 +17,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 pytest.importorskip("safetensors")
 
+from export_utils import script, tiny_export  # noqa: E402
+
 from elr.infer import chat  # noqa: E402
 from elr.infer.generate import AdaptiveDepth, generate  # noqa: E402
 from elr.infer.load import load_model, load_tokenizer, run_config  # noqa: E402
@@ -25,7 +27,6 @@ from elr.models.early_exit import ExitRule  # noqa: E402
 from elr.serve.api import BackgroundServer, create_app  # noqa: E402
 from elr.serve.protocol import Served  # noqa: E402
 from elr.serve.scheduler import Engine, Limits  # noqa: E402
-from export_utils import script, tiny_export  # noqa: E402
 
 NAME = "tiny"
 RULE = ExitRule("kl", 0.02)
@@ -40,8 +41,14 @@ def export(tmp_path_factory):
 
 def start(export, **limits):
     folder, model, tokenizer = export
-    engine = Engine(model, tokenizer.eot_id, tokenizer.decode, "per_loop",
-                    Limits(**{"max_concurrent": 4, "max_auto": 2, "max_draft": 1, **limits}), RULE)
+    engine = Engine(
+        model,
+        tokenizer.eot_id,
+        tokenizer.decode,
+        "per_loop",
+        Limits(**{"max_concurrent": 4, "max_auto": 2, "max_draft": 1, **limits}),
+        RULE,
+    )
     served = Served(NAME, tokenizer, model.args.max_seq_len, model.args.recurrence.max_loops, 3)
     return engine, BackgroundServer(create_app(engine, served))
 
@@ -73,8 +80,9 @@ def complete(client, stream: bool, **kw):
         r = client.completions.create(model=NAME, temperature=0, **kw)
         return r.choices[0].text, r.choices[0].finish_reason, {**r.model_extra, "usage": r.usage}
     text, extra = "", {}
-    for chunk in client.completions.create(model=NAME, temperature=0, stream=True,
-                                           stream_options={"include_usage": True}, **kw):
+    for chunk in client.completions.create(
+        model=NAME, temperature=0, stream=True, stream_options={"include_usage": True}, **kw
+    ):
         if chunk.choices:
             text += chunk.choices[0].text
             finish = chunk.choices[0].finish_reason or None
@@ -87,8 +95,9 @@ def complete(client, stream: bool, **kw):
 def test_greedy_completions_equal_the_library_at_each_budget(server, export, stream):
     _, client, _ = server
     for loops in (1, 3, "auto"):
-        text, finish, extra = complete(client, stream, prompt="The king said", max_tokens=10,
-                                       extra_body={"loop_budget": loops})
+        text, finish, extra = complete(
+            client, stream, prompt="The king said", max_tokens=10, extra_body={"loop_budget": loops}
+        )
         want, mean = library(export, "The king said", loops, 10)
         assert text == want and finish == "length", loops
         assert extra["loop_budget"] == loops and extra["mean_loops"] == pytest.approx(mean)
@@ -112,8 +121,9 @@ def test_greedy_chat_equals_the_library_reply(server, export, stream):
     _, model, tokenizer = export
     for loops in (1, 3):
         want = chat.reply(model, tokenizer, messages, loops, 8)
-        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, stream=stream,
-                                           extra_body={"loop_budget": loops})
+        r = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=8, temperature=0, stream=stream, extra_body={"loop_budget": loops}
+        )
         if stream:
             chunks = list(r)
             assert chunks[0].choices[0].delta.role == "assistant"
@@ -136,8 +146,10 @@ def test_budgets_mixed_in_flight_at_once(server, export):
         body = {"loop_budget": loops, **({"draft_loops": draft} if draft else {})}
         got[i] = complete(client, True, prompt=prompt, max_tokens=16, extra_body=body)
 
-    threads = [threading.Thread(target=ask, args=(i, loops, prompt, 1 if i == 4 else None))
-               for i, (loops, prompt) in enumerate(asks)]
+    threads = [
+        threading.Thread(target=ask, args=(i, loops, prompt, 1 if i == 4 else None))
+        for i, (loops, prompt) in enumerate(asks)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -145,8 +157,9 @@ def test_budgets_mixed_in_flight_at_once(server, export):
     for i, (loops, prompt) in enumerate(asks):
         want, mean = library(export, prompt, loops, 16)
         assert got[i][0] == want and got[i][2]["mean_loops"] == pytest.approx(mean), (loops, prompt)
-    drafted, stats = speculative_generate(model, [[tokenizer.eot_id] + tokenizer.encode("It was")], 3, 16,
-                                          tokenizer.eot_id, draft_loops=1)
+    drafted, stats = speculative_generate(
+        model, [[tokenizer.eot_id] + tokenizer.encode("It was")], 3, 16, tokenizer.eot_id, draft_loops=1
+    )
     assert got[4][2]["draft_acceptance"] == pytest.approx(stats.acceptance)
     assert engine.stats.max_budgets >= 2 and engine.stats.max_budgets >= before
 
@@ -177,15 +190,20 @@ BAD = [  # (body, status, param)
 BAD_CHAT = [
     ({"model": NAME, "messages": []}, 400, "messages"),
     ({"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
-    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, 400,
-     "messages"),
+    (
+        {"model": NAME, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        400,
+        "messages",
+    ),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi " * 80}]}, 400, "max_tokens"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
 ]
 
 
-@pytest.mark.parametrize("path, body, status, param",
-                         [("completions", *case) for case in BAD] + [("chat/completions", *case) for case in BAD_CHAT])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [("completions", *case) for case in BAD] + [("chat/completions", *case) for case in BAD_CHAT],
+)
 def test_bad_input_gets_its_status_in_openais_error_shape(server, path, body, status, param):
     import httpx2 as httpx
 
@@ -220,16 +238,24 @@ def test_logprobs_and_several_choices(server, export):
     assert "".join(lp.tokens) == want and len(lp.token_logprobs) == 5 and all(x <= 0 for x in lp.token_logprobs)
     assert all(max(top.values()) == pytest.approx(chosen) for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
     assert r.usage.completion_tokens == 10
-    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                       temperature=0, logprobs=True, top_logprobs=2)
+    c = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     entries = c.choices[0].logprobs.content
     assert len(entries) == 3 and all(len(e.top_logprobs) == 2 for e in entries)
 
 
 def test_sampling_with_a_seed_repeats(server):
     _, client, _ = server
-    texts = [client.completions.create(model=NAME, prompt="The", max_tokens=8, temperature=0.9, seed=11).choices[0].text
-             for _ in range(2)]
+    texts = [
+        client.completions.create(model=NAME, prompt="The", max_tokens=8, temperature=0.9, seed=11).choices[0].text
+        for _ in range(2)
+    ]
     assert texts[0] == texts[1]
 
 
@@ -297,9 +323,11 @@ def test_a_request_that_fails_takes_no_other_down(server, export, monkeypatch):
         except openai.APIError as e:  # an error event in a stream (its status, 200, was sent)
             got[name] = e.message
 
-    threads = [threading.Thread(target=ask, args=("bad",), kwargs={"logprobs": 7}),
-               threading.Thread(target=ask, args=("bad stream", True), kwargs={"logprobs": 7}),
-               threading.Thread(target=ask, args=("good",), kwargs={"extra_body": {"loop_budget": 2}})]
+    threads = [
+        threading.Thread(target=ask, args=("bad",), kwargs={"logprobs": 7}),
+        threading.Thread(target=ask, args=("bad stream", True), kwargs={"logprobs": 7}),
+        threading.Thread(target=ask, args=("good",), kwargs={"extra_body": {"loop_budget": 2}}),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -311,8 +339,10 @@ def test_a_request_that_fails_takes_no_other_down(server, export, monkeypatch):
 
 def test_the_command_refuses_a_bad_start_in_one_line(export, capsys):
     folder, _, _ = export
-    for flags, message in [(["--default-loop-budget", "9"], "past the model's K = 3"),
-                           (["--max-concurrent", "0"], "--max-concurrent and --draft-tokens must be at least 1")]:
+    for flags, message in [
+        (["--default-loop-budget", "9"], "past the model's K = 3"),
+        (["--max-concurrent", "0"], "--max-concurrent and --draft-tokens must be at least 1"),
+    ]:
         assert script("serve").main(["--checkpoint", str(folder), *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
@@ -331,15 +361,29 @@ def test_the_command_serves_until_stopped(export, tmp_path):
     log = tmp_path / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels")])}
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py"), "--checkpoint", str(folder),
-                                    "--port", "0", "--served-model-name", NAME], cwd=tmp_path, stdout=out, stderr=out,
-                                   env=env)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "serve.py"),
+                "--checkpoint",
+                str(folder),
+                "--port",
+                "0",
+                "--served-model-name",
+                NAME,
+            ],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=out,
+            env=env,
+        )
     try:
         wait_for(lambda: "Uvicorn running on" in log.read_text() or process.poll() is not None, 120)
         port = log.read_text().split("Uvicorn running on http://127.0.0.1:")[1].split()[0]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        r = client.completions.create(model=NAME, prompt="The king said", max_tokens=6, temperature=0,
-                                      extra_body={"loop_budget": 2})
+        r = client.completions.create(
+            model=NAME, prompt="The king said", max_tokens=6, temperature=0, extra_body={"loop_budget": 2}
+        )
         assert r.choices[0].text == library(export, "The king said", 2, 6)[0]
     finally:
         process.send_signal(signal.SIGINT)
@@ -350,11 +394,28 @@ def test_the_command_serves_until_stopped(export, tmp_path):
 @pytest.mark.slow  # a fresh export, a server and transformers' generate: ~15 s on 2 cores
 def test_the_serving_benchmark_runs_every_arm_with_equal_outputs(capsys):
     pytest.importorskip("transformers")
-    argv = ["--clients", "2", "--requests", "3", "--new-tokens", "4", "--prompt-tokens", "8", "--context", "64",
-            "--budgets", "1,auto", "--repeats", "1"]
+    argv = [
+        "--clients",
+        "2",
+        "--requests",
+        "3",
+        "--new-tokens",
+        "4",
+        "--prompt-tokens",
+        "8",
+        "--context",
+        "64",
+        "--budgets",
+        "1,auto",
+        "--repeats",
+        "1",
+    ]
     assert script("bench_serve").main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    rows = {line.split(",")[0].strip(): line.split()[-1] for line in lines if line.strip().startswith(("server", "library",
-                                                                                                       "export"))}
+    rows = {
+        line.split(",")[0].strip(): line.split()[-1]
+        for line in lines
+        if line.strip().startswith(("server", "library", "export"))
+    }
     assert rows == {"server": "3/3", "library": "3/3", "export": "2/2"}, lines  # auto is not compared on the export
     assert lines[-1].startswith("headline: concurrent / one by one tokens/s = ")

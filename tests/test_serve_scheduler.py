@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_infer import small_model
 
 from elr.infer.generate import AdaptiveDepth, Sampling, generate
 from elr.infer.speculative import speculative_generate
 from elr.models.early_exit import ExitRule
 from elr.serve.scheduler import Busy, Engine, Limits, Refused, Unavailable
 from elr.serve.sequence import AUTO, Delta, Done, Failed, Request, Sequence
-from test_infer import small_model
 
 EOT = 63  # small_model: vocab 64, context 64, K = 3
 RULE = ExitRule("state", 0.45)  # exits differ from token to token on this model (test_elastic_depth.py)
@@ -28,7 +28,9 @@ def model():
 
 
 def engine_for(model, mode="per_loop", **limits) -> Engine:
-    return Engine(model, EOT, letters, mode, Limits(**{"max_concurrent": 4, "max_auto": 2, "max_draft": 1, **limits}), RULE)
+    return Engine(
+        model, EOT, letters, mode, Limits(**{"max_concurrent": 4, "max_auto": 2, "max_draft": 1, **limits}), RULE
+    )
 
 
 def submit(engine: Engine, prompt, loops, max_tokens, **kw) -> tuple[Request, list]:
@@ -99,7 +101,7 @@ def test_a_stop_string_ends_a_choice_and_is_cut_from_its_text(model):
     stop = full[6:8]
     cut, events = submit(engine, [5, 9, 2, 33, 7], 2, 20, stop=("zzzzz", stop))
     run(engine, [cut])
-    assert cut.sequences[0].text == full[:full.index(stop)] and cut.sequences[0].finish_reason == "stop"
+    assert cut.sequences[0].text == full[: full.index(stop)] and cut.sequences[0].finish_reason == "stop"
     assert "".join(e.text for e in events if isinstance(e, Delta)) == cut.sequences[0].text
 
     # held back: a tail that may start a stop string, and an incomplete character
@@ -115,11 +117,17 @@ def test_a_stop_string_ends_a_choice_and_is_cut_from_its_text(model):
 
 def test_limits_are_checked_before_anything_runs(model):
     engine = engine_for(model, max_auto=0, max_queued_tokens=10)
-    for loops, kw, param in [(0, {}, "loop_budget"), (4, {}, "loop_budget"), (AUTO, {}, "loop_budget"),
-                             (2, {"max_tokens": 62}, "max_tokens"), (2, {"max_tokens": 0}, "max_tokens"),
-                             (2, {"n": 5}, "n"), (2, {"draft_loops": 3}, "draft_loops"),
-                             (2, {"draft_loops": 1, "sampling": Sampling(0.5)}, "draft_loops"),
-                             (2, {"draft_loops": 1, "n": 2}, "n")]:
+    for loops, kw, param in [
+        (0, {}, "loop_budget"),
+        (4, {}, "loop_budget"),
+        (AUTO, {}, "loop_budget"),
+        (2, {"max_tokens": 62}, "max_tokens"),
+        (2, {"max_tokens": 0}, "max_tokens"),
+        (2, {"n": 5}, "n"),
+        (2, {"draft_loops": 3}, "draft_loops"),
+        (2, {"draft_loops": 1, "sampling": Sampling(0.5)}, "draft_loops"),
+        (2, {"draft_loops": 1, "n": 2}, "n"),
+    ]:
         kw = {"max_tokens": 4, **kw}
         with pytest.raises(Refused) as refused:
             engine.submit(Request([[1, 2, 3]], kw.pop("max_tokens"), loops, **kw))

@@ -8,27 +8,48 @@ import io
 import json
 
 import pytest
-import torch
+from trainer_utils import ROOT, losses, records, run
 
-from elr.text.chat_data import IGNORE_INDEX, ChatSplit
 from elr.config import load_config
 from elr.infer import chat
 from elr.infer.evaluate import chat_validation_loss
 from elr.infer.load import load_model, load_tokenizer, run_config
 from elr.models.early_exit import ExitRule
+from elr.text.chat_data import IGNORE_INDEX, ChatSplit
 from elr.train.trainer import Trainer
-from trainer_utils import ROOT, losses, records, run
 
 SFT_TOML = ROOT / "train_configs" / "sft_debug.toml"
 CHAT_DATA = ROOT / "data" / "chat"
 
 
 def sft_overrides(dump, pretrained, steps, *extra):
-    return ["--job.dump_folder", str(dump), "--training.steps", str(steps), "--training.local_batch_size", "2",
-            "--training.global_batch_size", "4", "--validation.steps", "1", "--validation.freq", "0",
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "1",
-            "--checkpoint.initial_load_path", str(pretrained), "--data.path", str(CHAT_DATA),
-            "--tokenizer.path", str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"), *extra]
+    return [
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(steps),
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--validation.steps",
+        "1",
+        "--validation.freq",
+        "0",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--checkpoint.initial_load_path",
+        str(pretrained),
+        "--data.path",
+        str(CHAT_DATA),
+        "--tokenizer.path",
+        str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +68,12 @@ def test_an_sft_step_scores_exactly_the_assistant_tokens_and_resumes_exactly(pre
         rows = [split.rows([dataset.conversation(g)], 128)[1] for g in range(4)]  # this update's 2 x 2 rows
         expected = sum(int((labels != IGNORE_INDEX).sum()) for labels in rows)
         stats = trainer.train_step(1)
-        ks, per_k = stats.ks, stats.per_k
+        per_k = stats.per_k
         assert per_k[1].sum().item() == expected  # the loss's denominator: assistant tokens only
-        assert expected == sum(int(split.mask[split.offsets[i] + 1:split.offsets[i + 1]].sum())
-                               for i in (dataset.conversation(g) for g in range(4)))
+        assert expected == sum(
+            int(split.mask[split.offsets[i] + 1 : split.offsets[i + 1]].sum())
+            for i in (dataset.conversation(g) for g in range(4))
+        )
     finally:
         trainer.close()
     straight = run_sft(tmp_path / "b", pretrained, 3, "--validation.freq", "3")
@@ -65,8 +88,9 @@ def test_an_sft_step_scores_exactly_the_assistant_tokens_and_resumes_exactly(pre
 
 
 def run_sft(dump, pretrained, steps, *extra):
-    trainer = Trainer(load_config(SFT_TOML, sft_overrides(dump, pretrained, steps, "--checkpoint.interval", "1",
-                                                          *extra)))
+    trainer = Trainer(
+        load_config(SFT_TOML, sft_overrides(dump, pretrained, steps, "--checkpoint.interval", "1", *extra))
+    )
     try:
         trainer.train()
     finally:
@@ -90,14 +114,28 @@ def test_chat_reply_repl_and_generate_script(pretrained, tmp_path, capsys, monke
     messages = tmp_path / "talk.json"
     messages.write_text(json.dumps(talk))
     generate = script("generate")
-    assert generate.main(["--checkpoint", str(step), "--messages", str(messages), "--loops", "1,3",
-                          "--max-new-tokens", "6"]) == 0
+    assert (
+        generate.main(
+            ["--checkpoint", str(step), "--messages", str(messages), "--loops", "1,3", "--max-new-tokens", "6"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == f"--- k=1\n{answers[1]}\n--- k=3\n{answers[3]}\n"
 
     out = io.StringIO()
-    chat.repl(model, tokenizer, 1, 6, io.StringIO("What is 2 plus 2?\n/loops 3\n/loops 9\nWhat is 2 plus 2?\n"
-                                                     "/loops x\n/reset\n/loops auto\nWhat is 2 plus 2?\n/quit\n"
-                                                     "never read\n"), out, exit_rule=ExitRule("state", 1e-12))
+    chat.repl(
+        model,
+        tokenizer,
+        1,
+        6,
+        io.StringIO(
+            "What is 2 plus 2?\n/loops 3\n/loops 9\nWhat is 2 plus 2?\n"
+            "/loops x\n/reset\n/loops auto\nWhat is 2 plus 2?\n/quit\n"
+            "never read\n"
+        ),
+        out,
+        exit_rule=ExitRule("state", 1e-12),
+    )
     lines = out.getvalue().splitlines()
     assert lines[1] == f"assistant (k=1): {answers[1]}" and lines[2] == "(k=3)"
     assert lines[3] == "(k=9)" and lines[4].startswith("error: loops=9 is outside 1..3")  # the conversation is kept
@@ -111,8 +149,10 @@ def test_chat_reply_repl_and_generate_script(pretrained, tmp_path, capsys, monke
     assert generate.main(["--checkpoint", str(step), "--chat", "--loops", "3", "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.splitlines()[1] == f"assistant (k=3): {answers[3]}"
 
-    for bad, message in ((talk + [{"role": "assistant", "content": "4"}], "the last message is the assistant's"),
-                         ([{"role": "robot", "content": "hi"}], "unknown role 'robot'")):
+    for bad, message in (
+        (talk + [{"role": "assistant", "content": "4"}], "the last message is the assistant's"),
+        ([{"role": "robot", "content": "hi"}], "unknown role 'robot'"),
+    ):
         messages.write_text(json.dumps(bad))
         assert generate.main(["--checkpoint", str(step), "--messages", str(messages)]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -31,7 +31,11 @@ def test_one_process_has_nothing_to_wait_for():
 def _rank(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     # microbatch 1: rank 0 ran 1 loop (10 ms), rank 1 ran 4 (40 ms); microbatch 2 the other way round
-    ms = torch.tensor([10.0, 40.0], dtype=torch.float64) if rank == 0 else torch.tensor([40.0, 10.0], dtype=torch.float64)
+    ms = (
+        torch.tensor([10.0, 40.0], dtype=torch.float64)
+        if rank == 0
+        else torch.tensor([40.0, 10.0], dtype=torch.float64)
+    )
     out.put((rank, measured_wait(ms, dist.group.WORLD)))
     dist.destroy_process_group()
 
@@ -53,4 +57,6 @@ def test_gathered_times_give_the_wait_factor():
         assert proc.exitcode == 0
     for rank in (0, 1):
         assert results[rank]["wait_measured"] == pytest.approx(1.6)
-        assert results[rank]["idle_ms_mean"] == pytest.approx(15.0) and results[rank]["idle_ms_max"] == pytest.approx(15.0)
+        assert results[rank]["idle_ms_mean"] == pytest.approx(15.0) and results[rank]["idle_ms_max"] == pytest.approx(
+            15.0
+        )

@@ -8,18 +8,18 @@ import sys
 import numpy as np
 import pytest
 import tomli
+from trainer_utils import ROOT
 
 from elr.text.tokenizer import build_tokenizer
 from scripts.study_tools.byte_data import byte_level_copy
 from scripts.study_tools.runs import final_record, final_validation
-from trainer_utils import ROOT
 
 
 def documents(ids: np.ndarray, eot: int) -> list[np.ndarray]:
     """The parts of a token stream, each followed by its end marker (prepare_data.py's layout)."""
     ends = np.flatnonzero(ids == eot)
     assert len(ends) and ends[-1] == len(ids) - 1
-    return [ids[a + 1:b] for a, b in zip(np.r_[-1, ends[:-1]], ends)]
+    return [ids[a + 1 : b] for a, b in zip(np.r_[-1, ends[:-1]], ends)]
 
 
 def test_byte_level_copy_keeps_text_documents_and_split(tmp_path):
@@ -38,9 +38,24 @@ def test_byte_level_copy_keeps_text_documents_and_split(tmp_path):
 
 @pytest.mark.slow
 def test_quick_study_trains_reports_and_skips_finished_runs(tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts/study.py"), "--quick", "--variants", "baseline_matched", "default",
-           "--steps", "3", "--val-steps", "1", "--stats-batches", "1",
-           "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/study.py"),
+        "--quick",
+        "--variants",
+        "baseline_matched",
+        "default",
+        "--steps",
+        "3",
+        "--val-steps",
+        "1",
+        "--stats-batches",
+        "1",
+        "--runs",
+        str(tmp_path / "runs"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
     results = json.loads((tmp_path / "out/results.json").read_text())["results"]
@@ -57,9 +72,27 @@ def test_quick_study_trains_reports_and_skips_finished_runs(tmp_path):
 
 @pytest.mark.slow
 def test_depth_suite_reports_accuracy_per_difficulty_and_past_k(tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts/study.py"), "--suite", "depth", "--variants", "baseline_matched", "elr",
-           "--seeds", "0", "--steps", "4", "--val-steps", "1", "--extrapolation-examples", "64",
-           "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/study.py"),
+        "--suite",
+        "depth",
+        "--variants",
+        "baseline_matched",
+        "elr",
+        "--seeds",
+        "0",
+        "--steps",
+        "4",
+        "--val-steps",
+        "1",
+        "--extrapolation-examples",
+        "64",
+        "--runs",
+        str(tmp_path / "runs"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "out/results.json").read_text())["results"]
@@ -82,9 +115,22 @@ def test_report_only_carries_earlier_rows_and_names_them(tmp_path):
     earlier = json.loads(committed.read_text())
 
     def report(steps: int, out: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, str(ROOT / "scripts/study.py"), "--variants", "baseline_matched", "default",
-               "--steps", str(steps), "--report-only", "--runs", str(tmp_path / "runs"),
-               "--out", str(tmp_path / out), "--carry", str(committed)]
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts/study.py"),
+            "--variants",
+            "baseline_matched",
+            "default",
+            "--steps",
+            str(steps),
+            "--report-only",
+            "--runs",
+            str(tmp_path / "runs"),
+            "--out",
+            str(tmp_path / out),
+            "--carry",
+            str(committed),
+        ]
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
     done = report(earlier["steps"], "out")

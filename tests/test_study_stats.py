@@ -20,16 +20,19 @@ def test_paired_differences_use_shared_seeds_only():
     assert math.isinf(paired({0: 2.0, 1: 2.0}, {0: 1.0, 1: 1.0})["t"])
 
 
-@pytest.mark.parametrize("diffs,sign,word", [
-    ([-0.01, -0.02, -0.005], -1, "reproduced"),     # every seed lower, as claimed
-    ([0.01, 0.02, 0.005], -1, "contradicted"),      # every seed the other way
-    ([-0.01, 0.02, -0.005], -1, "inconclusive"),    # mixed signs, three seeds
-    ([0.01, 0.02], 1, "reproduced"),
-    ([-0.01], -1, "inconclusive"),                  # one seed earns no verdict
-    ([-0.03, -0.02, -0.025, 0.001, -0.02], -1, "reproduced"),  # five seeds, t = -4.4 despite one sign
-    ([-0.03, 0.02, -0.025, 0.01, -0.02], -1, "inconclusive"),  # five seeds, t = -1.1
-    ([0.0, -0.01, -0.02], -1, "inconclusive"),      # a tie is not the claimed sign
-])
+@pytest.mark.parametrize(
+    "diffs,sign,word",
+    [
+        ([-0.01, -0.02, -0.005], -1, "reproduced"),  # every seed lower, as claimed
+        ([0.01, 0.02, 0.005], -1, "contradicted"),  # every seed the other way
+        ([-0.01, 0.02, -0.005], -1, "inconclusive"),  # mixed signs, three seeds
+        ([0.01, 0.02], 1, "reproduced"),
+        ([-0.01], -1, "inconclusive"),  # one seed earns no verdict
+        ([-0.03, -0.02, -0.025, 0.001, -0.02], -1, "reproduced"),  # five seeds, t = -4.4 despite one sign
+        ([-0.03, 0.02, -0.025, 0.01, -0.02], -1, "inconclusive"),  # five seeds, t = -1.1
+        ([0.0, -0.01, -0.02], -1, "inconclusive"),  # a tie is not the claimed sign
+    ],
+)
 def test_verdict_rule(diffs, sign, word):
     assert verdict(diffs, sign) == word
 
@@ -44,17 +47,19 @@ def test_report_judges_each_paper_comparison_seed_by_seed():
     replace = _entry([[2.0, 1.9], [2.1, 2.0], [2.2, 2.1]])
     results = {
         "replace": replace,
-        "default": _entry([[1.9, 1.8], [2.0, 1.9], [2.1, 2.0]]),                      # lower on every seed, every k
-        "residual": _entry([[2.1, 1.8], [2.2, 1.9], [2.3, 2.0]]),                     # learned step lower at k=1 only
-        "reinject": _entry([[1.8, 1.7], [1.9, 1.8], [2.0, 1.9]]),                     # lower, the paper says higher
+        "default": _entry([[1.9, 1.8], [2.0, 1.9], [2.1, 2.0]]),  # lower on every seed, every k
+        "residual": _entry([[2.1, 1.8], [2.2, 1.9], [2.3, 2.0]]),  # learned step lower at k=1 only
+        "reinject": _entry([[1.8, 1.7], [1.9, 1.8], [2.0, 1.9]]),  # lower, the paper says higher
     }
     rows = {line.split(" | ")[0].lstrip("| "): line for line in claims_section(results) if line.startswith("| ")}
     assert rows["Figure 4a: the learned step beats replacement (conditioned)"].endswith("| reproduced |")
     assert "k=2: -0.1000 ± 0.0000 (3/3)" in rows["Figure 4a: the learned step beats replacement (conditioned)"]
     assert rows["Figure 4a: the learned step beats residual addition (conditioned)"].endswith("| inconclusive |")
     assert rows["Table 14: re-injecting h_in is worse (conditioned)"].endswith("| contradicted |")
-    assert "+0.0028 / +0.0052" in rows["Table 14: re-injecting h_in is worse (conditioned)"]   # the paper's own difference
-    assert not any(key.startswith("Table 3") for key in rows)                     # no sync_* runs: no row
+    assert (
+        "+0.0028 / +0.0052" in rows["Table 14: re-injecting h_in is worse (conditioned)"]
+    )  # the paper's own difference
+    assert not any(key.startswith("Table 3") for key in rows)  # no sync_* runs: no row
 
 
 def test_figure_6_number_belongs_to_the_quarter_switch():
@@ -78,7 +83,7 @@ def test_tradeoff_points_are_paired_k1_gap_and_best_k_gain():
     assert set(points) == {"default", "uncond"}
     one, gain = points["default"]
     assert one["mean"] == pytest.approx((0.1 / 2.0 + 0.0) / 2) and gain["mean"] == pytest.approx((-0.2 / 2.1 + 0.0) / 2)
-    assert one["sd"] == pytest.approx(0.05 / 2 ** 0.5) and one["n"] == 2  # the spread the plot draws as bars
+    assert one["sd"] == pytest.approx(0.05 / 2**0.5) and one["n"] == 2  # the spread the plot draws as bars
     one, gain = points["uncond"]
     assert (one["mean"], gain["mean"]) == pytest.approx(((-0.1 / 2.0) / 2, 0.0))
 
@@ -88,7 +93,9 @@ def test_paper_rows_sit_beside_the_unconditioned_variants_where_run():
 
     table = PAPER["table_3"]
     assert paper_rows(table, ["default", "default_uncond", "sync_uniform"]) == {
-        "default_uncond": table["default"], "sync_uniform": table["sync_uniform"]}
+        "default_uncond": table["default"],
+        "sync_uniform": table["sync_uniform"],
+    }
     assert paper_rows(table, ["default"]) == {"default": table["default"]}  # the conditioned grid alone
 
 
@@ -97,7 +104,7 @@ def test_report_words_each_open_reading_seed_by_seed():
 
     results = {
         "default": _entry([[1.9, 1.8], [2.0, 1.9], [2.1, 2.0]]),
-        "cond_silu": _entry([[1.8, 1.9], [1.9, 2.0], [2.0, 2.1]]),        # lower at k=1, higher at k=2
+        "cond_silu": _entry([[1.8, 1.9], [1.9, 2.0], [2.0, 2.1]]),  # lower at k=1, higher at k=2
         "replace_uncond": _entry([[2.0, 1.9], [2.1, 2.0], [2.2, 2.1]]),
         "residual_uncond": _entry([[2.1, 2.0], [2.2, 2.1], [2.3, 2.2]]),  # higher on every seed at every k
     }
@@ -122,9 +129,9 @@ def test_sampling_rows_pair_each_mode_seed_by_seed_and_judge_the_spread():
         return e
 
     results = {
-        "sampling_indep": entry([[2.0, 1.9], [2.2, 2.1], [2.4, 2.3]], 1.12),     # seed sd 0.2 at each k
+        "sampling_indep": entry([[2.0, 1.9], [2.2, 2.1], [2.4, 2.3]], 1.12),  # seed sd 0.2 at each k
         "sampling_strat": entry([[2.05, 1.95], [2.25, 2.15], [2.45, 2.35]], 1.01),  # +0.05 on every seed
-        "sampling_sync": entry([[2.5, 2.5], [2.7, 2.7], [2.9, 2.9]], 1.00),       # 0.45 above strat, sd 0.2
+        "sampling_sync": entry([[2.5, 2.5], [2.7, 2.7], [2.9, 2.9]], 1.00),  # 0.45 above strat, sd 0.2
     }
     lines = sampling_section(results, "T", "C")
     table = [line for line in lines if line.startswith("| stratified |")][0]
@@ -136,16 +143,21 @@ def test_sampling_rows_pair_each_mode_seed_by_seed_and_judge_the_spread():
 
 
 def test_sampling_wait_figures_come_from_the_runs_own_sampler_and_layout():
+    from trainer_utils import model_args
+
     from elr.models import ELRModel, flavors
     from scripts.study_tools.sampling_report import wait_figures
-    from trainer_utils import model_args
 
     with torch.device("meta"):
         model = ELRModel(model_args(flavors["debug"], vocab_size=64, max_seq_len=64, max_loops=4))
-    cfg = {"training": {"seq_len": 64, "global_batch_size": 64, "local_batch_size": 16},
-           "elr": {"max_loops": 4, "one_loop_override": 0.1, "loop_weights": None, "emulated_ranks": 2}}
-    waits = {mode: wait_figures(model, {**cfg, "elr": {**cfg["elr"], "sampling": mode}})
-             for mode in ("independent", "stratified", "synchronized")}
+    cfg = {
+        "training": {"seq_len": 64, "global_batch_size": 64, "local_batch_size": 16},
+        "elr": {"max_loops": 4, "one_loop_override": 0.1, "loop_weights": None, "emulated_ranks": 2},
+    }
+    waits = {
+        mode: wait_figures(model, {**cfg, "elr": {**cfg["elr"], "sampling": mode}})
+        for mode in ("independent", "stratified", "synchronized")
+    }
     assert list(waits["independent"]) == ["2x2", "8x96"]
     assert waits["independent"]["8x96"][0] > waits["independent"]["2x2"][0] > 1.05  # more ranks, longer waits
     assert max(waits["stratified"]["8x96"][0], waits["synchronized"]["8x96"][0]) < 1.10
@@ -156,25 +168,29 @@ def test_aids_rows_set_each_aid_beside_the_recipe_and_the_untied_yardstick():
     from scripts.study_tools.aids_report import aids_section
 
     def entry(per_seed, label):
-        return {**_entry(per_seed), "label": label,
-                "loss": [statistics.fmean(col) for col in zip(*per_seed)]}
+        return {**_entry(per_seed), "label": label, "loss": [statistics.fmean(col) for col in zip(*per_seed)]}
 
     results = {
         "baseline_matched": entry([[2.0], [2.0]], "base"),
-        "untied_k2": entry([[1.9], [1.8]], "untied"),                       # -5% / -10%
+        "untied_k2": entry([[1.9], [1.8]], "untied"),  # -5% / -10%
         "cond_exit_only": entry([[2.0, 1.98, 1.99], [2.0, 1.96, 1.97]], "recipe"),  # best k = 2
-        "aid": entry([[1.96, 1.90, 1.88], [2.04, 1.94, 1.92]], "aid"),       # best k = 3
+        "aid": entry([[1.96, 1.90, 1.88], [2.04, 1.94, 1.92]], "aid"),  # best k = 3
     }
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in aids_section(results, ["aid"], "T", "C")
-            if line.startswith("| ") and not line.startswith("| run")}
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line
+        for line in aids_section(results, ["aid"], "T", "C")
+        if line.startswith("| ") and not line.startswith("| run")
+    }
     assert list(rows) == ["untied", "recipe", "aid"]
     assert "| -7.50% ± 3.54 (2/2 below) |" in rows["untied"]
     aid = rows["aid"].split(" | ")
-    assert aid[2] == "+0.00% ± 2.83 (1/2 below)" and aid[3] == "3"          # k = 1: -2% and +2%
-    assert aid[4] == "-5.00% ± 1.41 (2/2 below)"                            # best k: -6% and -4%
+    assert aid[2] == "+0.00% ± 2.83 (1/2 below)" and aid[3] == "3"  # k = 1: -2% and +2%
+    assert aid[4] == "-5.00% ± 1.41 (2/2 below)"  # best k: -6% and -4%
+
     def pct(a, b):
         diffs = [x / y - 1 for x, y in zip(a, b)]
         return f"{100 * statistics.fmean(diffs):+.2f}% ± {100 * statistics.stdev(diffs):.2f} (2/2 below)"
-    assert aid[5] == pct([1.88, 1.92], [1.96, 2.04])                           # the loop gain
-    assert aid[6] == pct([1.88, 1.92], [1.98, 1.96]) + " |"                    # against the recipe's k = 2
+
+    assert aid[5] == pct([1.88, 1.92], [1.96, 2.04])  # the loop gain
+    assert aid[6] == pct([1.88, 1.92], [1.98, 1.96]) + " |"  # against the recipe's k = 2
     assert aids_section({"aid": results["aid"]}, ["aid"], "T", "C") == []

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from trainer_utils import DEBUG_TOML, losses, records
 
-from elr.text import tasks
 from elr.config import load_config
 from elr.errors import ConfigError
-from elr.train.data import TaskDataset, val_task_batches
+from elr.text import tasks
+from elr.train.data import TaskDataset
 from elr.train.trainer import Trainer
-from trainer_utils import DEBUG_TOML, losses, records
 
 
 def solve_pointer_chase(task: tasks.PointerChase, row: np.ndarray) -> tuple[int, int]:
@@ -21,7 +21,7 @@ def solve_pointer_chase(task: tasks.PointerChase, row: np.ndarray) -> tuple[int,
     n = task.symbols
     successor = {int(p) // n: int(p) % n for p in row[:n]}
     assert sorted(successor) == list(range(n)) and sorted(successor.values()) == list(range(n))
-    query, x, hop = row[n:n + 3]
+    query, x, hop = row[n : n + 3]
     assert query == n * n + n
     hops, current = int(hop) - query, int(x) - n * n
     for _ in range(hops):
@@ -33,7 +33,7 @@ def solve_var_chain(task: tasks.VarChain, row: np.ndarray) -> tuple[int, int]:
     """(answer value, depth) by following the bindings from the query name."""
     m, v = task.names, task.VALUES
     bound = {}
-    for s in row[:task.statements].tolist():
+    for s in row[: task.statements].tolist():
         if s < m * m:
             bound[s // m] = ("name", s % m)
         else:
@@ -115,7 +115,7 @@ def test_labels_score_only_the_answer():
     task = tasks.build_task("pointer_chase", 8, 4)
     inputs, labels = next(iter(TaskDataset(task, 3, 0, 1, seed=0, samples_per_update=3)))
     assert inputs.shape == labels.shape == (3, task.row_len - 1)
-    assert (labels[:, :-1] == tasks.IGNORE_INDEX).all() and (labels[:, -1] >= task.symbols ** 2).all()
+    assert (labels[:, :-1] == tasks.IGNORE_INDEX).all() and (labels[:, -1] >= task.symbols**2).all()
 
 
 def test_curriculum_raises_the_hardest_difficulty_in_stages():
@@ -134,11 +134,36 @@ def test_score_answers_counts_per_difficulty():
     assert scored.tolist() == [[1.0, 2.0, 0.0], [2.0, 2.0, 0.0]]
 
 
-TASK_JOB = ["--data.task", "pointer_chase", "--data.task_items", "8", "--data.task_max_difficulty", "4",
-            "--training.seq_len", "11", "--model.flavor", "study_gpt", "--elr.max_loops", "2",
-            "--training.local_batch_size", "4", "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2",
-            "--validation.steps", "2", "--validation.freq", "3", "--metrics.enable_tensorboard", "false",
-            "--metrics.log_freq", "1", "--checkpoint.enable", "false"]
+TASK_JOB = [
+    "--data.task",
+    "pointer_chase",
+    "--data.task_items",
+    "8",
+    "--data.task_max_difficulty",
+    "4",
+    "--training.seq_len",
+    "11",
+    "--model.flavor",
+    "study_gpt",
+    "--elr.max_loops",
+    "2",
+    "--training.local_batch_size",
+    "4",
+    "--training.global_batch_size",
+    "8",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--validation.steps",
+    "2",
+    "--validation.freq",
+    "3",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "false",
+]
 
 
 def test_trainer_on_a_task_scores_answers_only_and_reports_accuracy(tmp_path):
@@ -147,8 +172,10 @@ def test_trainer_on_a_task_scores_answers_only_and_reports_accuracy(tmp_path):
     try:
         data, ks = trainer.train_loader.dataset, trainer.depths.loop_counts(1)[0].tolist()
         with torch.no_grad():  # update 1's loss: the mean cross entropy of the answers alone, 8 of them
-            answers = [F.cross_entropy(trainer.model(x, loops=k)[:, -1], y[:, -1], reduction="sum")
-                       for (x, y), k in zip((data.samples(0), data.samples(4)), ks)]
+            answers = [
+                F.cross_entropy(trainer.model(x, loops=k)[:, -1], y[:, -1], reduction="sum")
+                for (x, y), k in zip((data.samples(0), data.samples(4)), ks)
+            ]
         expected = (sum(answers) / 8).item()
         trainer.train()
     finally:
@@ -167,18 +194,38 @@ def test_task_job_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="training.seq_len = 11"):
         Trainer(load_config(DEBUG_TOML, [*TASK_JOB, "--training.seq_len", "12", "--job.dump_folder", str(tmp_path)]))
     with pytest.raises(ConfigError, match="data.task: pointer_chase: hops must lie in 1..4"):
-        Trainer(load_config(DEBUG_TOML, [*TASK_JOB, "--data.task_max_difficulty", "5", "--job.dump_folder", str(tmp_path)]))
+        Trainer(
+            load_config(DEBUG_TOML, [*TASK_JOB, "--data.task_max_difficulty", "5", "--job.dump_folder", str(tmp_path)])
+        )
     with pytest.raises(ConfigError, match="data.task"):
         load_config(DEBUG_TOML, [*TASK_JOB, "--parallelism.tensor_parallel_degree", "2"])
 
 
 def test_task_run_resumes_exactly(tmp_path):
     """A task run resumed from its step-2 checkpoint continues the same examples, draws and losses."""
+
     def train(dump, *extra):
-        cfg = load_config(DEBUG_TOML, [*TASK_JOB, "--training.steps", "4", "--job.dump_folder", str(dump),
-                                       "--validation.freq", "0", "--data.task_curriculum_steps", "2",
-                                       "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-                                       "--checkpoint.keep_latest_k", "0", *extra])
+        cfg = load_config(
+            DEBUG_TOML,
+            [
+                *TASK_JOB,
+                "--training.steps",
+                "4",
+                "--job.dump_folder",
+                str(dump),
+                "--validation.freq",
+                "0",
+                "--data.task_curriculum_steps",
+                "2",
+                "--checkpoint.enable",
+                "true",
+                "--checkpoint.interval",
+                "2",
+                "--checkpoint.keep_latest_k",
+                "0",
+                *extra,
+            ],
+        )
         trainer = Trainer(cfg)
         try:
             trainer.train()

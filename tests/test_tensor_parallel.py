@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, overrides, records, run, run_script
 
 from elr.config import load_config
 from elr.errors import ConfigError
@@ -19,7 +20,6 @@ from elr.models import flavors
 from elr.parallel.parallel_dims import ParallelDims
 from elr.parallel.tensor_parallel import check_tensor_parallel
 from elr.train.step_report import throughput
-from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, overrides, records, run, run_script
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0", "--checkpoint.interval", "2"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
@@ -31,9 +31,20 @@ NORM_REL = 1e-3
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         str(ROOT / "tests" / "distributed" / script), *args],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(ROOT / "tests" / "distributed" / script),
+            *args,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
@@ -88,8 +99,13 @@ def test_fsdp2_or_hsdp2_x_tp2_with_ac_trains_like_one_process(tmp_path, data_par
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
     replicate = ["--parallelism.data_parallel_replicate_degree", "2"] if data_parallel == "hsdp" else []
     # Two replicas x one microbatch of 2 = the single process's two microbatches of 2.
-    out = torchrun("tp_train.py", str(DEBUG_TOML), *overrides(tmp_path / "2d", 3, *CKPT, *TP2, *replicate,
-                   "--activation_checkpoint.mode", "full"), nproc=4, timeout=400)
+    out = torchrun(
+        "tp_train.py",
+        str(DEBUG_TOML),
+        *overrides(tmp_path / "2d", 3, *CKPT, *TP2, *replicate, "--activation_checkpoint.mode", "full"),
+        nproc=4,
+        timeout=400,
+    )
     assert "loop counts agree inside TP groups" in out
     run(tmp_path / "one", 3, *CKPT)
     assert_same_run(records(tmp_path / "2d"), records(tmp_path / "one"), range(1, 4))
@@ -136,7 +152,9 @@ def test_fsdp4_x_tp2_with_an_uneven_vocabulary_trains_and_resumes_like_one_proce
     run(tmp_path / "seed", 3, *CKPT, *per_rank, "--checkpoint.create_seed", "true")
     for name in ("2d", "one"):
         copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
-    torchrun("tp_train.py", str(DEBUG_TOML), *overrides(tmp_path / "2d", 3, *CKPT, *TP2, *per_rank), nproc=8, timeout=500)
+    torchrun(
+        "tp_train.py", str(DEBUG_TOML), *overrides(tmp_path / "2d", 3, *CKPT, *TP2, *per_rank), nproc=8, timeout=500
+    )
     run(tmp_path / "one", 3, *CKPT, *per_rank)
     got = records(tmp_path / "2d")
     assert_same_run(got, records(tmp_path / "one"), range(1, 4))

@@ -76,9 +76,7 @@ def test_rebuilt_file_is_not_read_stale(tmp_path, monkeypatch):
     """tiktoken caches by path; a file rewritten in place must still load its new ranks."""
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tok.tiktoken"
-    bytes_only = b"".join(
-        base64.b64encode(bytes([b])) + f" {b}\n".encode() for b in range(256)
-    )
+    bytes_only = b"".join(base64.b64encode(bytes([b])) + f" {b}\n".encode() for b in range(256))
     path.write_bytes(bytes_only)
     assert build_tokenizer(str(path)).n_vocab == 257
     path.write_bytes(BUNDLED.read_bytes())
@@ -97,8 +95,7 @@ def test_train_tokenizer_end_to_end(tmp_path):
     assert not list(tmp_path.glob(".*.tmp")), "temporary file left behind"
 
     again = tmp_path / "again.tiktoken"
-    assert run_script("train_tokenizer.py", "--vocab-size", "320", "--out", str(again),
-                      str(CORPUS)).returncode == 0
+    assert run_script("train_tokenizer.py", "--vocab-size", "320", "--out", str(again), str(CORPUS)).returncode == 0
     assert again.read_bytes() == out.read_bytes(), "training must be deterministic"
 
 
@@ -111,7 +108,8 @@ def test_train_tokenizer_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     empty = run_script("train_tokenizer.py", "--out", str(out), str(tmp_path / "empty.txt"))
     assert empty.returncode == 1 and "no non-empty documents" in empty.stderr
-    too_big = run_script("train_tokenizer.py", "--vocab-size", "100000", "--out", str(out),
-                         str(CORPUS / "lincoln_1862.txt"))
+    too_big = run_script(
+        "train_tokenizer.py", "--vocab-size", "100000", "--out", str(out), str(CORPUS / "lincoln_1862.txt")
+    )
     assert too_big.returncode == 1 and "fewer than --vocab-size" in too_big.stderr
     assert not out.exists() and not list(tmp_path.glob(".*.tmp"))

@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, losses, overrides, records, run, run_script
 
 from elr.config import load_config
 from elr.infer.load import load_model
-from elr.train.optimizer import lr_lambda
 from elr.train.nonfinite import NonFiniteLossError
+from elr.train.optimizer import lr_lambda
 from elr.train.trainer import Trainer
-from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, losses, overrides, records, run, run_script
 
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0"]
 
@@ -71,17 +71,32 @@ def test_resume_applies_this_jobs_optimizer_settings(tmp_path, caplog):
         trainer = Trainer(cfg)
     trainer.close()
     groups = trainer.optimizer.param_groups
-    assert trainer.step == 2 and [g["initial_lr"] for g in groups] == trainer.lr_scheduler.base_lrs == [1e-3] * len(groups)
+    assert trainer.step == 2 and [g["initial_lr"] for g in groups] == trainer.lr_scheduler.base_lrs == [1e-3] * len(
+        groups
+    )
     assert [g["lr"] for g in groups] == [1e-3 * lr_lambda(2, cfg.lr_scheduler, 4)] * len(groups)
     assert groups[0]["weight_decay"] == 0.05 and all(g["betas"] == (0.8, 0.9) for g in groups)
     lines = [r.getMessage() for r in caplog.records if "changed on resume" in r.getMessage()]
-    assert len(lines) == 1 and "optimizer.lr 0.006 -> 0.001" in lines[0] and "optimizer.weight_decay 0.1 -> 0.05" in lines[0]
+    assert (
+        len(lines) == 1
+        and "optimizer.lr 0.006 -> 0.001" in lines[0]
+        and "optimizer.weight_decay 0.1 -> 0.05" in lines[0]
+    )
     assert "optimizer.betas [0.9, 0.95] -> [0.8, 0.9]" in lines[0] and lines[0].endswith("(from step 3)"), lines
 
 
 def test_resume_is_bit_exact_at_every_checkpoint(tmp_path):
-    full = run(tmp_path / "full", 6, *CKPT, "--checkpoint.interval", "2", "--checkpoint.async_save", "true",
-               "--checkpoint.export_dtype", "bfloat16")
+    full = run(
+        tmp_path / "full",
+        6,
+        *CKPT,
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_save",
+        "true",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+    )
     assert (tmp_path / "full" / "checkpoint" / "step-6-model").is_dir()
     for step in (2, 4):
         dump = tmp_path / f"resume{step}"
@@ -95,9 +110,25 @@ def test_resume_is_bit_exact_at_every_checkpoint(tmp_path):
 
 def test_resume_is_bit_exact_with_every_training_aid(tmp_path):
     """The initial-state noise follows the CPU generator a checkpoint saves, the schedule follows the step."""
-    aids = [*CKPT, "--checkpoint.interval", "3", "--elr.initial_state_noise", "0.5", "--elr.state_norm", "true",
-            "--elr.recurrent_input", "state_plus_adapted_input", "--elr.backprop_loops", "2",
-            "--elr.depth_scaled_init", "true", "--elr.loop_weights_start", "0,0,1", "--elr.loop_schedule_steps", "4"]
+    aids = [
+        *CKPT,
+        "--checkpoint.interval",
+        "3",
+        "--elr.initial_state_noise",
+        "0.5",
+        "--elr.state_norm",
+        "true",
+        "--elr.recurrent_input",
+        "state_plus_adapted_input",
+        "--elr.backprop_loops",
+        "2",
+        "--elr.depth_scaled_init",
+        "true",
+        "--elr.loop_weights_start",
+        "0,0,1",
+        "--elr.loop_schedule_steps",
+        "4",
+    ]
     full = run(tmp_path / "full", 6, *aids)
     assert sum(records(tmp_path / "full")[0]["loops"], []) == [3, 3]  # the schedule's first update: k = K only
     dump = tmp_path / "resumed"
@@ -137,8 +168,19 @@ def test_switch_keeps_the_one_loop_model_exactly(tmp_path):
 
 
 # The recommended recipe (FiLM from the budget on the output block only) with its heads from the start.
-FROM_START = [*SWITCH, "--elr.switch_conditioning", "from_start", "--elr.conditioning_first_loop", "false",
-              "--elr.conditioning_later_loops", "false", "--elr.conditioning_exit", "true", "--checkpoint.interval", "2"]
+FROM_START = [
+    *SWITCH,
+    "--elr.switch_conditioning",
+    "from_start",
+    "--elr.conditioning_first_loop",
+    "false",
+    "--elr.conditioning_later_loops",
+    "false",
+    "--elr.conditioning_exit",
+    "true",
+    "--checkpoint.interval",
+    "2",
+]
 
 
 @pytest.mark.slow
@@ -201,8 +243,9 @@ def test_the_cards_command_stops_at_the_switch_and_the_same_command_resumes_exac
 
 def test_nonfinite_updates_are_skipped_then_abort(tmp_path):
     dump = tmp_path / "run"
-    cfg = load_config(DEBUG_TOML, overrides(dump, 6, *CKPT, "--checkpoint.interval", "1",
-                                            "--training.max_nonfinite_steps", "1"))
+    cfg = load_config(
+        DEBUG_TOML, overrides(dump, 6, *CKPT, "--checkpoint.interval", "1", "--training.max_nonfinite_steps", "1")
+    )
     trainer = Trainer(cfg)
     poisoned_steps = {2, 4, 5}
     forward, optimizer_step = trainer.model.forward, trainer.optimizer.step
@@ -228,7 +271,10 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_zero(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "train.py", *overrides(dump, 100000, *CKPT, "--checkpoint.interval", "100000")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.time() + 120
     while time.time() < deadline and len(losses(dump) if (dump / "metrics.jsonl").exists() else {}) < 2:
@@ -244,8 +290,18 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_zero(tmp_path):
 
 def test_baseline_trains_and_validates_one_loop(tmp_path):
     dump = tmp_path / "run"
-    run(dump, 2, "--elr.enabled", "false", "--elr.max_loops", "1", "--elr.conditioning", "false",
-        "--validation.freq", "2")
+    run(
+        dump,
+        2,
+        "--elr.enabled",
+        "false",
+        "--elr.max_loops",
+        "1",
+        "--elr.conditioning",
+        "false",
+        "--validation.freq",
+        "2",
+    )
     val = [r for r in records(dump) if "val/loss_k1" in r][-1]
     assert "val/loss_k2" not in val
 
@@ -259,9 +315,16 @@ def test_one_loop_override_and_cross_entropy_match_a_manual_step(tmp_path):
     batches = [next(loader) for _ in ks]
     trainer.train_loader.dataset.position = 0
     with torch.no_grad():
-        expected = torch.stack([
-            F.cross_entropy(trainer.model(x, loops=k).flatten(0, 1), y.flatten()) for (x, y), k in zip(batches, ks)
-        ]).mean().item()
+        expected = (
+            torch.stack(
+                [
+                    F.cross_entropy(trainer.model(x, loops=k).flatten(0, 1), y.flatten())
+                    for (x, y), k in zip(batches, ks)
+                ]
+            )
+            .mean()
+            .item()
+        )
     trainer.train()
     trainer.close()
     assert losses(dump)[1] == pytest.approx(expected, rel=1e-6)
@@ -271,15 +334,21 @@ def test_one_loop_override_and_cross_entropy_match_a_manual_step(tmp_path):
 def test_debug_config_learns_real_text(tmp_path):
     """The product's promise: `python train.py` trains on the bundled prose; val loss at k=1 drops >= 30%."""
     dump = tmp_path / "outputs" / "debug"  # the default dump folder, run from tmp_path as a user runs it
-    result = subprocess.run([sys.executable, str(ROOT / "train.py")], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py")], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     val = [r["val/loss_k1"] for r in records(dump) if "val/loss_k1" in r]
     assert val[-1] <= 0.7 * val[0], val
     # the README's next step works at once: the last step is saved (and only it is kept)
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-150"]
-    generate = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py")], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)  # no flags: the quick start's checkpoint
+    generate = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "generate.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # no flags: the quick start's checkpoint
     assert generate.returncode == 0 and generate.stdout.strip(), generate.stderr[-3000:]
     assert "outputs/debug/checkpoint/step-150" in generate.stderr
 
@@ -287,8 +356,9 @@ def test_debug_config_learns_real_text(tmp_path):
 @pytest.mark.parametrize("coeff", [0.0, 0.5])
 def test_aux_loss_adds_coeff_times_its_microbatch_mean_to_the_gradient(tmp_path, coeff):
     """coeff 0 gives cross entropy's gradient alone, exactly as before the aux loss existed."""
-    trainer = Trainer(load_config(DEBUG_TOML, overrides(tmp_path, 1, "--moe.aux_loss_coeff", str(coeff),
-                                                        "--training.max_norm", "0")))
+    trainer = Trainer(
+        load_config(DEBUG_TOML, overrides(tmp_path, 1, "--moe.aux_loss_coeff", str(coeff), "--training.max_norm", "0"))
+    )
     model, ks = trainer.model, trainer.depths.loop_counts(1)[0].tolist()
     loader = iter(trainer.train_loader)
     batches = [next(loader) for _ in ks]

@@ -5,8 +5,8 @@ import logging
 
 import torch
 
-from elr.config import load_config
 from elr.checkpoint.manager import CheckpointManager
+from elr.config import load_config
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.train_state import ModelState
 
@@ -42,13 +42,31 @@ class FlopsModel:
 def stats(k: int, norm: float) -> StepStats:
     per_k = torch.zeros(2, 3, dtype=torch.float64)
     per_k[:, k - 1] = torch.tensor([2.0 * k, 1.0])
-    return StepStats({"loss/train": 2.0, "grad_norm": 1.0, "lr": 1e-3}, torch.tensor([[k]]), per_k,
-                     {"loop1/update_norm": [torch.tensor(norm)]}, every_loop=False)
+    return StepStats(
+        {"loss/train": 2.0, "grad_norm": 1.0, "lr": 1e-3},
+        torch.tensor([[k]]),
+        per_k,
+        {"loop1/update_norm": [torch.tensor(norm)]},
+        every_loop=False,
+    )
 
 
 def test_the_reporter_owns_the_window_flops_and_the_console_line(caplog):
-    cfg = load_config(None, ["--metrics.log_freq", "2", "--training.steps", "5", "--training.seq_len", "4",
-                             "--training.local_batch_size", "1", "--metrics.peak_tflops", "989"])
+    cfg = load_config(
+        None,
+        [
+            "--metrics.log_freq",
+            "2",
+            "--training.steps",
+            "5",
+            "--training.seq_len",
+            "4",
+            "--training.local_batch_size",
+            "1",
+            "--metrics.peak_tflops",
+            "989",
+        ],
+    )
     metrics = Recorder()
     reporter = StepReporter(cfg, metrics, world_size=1, device=torch.device("cpu"), tokens_per_update=4)
     with caplog.at_level(logging.INFO, logger="elr"):

@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
+from trainer_utils import looped_model as make
+from trainer_utils import token_batch as tokens
 
 from elr.models.layers import Layer
-from trainer_utils import looped_model as make, token_batch as tokens
 
 LAYER_INIT = Layer.init_weights
 

@@ -22,11 +22,32 @@ DEBUG_TOML = ROOT / "train_configs" / "debug.toml"
 # Seconds per run on a 2-core CPU: 32-token windows, two slots of two sequences per update. Checkpoints
 # as the defaults have them (off, every 500 steps, the newest 3), not as the quick start saves its weights.
 TINY = [
-    "--checkpoint.enable", "false", "--checkpoint.interval", "500", "--checkpoint.keep_latest_k", "3",
-    "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
-    "--lr_scheduler.warmup_steps", "2", "--validation.steps", "1", "--validation.freq", "0",
-    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-    "--data.path", str(ROOT / "data" / "tinyprose"), "--tokenizer.path", str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"),
+    "--checkpoint.enable",
+    "false",
+    "--checkpoint.interval",
+    "500",
+    "--checkpoint.keep_latest_k",
+    "3",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "4",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--validation.steps",
+    "1",
+    "--validation.freq",
+    "0",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--data.path",
+    str(ROOT / "data" / "tinyprose"),
+    "--tokenizer.path",
+    str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"),
 ]
 
 
@@ -43,8 +64,9 @@ LOOPED_BASE = flavors["task_gpt"]  # 1/2/1, attention + SwiGLU: small and exact 
 def looped_model(seed=0, **options) -> torch.nn.Module:
     """LOOPED_BASE at K = 3 with the learned step, 32 positions, `options` on top; initialised from `seed`."""
     torch.manual_seed(seed)
-    model = build_model(model_args(LOOPED_BASE, max_seq_len=32, **{"max_loops": 3, "update": "adaptive_delta",
-                                                                   **options}))
+    model = build_model(
+        model_args(LOOPED_BASE, max_seq_len=32, **{"max_loops": 3, "update": "adaptive_delta", **options})
+    )
     model.init_weights()
     return model
 
@@ -70,12 +92,19 @@ def run(dump: Path, steps: int, *extra: str) -> dict[int, float]:
 
 def run_script(dump: Path, steps: int, *extra: str, nproc: int = 1, timeout: int = 240) -> dict[int, float]:
     """Train through train.py (torchrun --standalone for nproc > 1)."""
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [*launcher, str(ROOT / "train.py"), "--config", str(DEBUG_TOML), *overrides(dump, steps, *extra)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return losses(dump)

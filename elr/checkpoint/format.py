@@ -57,8 +57,13 @@ def write_marker(folder: Path, step: int, sha256: dict[str, str]) -> None:
     names = committed_files(folder)
     if sorted(sha256) != names:
         raise RuntimeError(f"{folder}: hashes given for {sorted(sha256)}, files are {names}")
-    marker = {"format": FORMAT, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "files": {name: (folder / name).stat().st_size for name in names}, "sha256": sha256}
+    marker = {
+        "format": FORMAT,
+        "step": step,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": {name: (folder / name).stat().st_size for name in names},
+        "sha256": sha256,
+    }
     with open(folder / MARKER, "w") as f:
         json.dump(marker, f, indent=1)
         f.flush()
@@ -82,12 +87,16 @@ def read_marker(folder: str | Path, step: int | None = None) -> dict:
     if step is not None and marker["step"] != step:
         raise UnusableCheckpoint(folder, f"has a {MARKER} for step {marker['step']}")
     if marker.get("format", 1) > FORMAT:
-        raise UnusableCheckpoint(folder, f"was saved in checkpoint format {marker['format']}, newer than this "
-                                         f"code's {FORMAT}: load it with the version that wrote it")
+        raise UnusableCheckpoint(
+            folder,
+            f"was saved in checkpoint format {marker['format']}, newer than this "
+            f"code's {FORMAT}: load it with the version that wrote it",
+        )
     if marker.get("format", 1) < PICKLE_FREE:
         raise OldCheckpointFormat(
             f"checkpoint {folder} is in format {marker.get('format', 1)}, whose DCP .metadata is a pickle that this "
-            f"version never reads; if you trust the folder, convert it once with: python {CONVERT} {folder}")
+            f"version never reads; if you trust the folder, convert it once with: python {CONVERT} {folder}"
+        )
     return marker
 
 
@@ -99,13 +108,17 @@ def _marker_problem(marker: Any) -> str | None:
         return "no integer step and format"
     files = marker.get("files")
     if not isinstance(files, dict) or not all(
-            isinstance(n, str) and Path(n).name == n and n not in (".", "..") and is_int(s) and s >= 0
-            for n, s in files.items()):
+        isinstance(n, str) and Path(n).name == n and n not in (".", "..") and is_int(s) and s >= 0
+        for n, s in files.items()
+    ):
         return "files must map plain file names to sizes"
     if marker.get("format", 1) >= PICKLE_FREE or "sha256" in marker:
         sha = marker.get("sha256")
-        if not isinstance(sha, dict) or set(sha) != set(files) or not all(
-                isinstance(h, str) and _HEX64.fullmatch(h) for h in sha.values()):
+        if (
+            not isinstance(sha, dict)
+            or set(sha) != set(files)
+            or not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in sha.values())
+        ):
             return "sha256 must give a hex digest for every file"
     return None
 
@@ -129,8 +142,9 @@ def check_hashes(folder: Path, marker: dict, hashes: dict[str, str]) -> None:
     """Compare `hashes` (computed by the caller, possibly split over ranks) with the marker's."""
     for name, digest in sorted(marker.get("sha256", {}).items()):
         if hashes.get(name) != digest:
-            raise UnusableCheckpoint(folder, f"has file {name} whose SHA-256 differs from {MARKER}'s "
-                                             "(corrupted or modified)")
+            raise UnusableCheckpoint(
+                folder, f"has file {name} whose SHA-256 differs from {MARKER}'s (corrupted or modified)"
+            )
 
 
 def verify(folder: str | Path, step: int | None = None) -> dict:
@@ -149,24 +163,42 @@ def check_format(path: Path, marker: dict, saved_keys) -> None:
     for kind in LAYER_KINDS.values():
         for layout in kind.layouts:
             if saved < layout.since_format and any(layout.weight in key.split(".") for key in saved_keys):
-                raise CheckpointError(f"{path} holds {layout.old} (checkpoint format {saved}, now {FORMAT}); "
-                                      "this version would read them in the new layout, so it does not load them")
+                raise CheckpointError(
+                    f"{path} holds {layout.old} (checkpoint format {saved}, now {FORMAT}); "
+                    "this version would read them in the new layout, so it does not load them"
+                )
 
 
-def key_problems(requested: dict[str, tuple | None], saved: dict[str, tuple | None], unexpected: list[str],
-                 allow_missing: Callable[[str], bool], words: tuple[str, str, str]) -> list[str]:
+def key_problems(
+    requested: dict[str, tuple | None],
+    saved: dict[str, tuple | None],
+    unexpected: list[str],
+    allow_missing: Callable[[str], bool],
+    words: tuple[str, str, str],
+) -> list[str]:
     """What keeps `saved` from filling `requested` ({key: shape, or None where there is none to
     compare}): missing keys (unless allowed), the `unexpected` ones and differing shapes, each part
     named by `words` (missing, unexpected, shapes)."""
     missing = [k for k in requested if k not in saved and not allow_missing(k)]
-    misshapen = [f"{k} {saved[k]} vs {shape}" for k, shape in requested.items()
-                 if shape is not None and saved.get(k) is not None and saved[k] != shape]
-    return [f"{len(keys)} {what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}"
-            for what, keys in zip(words, (missing, unexpected, misshapen)) if keys]
+    misshapen = [
+        f"{k} {saved[k]} vs {shape}"
+        for k, shape in requested.items()
+        if shape is not None and saved.get(k) is not None and saved[k] != shape
+    ]
+    return [
+        f"{len(keys)} {what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}"
+        for what, keys in zip(words, (missing, unexpected, misshapen))
+        if keys
+    ]
 
 
-def check_keys(state_dict: dict[str, Any], saved: dict[str, tuple | None], allow_missing: Callable[[str], bool],
-               *, only_requested_roots: bool = True) -> None:
+def check_keys(
+    state_dict: dict[str, Any],
+    saved: dict[str, tuple | None],
+    allow_missing: Callable[[str], bool],
+    *,
+    only_requested_roots: bool = True,
+) -> None:
     """Raise CheckpointError naming the keys unless the request and the checkpoint ({flat key: tensor
     shape, or None for a plain value}) agree: the same keys, shapes, and tensors where tensors are asked.
 
@@ -177,13 +209,24 @@ def check_keys(state_dict: dict[str, Any], saved: dict[str, tuple | None], allow
     roots = tuple(f"{name}." for name in state_dict)
     unexpected = [k for k in saved if k not in requested and (not only_requested_roots or f"{k}.".startswith(roots))]
     shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in requested.items()}
-    problems = key_problems(shapes, saved, unexpected, allow_missing,
-                            ("requested keys missing from the checkpoint", "checkpoint keys not requested",
-                             "shapes differ (checkpoint vs requested)"))
+    problems = key_problems(
+        shapes,
+        saved,
+        unexpected,
+        allow_missing,
+        (
+            "requested keys missing from the checkpoint",
+            "checkpoint keys not requested",
+            "shapes differ (checkpoint vs requested)",
+        ),
+    )
     recast = [k for k in requested if k in saved and (shapes[k] is None) != (saved[k] is None)]
     if recast:
-        problems.append(f"{len(recast)} stored as a tensor where a value is requested or the other way round: "
-                        + ", ".join(recast[:5]) + (", ..." if len(recast) > 5 else ""))
+        problems.append(
+            f"{len(recast)} stored as a tensor where a value is requested or the other way round: "
+            + ", ".join(recast[:5])
+            + (", ..." if len(recast) > 5 else "")
+        )
     if problems:
         raise CheckpointError("; ".join(problems))
 
@@ -222,8 +265,10 @@ def step_folders(folder: Path) -> list[int]:
     """Steps of every `step-N` folder in a checkpoint folder, committed or not, newest first (a link
     named so is not one: a checkpoint's files are read in place, never through a link)."""
     folders = folder.iterdir() if folder.is_dir() else []
-    return sorted((int(m[1]) for p in folders if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()),
-                  reverse=True)
+    return sorted(
+        (int(m[1]) for p in folders if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()),
+        reverse=True,
+    )
 
 
 def committed_steps(folder: Path) -> list[int]:
@@ -252,7 +297,6 @@ def latest_step(folder: str | Path) -> int | None:
     tries first (reads the folder; no collectives, no hashing)."""
     folder = Path(folder)
     return next((s for s in committed_steps(folder) if isinstance(marker_or_reason(folder, s), dict)), None)
-
 
 
 def first_line(e: BaseException) -> str:

@@ -55,15 +55,33 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from elr.checkpoint import CONFIG, STEP_DIR, Stored, check_hashes, check_keys, committed_files, committed_steps
-from elr.checkpoint import export_path, first_nonfinite, hash_files, latest_step, marker_or_reason, read_config
-from elr.checkpoint import save_plain
-from elr.checkpoint import split_state, step_folders, tensor_writer, write_failure, write_marker, write_values
+from elr.checkpoint import (
+    CONFIG,
+    STEP_DIR,
+    Stored,
+    check_hashes,
+    check_keys,
+    committed_files,
+    committed_steps,
+    export_path,
+    first_nonfinite,
+    hash_files,
+    latest_step,
+    marker_or_reason,
+    read_config,
+    save_plain,
+    split_state,
+    step_folders,
+    tensor_writer,
+    write_failure,
+    write_marker,
+    write_values,
+)
 from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir, set_aside
+from elr.console.progress import size
 from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.interop import write_export
 from elr.interop.hf_hashes import MANIFEST
-from elr.console.progress import size
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +100,19 @@ class CheckpointManager:
     not share a group with training, and DCP's async save needs a CPU backend even under NCCL.
     """
 
-    def __init__(self, folder: str | Path, *, interval: int, keep_latest_k: int = 0, async_save: bool = False,
-                 config: dict | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        interval: int,
+        keep_latest_k: int = 0,
+        async_save: bool = False,
+        config: dict | None = None,
+    ):
         if interval < 1 or keep_latest_k < 0:
-            raise ValueError(f"checkpoint: need interval >= 1 and keep_latest_k >= 0, got "
-                             f"{interval} and {keep_latest_k}")
+            raise ValueError(
+                f"checkpoint: need interval >= 1 and keep_latest_k >= 0, got {interval} and {keep_latest_k}"
+            )
         self.folder = Path(folder)
         self.interval = interval
         self.keep_latest_k = keep_latest_k
@@ -124,8 +150,10 @@ class CheckpointManager:
             foreign = clear_own_tmp(self.folder)
             if foreign and not self._reported:
                 self._reported = True
-                logger.warning(f"checkpoint folder {self.folder} holds {len(foreign)} name(s) this project did not "
-                               f"write, left as they are: {', '.join(foreign)}")
+                logger.warning(
+                    f"checkpoint folder {self.folder} holds {len(foreign)} name(s) this project did not "
+                    f"write, left as they are: {', '.join(foreign)}"
+                )
         tensors, values = split_state(_state_dicts(states))
         needed = self._bytes_needed(tensors)
         problem = self._on_rank0(lambda: _space_problem(self.folder, step, needed, shutil.disk_usage(self.folder).free))
@@ -168,7 +196,7 @@ class CheckpointManager:
         """Rename the sealed folder to `step-N`, then prune (rank 0)."""
         replace_dir(tmp, self.folder / f"step-{step}")
         if self.keep_latest_k > 0:  # never a checkpoint newer than this one (set_aside_after moved those)
-            for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k:]:
+            for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k :]:
                 if made_here(self.folder / f"step-{old}"):
                     shutil.rmtree(self.folder / f"step-{old}")
         logger.info(saved_line(self.folder / f"step-{step}", time.perf_counter() - self._save_started))
@@ -208,8 +236,9 @@ class CheckpointManager:
                     raise
                 if made_here(tmp):
                     shutil.rmtree(tmp, ignore_errors=True)
-                raise CheckpointError(f"export: could not write {final} ({why}); the partial export was "
-                                      "removed") from None
+                raise CheckpointError(
+                    f"export: could not write {final} ({why}); the partial export was removed"
+                ) from None
 
         self._rank0_or_raise(write)
         return final
@@ -219,8 +248,9 @@ class CheckpointManager:
         config.json, tokenizer.json, remote code), gathered like `export_model`; rank 0 writes."""
         final = export_path(self.folder, step, "hf")
         full = self._full_tensors(model, dtype)
-        self._rank0_or_raise(lambda: write_export(full, args, self.config or {}, tokenizer, final, dtype=dtype,
-                                                  overwrite=True))
+        self._rank0_or_raise(
+            lambda: write_export(full, args, self.config or {}, tokenizer, final, dtype=dtype, overwrite=True)
+        )
         return final
 
     def _full_tensors(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -261,8 +291,13 @@ class CheckpointManager:
         checks the hashes and falls back further if it must)."""
         return latest_step(self.folder)
 
-    def load(self, states: dict[str, Any], *, step: int | None = None,
-             allow_missing: Callable[[str], bool] = lambda key: False) -> int | None:
+    def load(
+        self,
+        states: dict[str, Any],
+        *,
+        step: int | None = None,
+        allow_missing: Callable[[str], bool] = lambda key: False,
+    ) -> int | None:
         """Load `states` in place from `step-{step}`, or from the newest usable one when None.
 
         Keys are strict: each flattened key of `states` (e.g. `optimizer.state.w.exp_avg`) must be
@@ -286,7 +321,9 @@ class CheckpointManager:
                 reason = f"cannot be read ({_one_line(e)})"
             else:
                 for bad, why in skipped if self._rank == 0 else []:
-                    logger.warning("skipped checkpoint %s: %s; loaded step-%d instead", self.folder / f"step-{bad}", why, s)
+                    logger.warning(
+                        "skipped checkpoint %s: %s; loaded step-%d instead", self.folder / f"step-{bad}", why, s
+                    )
                 return s
             if step is not None:
                 raise CheckpointError(f"checkpoint {path} {reason}")
@@ -295,11 +332,13 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint: none of the {len(skipped)} checkpoints in {self.folder} can be loaded ("
                 + "; ".join(f"step-{bad} {why}" for bad, why in skipped)
-                + "); nothing was changed. Repair or move them, or start afresh with another job.dump_folder")
+                + "); nothing was changed. Repair or move them, or start afresh with another job.dump_folder"
+            )
         return None
 
-    def load_initial(self, path: str | Path, states: dict[str, Any],
-                     allow_missing: Callable[[str], bool] = lambda key: False) -> int | None:
+    def load_initial(
+        self, path: str | Path, states: dict[str, Any], allow_missing: Callable[[str], bool] = lambda key: False
+    ) -> int | None:
         """Load `states` from another run's checkpoint: `path` is a committed `step-N` folder, or a
         checkpoint folder whose newest usable step is taken. Returns that step, or None when `path`
         holds no checkpoint. Same key rules, checks and collectives as `load`; nothing is moved."""
@@ -331,9 +370,11 @@ class CheckpointManager:
                 logger.warning(f"{self.folder}: left {', '.join(left)} as they are (not written by this project)")
             if moved:
                 what = f"resuming from step-{step}" if step >= 0 else "starting over"
-                logger.warning(f"{what} in {self.folder}: moved the {len(moved)} {'newer ' if step >= 0 else ''}"
-                               f"checkpoint(s) aside as {', '.join(moved)} (kept, never resumed or pruned; "
-                               "delete them when no longer needed)")
+                logger.warning(
+                    f"{what} in {self.folder}: moved the {len(moved)} {'newer ' if step >= 0 else ''}"
+                    f"checkpoint(s) aside as {', '.join(moved)} (kept, never resumed or pruned; "
+                    "delete them when no longer needed)"
+                )
         self._barrier()
         return moved
 
@@ -384,8 +425,10 @@ class CheckpointManager:
         try:
             check_keys(state_dict, stored.entries(), allow_missing)
         except CheckpointError as e:
-            raise CheckpointError(f"{path} does not fit this job ({e}); was it saved with another "
-                                  "model config? Use a new job.dump_folder or the matching config") from None
+            raise CheckpointError(
+                f"{path} does not fit this job ({e}); was it saved with another "
+                "model config? Use a new job.dump_folder or the matching config"
+            ) from None
         # missing keys were vetted above
         stored.load(state_dict, process_group=self._pg, allow_partial_load=True)
         bad = self._gather(first_nonfinite(state_dict))
@@ -412,6 +455,7 @@ class CheckpointManager:
     def _rank0_or_raise(self, fn: Callable[[], Any]) -> None:
         """Run `fn` on rank 0; a CheckpointError or OSError it raises is raised on every rank (no rank
         is left waiting in a collective for one that failed)."""
+
         def attempt() -> str | None:
             try:
                 fn()
@@ -457,9 +501,11 @@ def _space_problem(folder: Path, step: int, needed: int, free: int) -> str | Non
     mount = folder.resolve()
     while not os.path.ismount(mount):
         mount = mount.parent
-    return (f"checkpoint: not enough space to save step-{step}: the disk holding {folder} (mounted at {mount}) "
-            f"has {free / 1e6:,.1f} MB free, the save needs about {needed / 1e6:,.1f} MB ({needed:,} bytes); "
-            "free space there or point checkpoint.folder at another disk")
+    return (
+        f"checkpoint: not enough space to save step-{step}: the disk holding {folder} (mounted at {mount}) "
+        f"has {free / 1e6:,.1f} MB free, the save needs about {needed / 1e6:,.1f} MB ({needed:,} bytes); "
+        "free space there or point checkpoint.folder at another disk"
+    )
 
 
 def _reason_or(fn: Callable[[], Any]) -> Any:

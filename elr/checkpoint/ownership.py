@@ -27,8 +27,11 @@ SAVED_FILE = re.compile(rf"{SHARD.pattern}|{re.escape(VALUES)}|{re.escape(CONFIG
 def made_here(path: Path) -> bool:
     """A folder this project wrote: a real folder (not a link) holding only plain files of the names a
     save or model export writes. Nothing else is ever deleted."""
-    return (path.is_dir() and not path.is_symlink()
-            and all(e.is_file() and not e.is_symlink() and SAVED_FILE.fullmatch(e.name) for e in path.iterdir()))
+    return (
+        path.is_dir()
+        and not path.is_symlink()
+        and all(e.is_file() and not e.is_symlink() and SAVED_FILE.fullmatch(e.name) for e in path.iterdir())
+    )
 
 
 def claim_tmp(tmp: Path) -> None:
@@ -37,8 +40,10 @@ def claim_tmp(tmp: Path) -> None:
     if made_here(tmp):
         shutil.rmtree(tmp)
     if tmp.exists() or tmp.is_symlink():
-        raise CheckpointError(f"checkpoint: {tmp} exists and was not written by this project (it holds other files, "
-                              "or is a link); it is left as it is: move it away so the save can use the name")
+        raise CheckpointError(
+            f"checkpoint: {tmp} exists and was not written by this project (it holds other files, "
+            "or is a link); it is left as it is: move it away so the save can use the name"
+        )
 
 
 def clear_own_tmp(folder: Path) -> list[str]:
@@ -57,8 +62,10 @@ def replace_dir(src: Path, dst: Path) -> None:
     this project wrote it; a name of someone else's stops the commit with one line."""
     if dst.exists() or dst.is_symlink():
         if not made_here(dst):
-            raise CheckpointError(f"checkpoint: cannot commit {dst.name}: {dst} exists and was not written by "
-                                  "this project; it is left as it is: move it away")
+            raise CheckpointError(
+                f"checkpoint: cannot commit {dst.name}: {dst} exists and was not written by "
+                "this project; it is left as it is: move it away"
+            )
         shutil.rmtree(dst)
     os.rename(src, dst)
     fd = os.open(dst.parent, os.O_RDONLY)  # make the rename itself durable
@@ -77,4 +84,3 @@ def set_aside(path: Path, stamp: str) -> Path:
         target = path.with_name(f"{path.name}.abandoned-{stamp}-{n}")
     os.rename(path, target)
     return target
-

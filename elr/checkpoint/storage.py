@@ -28,20 +28,33 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageR
 from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from elr.checkpoint.format import CONFIG, FORMAT, check_keys, first_nonfinite, first_line, read_json_object, verify
+from elr.checkpoint.format import CONFIG, FORMAT, check_keys, first_line, first_nonfinite, read_json_object, verify
 from elr.errors import CheckpointError, UnusableCheckpoint
 
 VALUES = "values.json"
 SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")  # the storage writer's names
 _SHARDING_INFO = "DCP_SHARDING_INFO"  # the header entry giving each tensor's offsets in the full tensor
-_KINDS = ((bool, "boolean"), ((int, float), "number"), (str, "string"), (type(None), "null"),
-          ((list, tuple), "list"), (dict, "object"))
+_KINDS = (
+    (bool, "boolean"),
+    ((int, float), "number"),
+    (str, "string"),
+    (type(None), "null"),
+    ((list, tuple), "list"),
+    (dict, "object"),
+)
 
 
 # ---- writing ----
+
 
 def split_state(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, values) by flat key (`optimizer.state.w.exp_avg`): the two halves a folder stores."""
@@ -59,8 +72,10 @@ def _plain(value: Any, key: str) -> Any:
         return [_plain(v, key) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {k: _plain(v, key) for k, v in value.items()}
-    raise TypeError(f"checkpoint: {key} is a {type(value).__name__}; a checkpoint holds tensors and plain "
-                    "values (numbers, strings, booleans, None, lists, string-keyed dicts)")
+    raise TypeError(
+        f"checkpoint: {key} is a {type(value).__name__}; a checkpoint holds tensors and plain "
+        "values (numbers, strings, booleans, None, lists, string-keyed dicts)"
+    )
 
 
 def write_values(folder: Path, values: dict[str, Any]) -> None:
@@ -99,6 +114,7 @@ def save_plain(state_dict: dict[str, Any], folder: Path) -> None:
 
 # ---- reading ----
 
+
 class _Reader(HuggingFaceStorageReader):
     """DCP's safetensors reader over the shard files commit.json lists, with the headers checked."""
 
@@ -109,8 +125,11 @@ class _Reader(HuggingFaceStorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             self._metadata = _read_headers(self.folder, self.shards)
-        metadata = Metadata(state_dict_metadata=self._metadata.state_dict_metadata,
-                            storage_data=self._metadata.storage_data, storage_meta=StorageMeta())
+        metadata = Metadata(
+            state_dict_metadata=self._metadata.state_dict_metadata,
+            storage_data=self._metadata.storage_data,
+            storage_meta=StorageMeta(),
+        )
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -129,12 +148,16 @@ def _read_headers(folder: Path, shards: list[str]) -> Metadata:
                     piece = f.get_slice(key)
                     shape, dtype = list(piece.get_shape()), _getdtype(piece.get_dtype())
                     offsets = info.get(key, {}).get("saved_offsets") if isinstance(info, dict) else None
-                    if not (isinstance(offsets, list) and len(offsets) == len(shape)
-                            and all(type(o) is int and o >= 0 for o in offsets)):
+                    if not (
+                        isinstance(offsets, list)
+                        and len(offsets) == len(shape)
+                        and all(type(o) is int and o >= 0 for o in offsets)
+                    ):
                         raise ValueError(f"no valid offsets for {key}")
                     chunks.setdefault(key, []).append((offsets, shape, dtype))
                     storage[MetadataIndex(fqn=key, offset=torch.Size(offsets))] = _HFStorageInfo(
-                        relative_path=str(folder / name), shape=torch.Size(shape), dtype=dtype)
+                        relative_path=str(folder / name), shape=torch.Size(shape), dtype=dtype
+                    )
         except Exception as e:  # whatever a damaged header raises (SafetensorError, ValueError, ...)
             raise UnusableCheckpoint(folder, f"has an unreadable {name} ({first_line(e)})") from None
     entries = {}
@@ -145,8 +168,10 @@ def _read_headers(folder: Path, shards: list[str]) -> Metadata:
         if problem:
             raise UnusableCheckpoint(folder, f"holds {key} in shards that {problem}")
         entries[key] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=pieces[0][2]), size=torch.Size(size),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in pieces])
+            properties=TensorProperties(dtype=pieces[0][2]),
+            size=torch.Size(size),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in pieces],
+        )
     return Metadata(state_dict_metadata=entries, storage_data=storage)
 
 
@@ -157,8 +182,12 @@ def _tiling_problem(size: list[int], pieces: list) -> str | None:
     if sum(math.prod(s) for _, s, _ in pieces) != math.prod(size):
         return "do not cover it exactly"
     for i, (a, sa, _) in enumerate(pieces):
-        for b, sb, _ in pieces[i + 1:]:
-            if all(a[d] < b[d] + sb[d] and b[d] < a[d] + sa[d] for d in range(len(size))) and math.prod(sa) and math.prod(sb):
+        for b, sb, _ in pieces[i + 1 :]:
+            if (
+                all(a[d] < b[d] + sb[d] and b[d] < a[d] + sa[d] for d in range(len(size)))
+                and math.prod(sa)
+                and math.prod(sb)
+            ):
                 return "overlap"
     return None
 
@@ -171,8 +200,11 @@ class Stored:
         names = sorted(marker["files"])
         odd = [n for n in names if not SHARD.fullmatch(n) and n not in (VALUES, CONFIG)]
         if odd:
-            raise UnusableCheckpoint(self.folder, f"holds {odd[0]}, which no checkpoint of format {FORMAT} has "
-                                                  f"(safetensors shards, {VALUES} and {CONFIG} only)")
+            raise UnusableCheckpoint(
+                self.folder,
+                f"holds {odd[0]}, which no checkpoint of format {FORMAT} has "
+                f"(safetensors shards, {VALUES} and {CONFIG} only)",
+            )
         self.reader = _Reader(self.folder, [n for n in names if SHARD.fullmatch(n)])
         self.tensors = self.reader.read_metadata().state_dict_metadata
         self.values = _read_values(self.folder) if VALUES in names else {}
@@ -192,10 +224,17 @@ class Stored:
         values = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor) and k in self.values}
         for key, current in values.items():  # checked before any tensor is touched
             if _kind(self.values[key]) != _kind(current):
-                raise UnusableCheckpoint(self.folder, f"holds {key} as a JSON {_kind(self.values[key])}, where this job "
-                                                      f"has a {_kind(current)}")
-        dcp.load(tensors, storage_reader=self.reader, planner=DefaultLoadPlanner(allow_partial_load=allow_partial_load),
-                 process_group=process_group, no_dist=process_group is None)
+                raise UnusableCheckpoint(
+                    self.folder,
+                    f"holds {key} as a JSON {_kind(self.values[key])}, where this job has a {_kind(current)}",
+                )
+        dcp.load(
+            tensors,
+            storage_reader=self.reader,
+            planner=DefaultLoadPlanner(allow_partial_load=allow_partial_load),
+            process_group=process_group,
+            no_dist=process_group is None,
+        )
         for key, current in values.items():
             saved = self.values[key]
             set_element(state_dict, mappings[key], tuple(saved) if isinstance(current, tuple) else saved)
@@ -209,8 +248,9 @@ def _kind(value: Any) -> str:
     return next(name for types, name in _KINDS if isinstance(value, types))
 
 
-def load_module(path: str | Path, module: torch.nn.Module, stored: Stored, *, root: str = "",
-                what: str = "this model") -> None:
+def load_module(
+    path: str | Path, module: torch.nn.Module, stored: Stored, *, root: str = "", what: str = "this model"
+) -> None:
     """Load a plain module (no process group) from a verified folder, casting to the module's dtypes:
     the whole folder (an export: full tensors, plain names), or the entries under `root` (a training
     checkpoint's "model"). Strict both ways: a saved weight the module lacks means another network
@@ -240,5 +280,7 @@ def load_model_export(path: str | Path, model: torch.nn.Module) -> None:
 
 def dcp_note(path: str | Path) -> str:
     """The one line printed where a training checkpoint is handed to inference or to another run."""
-    return (f"note: {path} is a DCP checkpoint, meant for your own runs (safetensors and JSON, sharded as it was "
-            "trained); to share a model, export it (scripts/export_hf.py)")
+    return (
+        f"note: {path} is a DCP checkpoint, meant for your own runs (safetensors and JSON, sharded as it was "
+        "trained); to share a model, export it (scripts/export_hf.py)"
+    )

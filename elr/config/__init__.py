@@ -13,7 +13,26 @@ It sits just above elr.errors and elr.text; everything else may import it.
 
 from elr.config.checks import switch_step
 from elr.config.job import ELR, JobConfig, LRScheduler, Optimizer, Training
-from elr.config.load import BUNDLED_PATHS, DEFAULT_CONFIG, REPOSITORY, config_from_dict, load_config, resolve_bundled_paths
+from elr.config.load import (
+    BUNDLED_PATHS,
+    DEFAULT_CONFIG,
+    REPOSITORY,
+    config_from_dict,
+    load_config,
+    resolve_bundled_paths,
+)
 
-__all__ = ["BUNDLED_PATHS", "DEFAULT_CONFIG", "ELR", "JobConfig", "LRScheduler", "Optimizer", "REPOSITORY", "Training",
-           "config_from_dict", "load_config", "resolve_bundled_paths", "switch_step"]
+__all__ = [
+    "BUNDLED_PATHS",
+    "DEFAULT_CONFIG",
+    "ELR",
+    "JobConfig",
+    "LRScheduler",
+    "Optimizer",
+    "REPOSITORY",
+    "Training",
+    "config_from_dict",
+    "load_config",
+    "resolve_bundled_paths",
+    "switch_step",
+]

@@ -24,8 +24,10 @@ def default_dump_folder(job, data, config_path: str | Path | None, file_data) ->
     `file_data`: the [data] section as the config file left it, before command-line overrides."""
     if job.run_name:
         if not RUN_NAME.fullmatch(job.run_name):
-            raise ConfigError(f"job.run_name: must be a folder name (letters, digits, '.', '_', '-'; not "
-                              f"starting with '.' or '-'), got {job.run_name!r}")
+            raise ConfigError(
+                f"job.run_name: must be a folder name (letters, digits, '.', '_', '-'; not "
+                f"starting with '.' or '-'), got {job.run_name!r}"
+            )
         return f"{OUTPUTS}/{job.run_name}"
     name = Path(config_path).stem if config_path is not None else "default"
     tag = data_tag(data, file_data)

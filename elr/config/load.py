@@ -30,8 +30,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"--config: {path} is not valid TOML ({e})") from None
         apply_tables(cfg, raw)
     file_data = dataclasses.replace(cfg.data)  # the data the config file names, for the dump folder's name
-    for key, value in parse_overrides(overrides or [], is_flag=lambda key: key_type(cfg, key) is bool,
-                                      check=lambda key: check_key(cfg, key)):
+    for key, value in parse_overrides(
+        overrides or [], is_flag=lambda key: key_type(cfg, key) is bool, check=lambda key: check_key(cfg, key)
+    ):
         set_key(cfg, key, value)
     if cfg.job.dump_folder and cfg.job.run_name:
         raise ConfigError("job.run_name: names the default dump folder, and job.dump_folder is set (set one of them)")

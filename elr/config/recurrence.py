@@ -7,7 +7,8 @@ network, so every field is frozen on resume (elr/train/resume.py) and written in
 export's config (elr/interop/hf_config.py); both read the list from here.
 
 Plain data on purpose: elr/config/job.py imports it and must not import the models. Adding an option is
-a field with its doc line and its check here, its use in the recurrence, its test (docs/extending.md, "Adding a recurrence option").
+a field with its doc line and its check here, its use in the recurrence, its test (docs/extending.md, "Adding a
+recurrence option").
 """
 
 from __future__ import annotations
@@ -95,23 +96,45 @@ class RecurrenceOptions:
     def check(self) -> None:
         """Reject options no recurrence can be built from; one ConfigError naming the key."""
         _check(1 <= self.max_loops <= MAX_LOOPS, "max_loops", f"must lie in 1..{MAX_LOOPS}", self.max_loops)
-        for key, allowed in (("update", UPDATE_RULES), ("recurrent_input", RECURRENT_INPUTS),
-                             ("step_input", STEP_INPUTS)):
+        for key, allowed in (
+            ("update", UPDATE_RULES),
+            ("recurrent_input", RECURRENT_INPUTS),
+            ("step_input", STEP_INPUTS),
+        ):
             _check(getattr(self, key) in allowed, key, f"must be one of {', '.join(allowed)}", getattr(self, key))
-        _check(0 <= self.backprop_loops <= self.max_loops, "backprop_loops",
-               f"must lie in 0..max_loops = {self.max_loops} (0: every loop)", self.backprop_loops)
-        _check(not self.backprop_loops or self.recurrent_input != "state", "backprop_loops",
-               "needs elr.recurrent_input = state_plus_input or state_plus_adapted_input: with the state alone the "
-               "detached state cuts the input block and embeddings off from every microbatch of k > backprop_loops",
-               self.backprop_loops)
-        _check(math.isfinite(self.initial_state_noise) and self.initial_state_noise >= 0, "initial_state_noise",
-               "must be finite and >= 0 (0: off)", self.initial_state_noise)
+        _check(
+            0 <= self.backprop_loops <= self.max_loops,
+            "backprop_loops",
+            f"must lie in 0..max_loops = {self.max_loops} (0: every loop)",
+            self.backprop_loops,
+        )
+        _check(
+            not self.backprop_loops or self.recurrent_input != "state",
+            "backprop_loops",
+            "needs elr.recurrent_input = state_plus_input or state_plus_adapted_input: with the state alone the "
+            "detached state cuts the input block and embeddings off from every microbatch of k > backprop_loops",
+            self.backprop_loops,
+        )
+        _check(
+            math.isfinite(self.initial_state_noise) and self.initial_state_noise >= 0,
+            "initial_state_noise",
+            "must be finite and >= 0 (0: off)",
+            self.initial_state_noise,
+        )
         loops_conditioned = self.conditioning_first_loop or self.conditioning_later_loops
-        _check(loops_conditioned or self.conditioning_exit, "conditioning_later_loops",
-               "and elr.conditioning_first_loop are both false and elr.conditioning_exit is off: nothing is "
-               "conditioned (set elr.conditioning = false)", self.conditioning_later_loops)
-        _check(self.conditioning or not self.conditioning_exit, "conditioning_exit", "needs elr.conditioning = true",
-               self.conditioning_exit)
+        _check(
+            loops_conditioned or self.conditioning_exit,
+            "conditioning_later_loops",
+            "and elr.conditioning_first_loop are both false and elr.conditioning_exit is off: nothing is "
+            "conditioned (set elr.conditioning = false)",
+            self.conditioning_later_loops,
+        )
+        _check(
+            self.conditioning or not self.conditioning_exit,
+            "conditioning_exit",
+            "needs elr.conditioning = true",
+            self.conditioning_exit,
+        )
 
     @property
     def prefix_consistent(self) -> bool:

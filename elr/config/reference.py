@@ -19,6 +19,7 @@ import typing
 
 from elr.config import JobConfig
 
+
 def key_docs(section_cls) -> dict[str, str]:
     """{field name: its doc} from the string under each field (lines joined), bases first, as dataclass
     fields are ordered: [elr]'s recurrence options are documented where they are defined
@@ -29,8 +30,12 @@ def key_docs(section_cls) -> dict[str, str]:
             continue
         body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
         for field_node, doc_node in zip(body, body[1:]):
-            if (isinstance(field_node, ast.AnnAssign) and isinstance(doc_node, ast.Expr)
-                    and isinstance(doc_node.value, ast.Constant) and isinstance(doc_node.value.value, str)):
+            if (
+                isinstance(field_node, ast.AnnAssign)
+                and isinstance(doc_node, ast.Expr)
+                and isinstance(doc_node.value, ast.Constant)
+                and isinstance(doc_node.value.value, str)
+            ):
                 docs[field_node.target.id] = " ".join(doc_node.value.value.split())
     return docs
 
@@ -52,16 +57,20 @@ def config_keys() -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
     for s in dataclasses.fields(JobConfig):
         cls = s.default_factory
         hints, defaults, docs = typing.get_type_hints(cls), cls(), key_docs(cls)
-        keys = [(f.name, type_name(hints[f.name]), show_default(getattr(defaults, f.name)), docs.get(f.name, ""))
-                for f in dataclasses.fields(cls)]
+        keys = [
+            (f.name, type_name(hints[f.name]), show_default(getattr(defaults, f.name)), docs.get(f.name, ""))
+            for f in dataclasses.fields(cls)
+        ]
         sections.append((s.name, (cls.__doc__ or "").strip().splitlines()[0], keys))
     return sections
 
 
 def help_text() -> str:
     """The config part of `train.py --help`: every key, `--section.key TYPE (default D)  doc`."""
-    lines = ["config keys (--section.key VALUE or --section.key=VALUE; CLI > TOML > defaults; a bare boolean",
-             "key is true; lists comma-separated, e.g. --optimizer.betas 0.9,0.95; dashes or underscores):"]
+    lines = [
+        "config keys (--section.key VALUE or --section.key=VALUE; CLI > TOML > defaults; a bare boolean",
+        "key is true; lists comma-separated, e.g. --optimizer.betas 0.9,0.95; dashes or underscores):",
+    ]
     for section, _, keys in config_keys():
         lines.append(f"\n  [{section}]")
         for name, typ, default, doc in keys:

@@ -57,7 +57,7 @@ class Progress:
                 self._printed = tenth
                 print(self.line(), file=self.stream, flush=True)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -15,7 +15,9 @@ import re
 # logger name -> the messages dropped from it
 HARMLESS = {
     "torchao": re.compile(r"Failed to load \S*torchao[/\\]_C_(mxfp8|cutlass_90a)\S*: "),
-    "torch.utils._pytree": re.compile(r"<enum '\w+'> is an Enum subclass and is now natively supported by torch.compile"),
+    "torch.utils._pytree": re.compile(
+        r"<enum '\w+'> is an Enum subclass and is now natively supported by torch.compile"
+    ),
 }
 
 

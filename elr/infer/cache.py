@@ -57,12 +57,22 @@ class InferenceCache:
     budgets); dtype: KV and state storage (default: the model's).
     """
 
-    def __init__(self, model, batch: int, capacity: int, loops: int, mode: str = "per_loop",
-                 pad: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model,
+        batch: int,
+        capacity: int,
+        loops: int,
+        mode: str = "per_loop",
+        pad: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"unknown KV cache mode {mode!r}; use one of {', '.join(MODES)}")
         if capacity > model.args.max_seq_len:
-            raise ValueError(f"{capacity} positions exceed the model's RoPE table (max_seq_len={model.args.max_seq_len})")
+            raise ValueError(
+                f"{capacity} positions exceed the model's RoPE table (max_seq_len={model.args.max_seq_len})"
+            )
         weight = model.output.weight
         dtype, device = dtype or weight.dtype, weight.device
         self.batch, self.capacity, self.loops, self.mode = batch, capacity, loops, mode
@@ -179,7 +189,7 @@ class InferenceCache:
             by_column = LAYER_KINDS[key[0].kind].inference_state.name == "attention_kv"
             for dst, src in zip(entry.tensors(), source.entries[key].tensors()):
                 if by_column:  # k, v [B, H, S, D]
-                    dst[row, :, start:self.length] = src[source_row, :, source.length - n:source.length]
+                    dst[row, :, start : self.length] = src[source_row, :, source.length - n : source.length]
                 else:  # a state holds no columns
                     dst[row] = src[source_row]
         self.pad[row] = start
@@ -197,7 +207,7 @@ class InferenceCache:
         for (layer, _), entry in self.entries.items():
             if LAYER_KINDS[layer.kind].inference_state.name == "attention_kv":
                 for t in entry.tensors():
-                    t[:, :, start + offset:length + offset] = t[:, :, start:length].clone()
+                    t[:, :, start + offset : length + offset] = t[:, :, start:length].clone()
         self.pad = torch.where(busy, self.pad + offset, self.pad)
         self.length = length + offset
 

@@ -14,26 +14,42 @@ import json
 from pathlib import Path
 from typing import TextIO
 
-from elr.text.chat import check_messages, encode_conversation
 from elr.errors import DataError
-from elr.infer.generate import AdaptiveDepth, Sampling, generate
+from elr.infer.generate import GREEDY, AdaptiveDepth, Sampling, generate
 from elr.models.early_exit import ExitRule
+from elr.text.chat import check_messages, encode_conversation
 
-HELP = ("commands: /loops N (the loop count of the next replies; auto: each token picks its depth), "
-        "/system TEXT (set the system message), /reset (forget the conversation), /quit")
-DEFAULT_EXIT = ExitRule("kl", 0.01)  # /loops auto, and the server's "auto", without a rule given (untuned: pass one per model)
+HELP = (
+    "commands: /loops N (the loop count of the next replies; auto: each token picks its depth), "
+    "/system TEXT (set the system message), /reset (forget the conversation), /quit"
+)
+DEFAULT_EXIT = ExitRule(
+    "kl", 0.01
+)  # /loops auto, and the server's "auto", without a rule given (untuned: pass one per model)
 
 
-def reply(model, tokenizer, messages: list[dict], loops: int, max_new_tokens: int, kv_mode: str = "per_loop",
-          sampling: Sampling = Sampling(), generator=None, adaptive: AdaptiveDepth | None = None) -> str:
+def reply(
+    model,
+    tokenizer,
+    messages: list[dict],
+    loops: int,
+    max_new_tokens: int,
+    kv_mode: str = "per_loop",
+    sampling: Sampling = GREEDY,
+    generator=None,
+    adaptive: AdaptiveDepth | None = None,
+) -> str:
     """The assistant's next message after `messages`, decoded at k = loops (with `adaptive`: each
     token at the depth its exit rule picks, capped at loops)."""
     ids, _ = encode_conversation(messages, tokenizer, add_generation_prompt=True)
     if len(ids) + max_new_tokens > model.args.max_seq_len:
-        raise ValueError(f"the conversation ({len(ids)} tokens) plus {max_new_tokens} new tokens is past the model's "
-                         f"context of {model.args.max_seq_len} tokens; start again (/reset) or shorten it")
-    out = generate(model, [ids], loops, max_new_tokens, tokenizer.eot_id, kv_mode, sampling, generator,
-                   adaptive=adaptive)[0]
+        raise ValueError(
+            f"the conversation ({len(ids)} tokens) plus {max_new_tokens} new tokens is past the model's "
+            f"context of {model.args.max_seq_len} tokens; start again (/reset) or shorten it"
+        )
+    out = generate(
+        model, [ids], loops, max_new_tokens, tokenizer.eot_id, kv_mode, sampling, generator, adaptive=adaptive
+    )[0]
     return tokenizer.decode(out)
 
 
@@ -49,9 +65,18 @@ def read_messages(path: str | Path) -> list[dict]:
     return messages
 
 
-def repl(model, tokenizer, loops: int, max_new_tokens: int, stdin: TextIO, stdout: TextIO,
-         kv_mode: str = "per_loop", sampling: Sampling = Sampling(), generator=None,
-         exit_rule: ExitRule = DEFAULT_EXIT) -> None:
+def repl(
+    model,
+    tokenizer,
+    loops: int,
+    max_new_tokens: int,
+    stdin: TextIO,
+    stdout: TextIO,
+    kv_mode: str = "per_loop",
+    sampling: Sampling = GREEDY,
+    generator=None,
+    exit_rule: ExitRule = DEFAULT_EXIT,
+) -> None:
     """Read user turns (and commands) line by line until /quit or end of input; print each reply."""
     messages: list[dict] = []
     auto = False
@@ -82,8 +107,17 @@ def repl(model, tokenizer, loops: int, max_new_tokens: int, stdin: TextIO, stdou
         else:
             depth = AdaptiveDepth(exit_rule) if auto else None
             try:
-                answer = reply(model, tokenizer, [*messages, {"role": "user", "content": text}], loops,
-                               max_new_tokens, kv_mode, sampling, generator, depth)
+                answer = reply(
+                    model,
+                    tokenizer,
+                    [*messages, {"role": "user", "content": text}],
+                    loops,
+                    max_new_tokens,
+                    kv_mode,
+                    sampling,
+                    generator,
+                    depth,
+                )
             except ValueError as e:  # e.g. a k past a conditioned model's K: say so, keep the conversation
                 print(f"error: {e}", file=stdout, flush=True)
                 continue

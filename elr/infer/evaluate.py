@@ -30,9 +30,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from elr.text.chat_data import IGNORE_INDEX, ChatSplit
 from elr.infer.cache import InferenceCache
 from elr.infer.generate import AdaptiveDepth
+from elr.text.chat_data import IGNORE_INDEX, ChatSplit
 from elr.text.tokenizer import Tokenizer
 
 _OPTION = re.compile(r"^\s*([A-Z])[.)]\s?(.*)$")
@@ -90,38 +90,44 @@ def mc_requests(item: dict, tokenizer: Tokenizer) -> list[tuple[list[int], list[
 
 
 @torch.no_grad()
-def continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], loops: int,
-                          batch_size: int = 16, adaptive: AdaptiveDepth | None = None) -> list[tuple[float, bool]]:
+def continuation_logprobs(
+    model,
+    requests: list[tuple[list[int], list[int]]],
+    loops: int,
+    batch_size: int = 16,
+    adaptive: AdaptiveDepth | None = None,
+) -> list[tuple[float, bool]]:
     """Summed log-probability of each continuation given its context at k=loops, and whether greedy
     decoding would produce it. Rows are right-padded (a causal model never looks right) and cut on
     the left to the model's length."""
     device, limit = model.output.weight.device, model.args.max_seq_len
     scores = []
     for start in range(0, len(requests), batch_size):
-        batch = requests[start:start + batch_size]
-        rows = [(ctx + cont)[-(limit + 1):] for ctx, cont in batch]
+        batch = requests[start : start + batch_size]
+        rows = [(ctx + cont)[-(limit + 1) :] for ctx, cont in batch]
         width = max(len(r) for r in rows) - 1
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
         for b, row in enumerate(rows):
-            tokens[b, :len(row) - 1] = torch.tensor(row[:-1])
+            tokens[b, : len(row) - 1] = torch.tensor(row[:-1])
         logprobs = F.log_softmax(model(tokens.to(device), loops, exit_rule=_rule(adaptive)).float(), dim=-1).cpu()
         for b, ((_, cont), row) in enumerate(zip(batch, rows)):
             first = len(row) - 1 - len(cont)  # position whose logits predict the first option token
-            scores.append(option_score(logprobs[b, first:first + len(cont)], cont))
+            scores.append(option_score(logprobs[b, first : first + len(cont)], cont))
             if adaptive is not None:
-                adaptive.count(model.loops_used()[b, first:first + len(cont)])
+                adaptive.count(model.loops_used()[b, first : first + len(cont)])
     return scores
 
 
-def teacher_forced_logits(model, tokens: torch.Tensor, prefill: int, loops: int, kv_mode: str,
-                          adaptive: AdaptiveDepth | None = None) -> torch.Tensor:
+def teacher_forced_logits(
+    model, tokens: torch.Tensor, prefill: int, loops: int, kv_mode: str, adaptive: AdaptiveDepth | None = None
+) -> torch.Tensor:
     """Logits predicting tokens[:, prefill:] and one more: the first `prefill` columns prefilled into an
     inference cache in `kv_mode`, each later column fed one at a time, as a served model reads them
     (with `adaptive`, each at the depth its exit rule picks; the prefill at k = loops)."""
     cache = InferenceCache(model, tokens.shape[0], tokens.shape[1], loops, kv_mode)
     logits = [model(tokens[:, :prefill], loops, cache)[:, -1:]]
     for t in range(prefill, tokens.shape[1]):
-        logits.append(model(tokens[:, t:t + 1], loops, cache, exit_rule=_rule(adaptive)))
+        logits.append(model(tokens[:, t : t + 1], loops, cache, exit_rule=_rule(adaptive)))
         if adaptive is not None:
             adaptive.count(model.loops_used())
     return torch.cat(logits, dim=1)
@@ -139,8 +145,9 @@ def option_score(logprobs: torch.Tensor, option: list[int]) -> tuple[float, bool
 
 
 @torch.no_grad()
-def decoded_continuation_logprobs(model, requests: list[tuple[list[int], list[int]]], loops: int,
-                                  kv_mode: str) -> list[tuple[float, bool]]:
+def decoded_continuation_logprobs(
+    model, requests: list[tuple[list[int], list[int]]], loops: int, kv_mode: str
+) -> list[tuple[float, bool]]:
     """continuation_logprobs as a served model computes them: each context prefilled into an
     inference cache in `kv_mode`, its continuation fed one token at a time (teacher forced). In
     per_loop mode this equals the full-sequence forward; the shared modes show what their cache costs.
@@ -152,27 +159,36 @@ def decoded_continuation_logprobs(model, requests: list[tuple[list[int], list[in
         longest = max(len(option) for option in options)
         if longest >= limit:
             raise ValueError(f"an option of {longest} tokens leaves no room in the model's {limit} positions")
-        context = list(context)[max(0, len(context) + longest - 1 - limit):]  # cut on the left to fit
+        context = list(context)[max(0, len(context) + longest - 1 - limit) :]  # cut on the left to fit
         tokens = torch.zeros(len(options), len(context) + longest - 1, dtype=torch.long)
-        tokens[:, :len(context)] = torch.tensor(context)
+        tokens[:, : len(context)] = torch.tensor(context)
         for b, option in enumerate(options):
-            tokens[b, len(context):len(context) + len(option) - 1] = torch.tensor(option[:-1])
+            tokens[b, len(context) : len(context) + len(option) - 1] = torch.tensor(option[:-1])
         logits = teacher_forced_logits(model, tokens.to(device), len(context), loops, kv_mode)
         logprobs = F.log_softmax(logits.float(), dim=-1).cpu()  # row j predicts option token j
-        scores += [option_score(logprobs[b, :len(option)], option) for b, option in enumerate(options)]
+        scores += [option_score(logprobs[b, : len(option)], option) for b, option in enumerate(options)]
     return scores
 
 
-def score_multiple_choice(model, tokenizer: Tokenizer, items: list[dict], loops: int,
-                          batch_size: int = 16, kv_mode: str | None = None,
-                          adaptive: AdaptiveDepth | None = None) -> dict:
+def score_multiple_choice(
+    model,
+    tokenizer: Tokenizer,
+    items: list[dict],
+    loops: int,
+    batch_size: int = 16,
+    kv_mode: str | None = None,
+    adaptive: AdaptiveDepth | None = None,
+) -> dict:
     """acc and acc_norm over the items, and every option's log-likelihood (kv_mode None: one
     full-sequence forward per option; a mode: decoded through the inference cache)."""
     requests = [r for item in items for r in mc_requests(item, tokenizer)]
     if adaptive is not None and kv_mode is not None:
         raise ValueError("adaptive depth scores options with one full-sequence forward (no kv_mode)")
-    flat = iter(continuation_logprobs(model, requests, loops, batch_size, adaptive) if kv_mode is None
-                else decoded_continuation_logprobs(model, requests, loops, kv_mode))
+    flat = iter(
+        continuation_logprobs(model, requests, loops, batch_size, adaptive)
+        if kv_mode is None
+        else decoded_continuation_logprobs(model, requests, loops, kv_mode)
+    )
     correct = correct_norm = 0
     loglikelihoods = []
     for item in items:
@@ -197,8 +213,15 @@ def read_tokens(path: str | Path) -> np.ndarray:
 
 
 @torch.no_grad()
-def validation_loss(model, tokens: np.ndarray, seq_len: int, loops: int, batches: int, batch_size: int,
-                    adaptive: AdaptiveDepth | None = None) -> float:
+def validation_loss(
+    model,
+    tokens: np.ndarray,
+    seq_len: int,
+    loops: int,
+    batches: int,
+    batch_size: int,
+    adaptive: AdaptiveDepth | None = None,
+) -> float:
     """Mean next-token cross entropy over the first batches x batch_size windows of seq_len + 1."""
     windows = min(batches * batch_size, (len(tokens) - 1) // seq_len)
     if windows < 1:
@@ -206,7 +229,9 @@ def validation_loss(model, tokens: np.ndarray, seq_len: int, loops: int, batches
     device, vocab = model.output.weight.device, model.tok_embeddings.num_embeddings
     total, count = 0.0, 0
     for start in range(0, windows, batch_size):
-        rows = np.stack([tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(start, min(start + batch_size, windows))])
+        rows = np.stack(
+            [tokens[w * seq_len : w * seq_len + seq_len + 1] for w in range(start, min(start + batch_size, windows))]
+        )
         if rows.max() >= vocab:  # another tokenizer's data, or the wrong dtype: an index error (a device assert on GPU)
             raise ValueError(f"validation data holds token id {rows.max()}, outside this model's vocabulary of {vocab}")
         rows = torch.from_numpy(rows.astype(np.int64)).to(device)
@@ -219,8 +244,15 @@ def validation_loss(model, tokens: np.ndarray, seq_len: int, loops: int, batches
 
 
 @torch.no_grad()
-def decoded_loss(model, tokens: np.ndarray, seq_len: int, loops: int, kv_mode: str, windows: int,
-                 adaptive: AdaptiveDepth | None = None) -> float:
+def decoded_loss(
+    model,
+    tokens: np.ndarray,
+    seq_len: int,
+    loops: int,
+    kv_mode: str,
+    windows: int,
+    adaptive: AdaptiveDepth | None = None,
+) -> float:
     """Next-token cross entropy of each window's second half, decoded one token at a time (teacher
     forced) through the inference cache after its first half is prefilled: what a KV mode costs, which
     the full-sequence loss cannot show (in per_loop mode the two agree)."""
@@ -228,7 +260,7 @@ def decoded_loss(model, tokens: np.ndarray, seq_len: int, loops: int, kv_mode: s
     if windows < 1:
         raise ValueError(f"{len(tokens)} validation tokens are too few for one window of {seq_len + 1}")
     device, prefill = model.output.weight.device, seq_len // 2
-    rows = np.stack([tokens[w * seq_len:w * seq_len + seq_len + 1] for w in range(windows)])
+    rows = np.stack([tokens[w * seq_len : w * seq_len + seq_len + 1] for w in range(windows)])
     rows = torch.from_numpy(rows.astype(np.int64)).to(device)
     logits = teacher_forced_logits(model, rows[:, :-1], prefill, loops, kv_mode, adaptive)  # predicts prefill..
     return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, prefill:].flatten()).item()
@@ -246,8 +278,9 @@ def chat_validation_loss(model, data_dir: str | Path, seq_len: int, loops: int, 
         inputs, labels = split.rows(list(range(start, min(start + batch_size, n))), seq_len)
         logits = model(inputs.to(device), loops)
         labels = labels.to(device)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                 ignore_index=IGNORE_INDEX).item()
+        total += F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+        ).item()
         count += int((labels != IGNORE_INDEX).sum())
     return total / count
 
@@ -258,8 +291,9 @@ def _sync(device) -> None:
 
 
 @torch.no_grad()
-def measure_latency(model, prompt: list[int], loops: int, kv_mode: str, new_tokens: int = 16,
-                    repeats: int = 3) -> dict[str, float]:
+def measure_latency(
+    model, prompt: list[int], loops: int, kv_mode: str, new_tokens: int = 16, repeats: int = 3
+) -> dict[str, float]:
     """Time to first token (prefill of `prompt` and its first token) and mean per-token decode time,
     in seconds: the best of `repeats` runs after one warm-up."""
     device = model.output.weight.device
@@ -283,8 +317,9 @@ def measure_latency(model, prompt: list[int], loops: int, kv_mode: str, new_toke
 
 
 @torch.no_grad()
-def task_accuracy(model, task, seed: int, examples: int, loops: int, batch_size: int = 256,
-                  adaptive: AdaptiveDepth | None = None) -> list[float]:
+def task_accuracy(
+    model, task, seed: int, examples: int, loops: int, batch_size: int = 256, adaptive: AdaptiveDepth | None = None
+) -> list[float]:
     """Answer accuracy at each difficulty 1..max on a depth task's first `examples` validation
     examples (elr/text/tasks.py; the stream the run's own validation reads, seeded by its training seed)."""
     from elr.text import tasks

@@ -8,7 +8,6 @@ after `max_new_tokens`; finished rows keep stepping (their tokens are dropped) u
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,8 +32,15 @@ class Sampling:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None,
-           uniforms: torch.Tensor | None = None) -> torch.Tensor:
+GREEDY = Sampling()
+
+
+def sample(
+    logits: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [B, vocab] -> next token ids [B]. `uniforms` [B] in [0, 1): each row's draw, by the inverse of
     its distribution's CDF, instead of the generator's (draws that do not depend on how rows are batched)."""
     if sampling.temperature == 0:
@@ -68,7 +74,7 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     width = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     for row, p in enumerate(prompts):
-        tokens[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        tokens[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
     pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
     return tokens.to(device), pad.to(device)
 
@@ -102,12 +108,20 @@ def row_budgets(loops: int | list[int], batch: int, device) -> int | torch.Tenso
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], loops: int | list[int], max_new_tokens: int, eot_id: int,
-             kv_mode: str = "per_loop", sampling: Sampling = Sampling(),
-             generator: torch.Generator | None = None,
-             stop: Callable[[list[list[int]]], list[bool]] | None = None,
-             adaptive: AdaptiveDepth | None = None, uniforms: Callable[[int], torch.Tensor] | None = None,
-             all_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
+def generate(
+    model,
+    prompts: list[list[int]],
+    loops: int | list[int],
+    max_new_tokens: int,
+    eot_id: int,
+    kv_mode: str = "per_loop",
+    sampling: Sampling = GREEDY,
+    generator: torch.Generator | None = None,
+    stop: Callable[[list[list[int]]], list[bool]] | None = None,
+    adaptive: AdaptiveDepth | None = None,
+    uniforms: Callable[[int], torch.Tensor] | None = None,
+    all_done: Callable[[bool], bool] | None = None,
+) -> list[list[int]]:
     """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
     (without the end-of-text token). `loops`: k for all, or one k per prompt (mixed budgets in one
     batch, each row decoded as it would be alone). `stop`, given the new tokens so far, says which

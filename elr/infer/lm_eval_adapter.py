@@ -27,8 +27,17 @@ from elr.infer.load import load_model, load_tokenizer
 
 @register_model("elr")
 class ELRHarnessModel(LM):
-    def __init__(self, checkpoint: str, loops: int = 1, kv: str = "per_loop", device: str = "cpu",
-                 dtype: str = "float32", batch_size: int = 16, max_gen_toks: int = 256, tokenizer: str | None = None):
+    def __init__(
+        self,
+        checkpoint: str,
+        loops: int = 1,
+        kv: str = "per_loop",
+        device: str = "cpu",
+        dtype: str = "float32",
+        batch_size: int = 16,
+        max_gen_toks: int = 256,
+        tokenizer: str | None = None,
+    ):
         super().__init__()
         self.model, cfg = load_model(checkpoint, device, getattr(torch, dtype))
         self.tokenizer = load_tokenizer(cfg, tokenizer)
@@ -39,8 +48,10 @@ class ELRHarnessModel(LM):
         return [self.tokenizer.eot_id] + self.tokenizer.encode(text)
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        pairs = [(self._context(context), self.tokenizer.encode(continuation)) for context, continuation in
-                 (r.args for r in requests)]
+        pairs = [
+            (self._context(context), self.tokenizer.encode(continuation))
+            for context, continuation in (r.args for r in requests)
+        ]
         return continuation_logprobs(self.model, pairs, self.loops, self.batch_size)
 
     def loglikelihood_rolling(self, requests) -> list[float]:
@@ -49,9 +60,13 @@ class ELRHarnessModel(LM):
         results = []
         for (text,) in (r.args for r in requests):
             tokens = self.tokenizer.encode(text)
-            chunks = [(self._context("") + tokens[:start], tokens[start:start + window])
-                      for start in range(0, len(tokens), window)]
-            results.append(sum(score for score, _ in continuation_logprobs(self.model, chunks, self.loops, self.batch_size)))
+            chunks = [
+                (self._context("") + tokens[:start], tokens[start : start + window])
+                for start in range(0, len(tokens), window)
+            ]
+            results.append(
+                sum(score for score, _ in continuation_logprobs(self.model, chunks, self.loops, self.batch_size))
+            )
         return results
 
     def generate_until(self, requests) -> list[str]:
@@ -70,14 +85,24 @@ class ELRHarnessModel(LM):
         outputs: list[str] = [""] * len(requests)
         for (until, max_new, temperature), rows in groups.items():
             for start in range(0, len(rows), self.batch_size):
-                batch = rows[start:start + self.batch_size]
-                prompts = [self._context(requests[i].args[0])[-(self.model.args.max_seq_len - max_new):] for i in batch]
+                batch = rows[start : start + self.batch_size]
+                prompts = [
+                    self._context(requests[i].args[0])[-(self.model.args.max_seq_len - max_new) :] for i in batch
+                ]
 
                 def stop(out):
                     return [any(s in self.tokenizer.decode(tokens) for s in until) for tokens in out]
 
-                tokens = generate(self.model, prompts, self.loops, max_new, self.tokenizer.eot_id, self.kv,
-                                  Sampling(temperature=temperature), stop=stop if until else None)
+                tokens = generate(
+                    self.model,
+                    prompts,
+                    self.loops,
+                    max_new,
+                    self.tokenizer.eot_id,
+                    self.kv,
+                    Sampling(temperature=temperature),
+                    stop=stop if until else None,
+                )
                 for i, row in zip(batch, tokens):
                     text = self.tokenizer.decode(row)
                     for s in until:

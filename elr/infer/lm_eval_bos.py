@@ -32,6 +32,8 @@ def missing_bos_warning(argv: list[str]) -> str | None:
         return None
     if args.get("add_bos_token", "").lower() == "true":
         return None
-    return (f"warning: {args['pretrained']} is an ELR export, trained with <|endoftext|> before every document; "
-            "lm-eval's hf model adds it only with add_bos_token=True in --model_args (without it the scores are "
-            "lower and the loop counts read alike)")
+    return (
+        f"warning: {args['pretrained']} is an ELR export, trained with <|endoftext|> before every document; "
+        "lm-eval's hf model adds it only with add_bos_token=True in --model_args (without it the scores are "
+        "lower and the loop counts read alike)"
+    )

@@ -51,16 +51,23 @@ def run_config(checkpoint: str | Path, marker: dict | None = None) -> dict:
     marker = marker if marker is not None else verify(checkpoint)
     raw = read_config(checkpoint, marker)
     if raw is None:
-        raise CheckpointError(f"{checkpoint} holds no {CONFIG} (saved without the job's config): inference "
-                              "cannot tell which network to build")
+        raise CheckpointError(
+            f"{checkpoint} holds no {CONFIG} (saved without the job's config): inference "
+            "cannot tell which network to build"
+        )
     return config_from_dict(raw).to_dict()  # validated, and keys added since it was written at their defaults
 
 
 _NOTED: set[str] = set()  # the DCP note is printed once per checkpoint and process
 
 
-def load_model(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               max_seq_len: int | None = None, note: bool = True) -> tuple[ELRModel, dict]:
+def load_model(
+    checkpoint: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_seq_len: int | None = None,
+    note: bool = True,
+) -> tuple[ELRModel, dict]:
     """Model (eval mode) and run config. `max_seq_len` enlarges the RoPE table past the training
     length (positions beyond it were never trained). Any problem with the checkpoint is a
     CheckpointError (a UserError) naming it. `note`: say once that a DCP checkpoint is for one's own
@@ -109,6 +116,8 @@ def load_tokenizer(cfg: dict, path: str | None = None) -> Tokenizer:
         tokenizer = build_tokenizer(str(in_repo) if not Path(path).is_file() and in_repo.is_file() else path)
     want = cfg["tokenizer"].get("sha256", "")
     if want and tokenizer.sha256 != want:
-        raise TokenizerError(f"tokenizer {tokenizer.source} has SHA-256 {tokenizer.sha256}, but the checkpoint "
-                             f"was trained with {want} (tokenizer.sha256 in its config.json): another vocabulary")
+        raise TokenizerError(
+            f"tokenizer {tokenizer.source} has SHA-256 {tokenizer.sha256}, but the checkpoint "
+            f"was trained with {want} (tokenizer.sha256 in its config.json): another vocabulary"
+        )
     return tokenizer

@@ -25,20 +25,32 @@ def entry_counts(args: ModelArgs, loops: int, mode: str) -> dict[str, int]:
     if mode not in MODES:
         raise ValueError(f"unknown KV cache mode {mode!r}; use one of {', '.join(MODES)}")
     n_in, n_rec, _ = args.partition
-    recurrent = args.layer_pattern[n_in:n_in + n_rec]
-    return {letter: args.layer_pattern.count(letter)
-            + (loops - 1 if keeps_per_loop(mode, kind.inference_state.name) else 0) * recurrent.count(letter)
-            for letter, kind in LAYER_KINDS.items() if kind.inference_state is not None}
+    recurrent = args.layer_pattern[n_in : n_in + n_rec]
+    return {
+        letter: args.layer_pattern.count(letter)
+        + (loops - 1 if keeps_per_loop(mode, kind.inference_state.name) else 0) * recurrent.count(letter)
+        for letter, kind in LAYER_KINDS.items()
+        if kind.inference_state is not None
+    }
 
 
-def inference_state_bytes(args: ModelArgs, loops: int, context_len: int, mode: str = "per_loop",
-                          dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict[str, int]:
+def inference_state_bytes(
+    args: ModelArgs,
+    loops: int,
+    context_len: int,
+    mode: str = "per_loop",
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 1,
+) -> dict[str, int]:
     """Bytes of each kind's state ("attention_kv", "gdp_state") for `batch` requests of `context_len`
     tokens at k=loops."""
     size = torch.empty((), dtype=dtype).element_size()
-    return {LAYER_KINDS[letter].inference_state.name:
-            batch * count * LAYER_KINDS[letter].inference_state.bytes(args, context_len, size)
-            for letter, count in entry_counts(args, loops, mode).items()}
+    return {
+        LAYER_KINDS[letter].inference_state.name: batch
+        * count
+        * LAYER_KINDS[letter].inference_state.bytes(args, context_len, size)
+        for letter, count in entry_counts(args, loops, mode).items()
+    }
 
 
 def free_bytes(device: torch.device | str) -> int:
@@ -54,17 +66,20 @@ def free_bytes(device: torch.device | str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(args: ModelArgs, loops: int, context_len: int, mode: str, dtype: torch.dtype, batch: int,
-               device: torch.device | str) -> None:
+def check_fits(
+    args: ModelArgs, loops: int, context_len: int, mode: str, dtype: torch.dtype, batch: int, device: torch.device | str
+) -> None:
     """A ValueError, before anything is allocated, when `batch` requests of `context_len` tokens at k=loops
     need more inference state (and RoPE table) than the device has free: one line, not an allocator crash."""
     need = sum(inference_state_bytes(args, loops, context_len, mode, dtype, batch).values())
     need += context_len * args.rope_dim * 4  # the RoPE table grown to the context (float32 cos and sin)
     free = free_bytes(device)
     if need > free:
-        raise ValueError(f"{batch} prompt(s) of up to {context_len} tokens at k={loops} ({mode}) need "
-                         f"{human_bytes(need)} of inference state, more than the {human_bytes(free)} free on "
-                         f"{torch.device(device)}: lower --max-new-tokens, the prompts or the loop count")
+        raise ValueError(
+            f"{batch} prompt(s) of up to {context_len} tokens at k={loops} ({mode}) need "
+            f"{human_bytes(need)} of inference state, more than the {human_bytes(free)} free on "
+            f"{torch.device(device)}: lower --max-new-tokens, the prompts or the loop count"
+        )
 
 
 def human_bytes(n: int) -> str:
@@ -77,11 +92,16 @@ def human_bytes(n: int) -> str:
 def memory_table(args: ModelArgs, max_loops: int, context_len: int, dtype: torch.dtype) -> str:
     """Markdown table: bytes per request at each k and mode, with the ratio to one loop."""
     one = inference_state_bytes(args, 1, context_len, "per_loop", dtype)["attention_kv"]
-    lines = [f"inference state per request, {context_len} tokens, {str(dtype).removeprefix('torch.')}",
-             "| k | mode | attention KV | x one loop | GDP state |", "|---|---|---|---|---|"]
+    lines = [
+        f"inference state per request, {context_len} tokens, {str(dtype).removeprefix('torch.')}",
+        "| k | mode | attention KV | x one loop | GDP state |",
+        "|---|---|---|---|---|",
+    ]
     for k in range(1, max_loops + 1):
         for mode in MODES:
             b = inference_state_bytes(args, k, context_len, mode, dtype)
-            lines.append(f"| {k} | {mode} | {human_bytes(b['attention_kv'])} | "
-                         f"{b['attention_kv'] / one if one else 0:.2f} | {human_bytes(b['gdp_state'])} |")
+            lines.append(
+                f"| {k} | {mode} | {human_bytes(b['attention_kv'])} | "
+                f"{b['attention_kv'] / one if one else 0:.2f} | {human_bytes(b['gdp_state'])} |"
+            )
     return "\n".join(lines)

@@ -46,17 +46,31 @@ class SpeculationStats:
 
 
 @torch.no_grad()
-def speculative_generate(model, prompts: list[list[int]], loops: int, max_new_tokens: int, eot_id: int,
-                         kv_mode: str = "per_loop", draft_loops: int = 1,
-                         draft_tokens: int = 4) -> tuple[list[list[int]], SpeculationStats]:
+def speculative_generate(
+    model,
+    prompts: list[list[int]],
+    loops: int,
+    max_new_tokens: int,
+    eot_id: int,
+    kv_mode: str = "per_loop",
+    draft_loops: int = 1,
+    draft_tokens: int = 4,
+) -> tuple[list[list[int]], SpeculationStats]:
     """Greedy continuation of each prompt at k = `loops`, drafted at k = `draft_loops`, up to
     `draft_tokens` per round; returns the new tokens per prompt (as `generate` does) and the draft
     statistics. Prompts run one at a time (rows accept different numbers of tokens)."""
     check_draft(loops, draft_loops, draft_tokens)
     stats, outputs = SpeculationStats(), []
     for prompt in prompts:
-        outputs.append([token for gained in speculative_rounds(model, prompt, loops, max_new_tokens, eot_id, kv_mode,
-                                                               draft_loops, draft_tokens, stats) for token in gained])
+        outputs.append(
+            [
+                token
+                for gained in speculative_rounds(
+                    model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loops, draft_tokens, stats
+                )
+                for token in gained
+            ]
+        )
     return outputs, stats
 
 
@@ -68,8 +82,17 @@ def check_draft(loops: int, draft_loops: int, draft_tokens: int) -> None:
 
 
 @torch.no_grad()
-def speculative_rounds(model, prompt: list[int], loops: int, max_new_tokens: int, eot_id: int, kv_mode: str,
-                       draft_loops: int, draft_tokens: int, stats: SpeculationStats) -> Iterator[list[int]]:
+def speculative_rounds(
+    model,
+    prompt: list[int],
+    loops: int,
+    max_new_tokens: int,
+    eot_id: int,
+    kv_mode: str,
+    draft_loops: int,
+    draft_tokens: int,
+    stats: SpeculationStats,
+) -> Iterator[list[int]]:
     """One prompt's greedy continuation, a forward round at a time: yields the prefill's token, then
     after each verifying round the tokens it gained (the accepted drafts and the verifier's own next
     token), never the end-of-text token; `stats` counts the drafts. A server steps it between other
@@ -108,7 +131,7 @@ def speculative_rounds(model, prompt: list[int], loops: int, max_new_tokens: int
                 cache.length = saved[0] + accepted + 1
             else:
                 cache.restore(saved)
-                model(torch.tensor([fed[:accepted + 1]], device=device), loops, cache)
+                model(torch.tensor([fed[: accepted + 1]], device=device), loops, cache)
         gained = []
         for token in [*drafts[:accepted], choices[accepted]]:  # the verifier's choice is the next `current`
             if token == eot_id or count == max_new_tokens:

@@ -12,5 +12,14 @@ from elr.interop.hf_config import differences, is_export, read_config
 from elr.interop.hf_export import write_export
 from elr.interop.hf_import import check_export, check_fits, load_export, load_export_config, read_export
 
-__all__ = ["check_export", "check_fits", "differences", "is_export", "load_export", "load_export_config",
-           "read_config", "read_export", "write_export"]
+__all__ = [
+    "check_export",
+    "check_fits",
+    "differences",
+    "is_export",
+    "load_export",
+    "load_export_config",
+    "read_config",
+    "read_export",
+    "write_export",
+]

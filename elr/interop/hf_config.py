@@ -20,19 +20,26 @@ import json
 import typing
 from pathlib import Path
 
+from elr.config.recurrence import RecurrenceOptions
 from elr.errors import CheckpointError
 from elr.models.args import ModelArgs
-from elr.config.recurrence import RecurrenceOptions
 
 CONFIG = "config.json"
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
 # Format 1's flat `elr_model` keys of the recurrence options -> their RecurrenceOptions names.
 FORMAT_1_NAMES = {
-    "max_loops": "max_loops", "recurrent_input": "recurrent_input", "update": "update", "step_input": "step_input",
-    "conditioning": "conditioning", "cond_budget": "conditioning_budget", "cond_gate": "conditioning_gate",
-    "cond_first_loop": "conditioning_first_loop", "cond_later_loops": "conditioning_later_loops",
-    "cond_silu": "conditioning_silu", "cond_exit": "conditioning_exit",
+    "max_loops": "max_loops",
+    "recurrent_input": "recurrent_input",
+    "update": "update",
+    "step_input": "step_input",
+    "conditioning": "conditioning",
+    "cond_budget": "conditioning_budget",
+    "cond_gate": "conditioning_gate",
+    "cond_first_loop": "conditioning_first_loop",
+    "cond_later_loops": "conditioning_later_loops",
+    "cond_silu": "conditioning_silu",
+    "cond_exit": "conditioning_exit",
 }
 MODEL_TYPE = "elr"
 ARCHITECTURE = "ELRForCausalLM"
@@ -40,8 +47,7 @@ MAX_CONFIG_BYTES = 64 << 20  # a larger config.json is not read at all
 AUTO_MAP = {"AutoConfig": "configuration_elr.ELRConfig", "AutoModelForCausalLM": "modeling_elr.ELRForCausalLM"}
 
 
-def hf_config(args: ModelArgs, job: dict, *, loops: int, kv: str, dtype: str, eot_id: int,
-              tokenizer: str) -> dict:
+def hf_config(args: ModelArgs, job: dict, *, loops: int, kv: str, dtype: str, eot_id: int, tokenizer: str) -> dict:
     """The config.json of an export of a model built from `args`. `kv` is one of elr.infer.cache.MODES
     (checked where it is chosen, scripts/export_hf.py, and by the cache when it runs)."""
     if not 1 <= loops:
@@ -49,12 +55,25 @@ def hf_config(args: ModelArgs, job: dict, *, loops: int, kv: str, dtype: str, eo
     fields = dataclasses.asdict(args)
     fields["partition"] = list(args.partition)
     return {
-        "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], "auto_map": AUTO_MAP,
-        "elr_model": fields, "loops": loops, "kv": kv,
-        "max_loops": args.recurrence.max_loops, "vocab_size": args.vocab_size, "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers, "max_position_embeddings": args.max_seq_len,
-        "bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": eot_id, "tie_word_embeddings": False,
-        "dtype": dtype, "elr_job": job, "elr_tokenizer": tokenizer, "elr_export_format": FORMAT,
+        "model_type": MODEL_TYPE,
+        "architectures": [ARCHITECTURE],
+        "auto_map": AUTO_MAP,
+        "elr_model": fields,
+        "loops": loops,
+        "kv": kv,
+        "max_loops": args.recurrence.max_loops,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "max_position_embeddings": args.max_seq_len,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "pad_token_id": eot_id,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "elr_job": job,
+        "elr_tokenizer": tokenizer,
+        "elr_export_format": FORMAT,
     }
 
 
@@ -81,8 +100,10 @@ def read_config(folder: str | Path) -> dict:
     if not isinstance(raw, dict) or raw.get("model_type") != MODEL_TYPE:
         raise CheckpointError(f"{path}: not an ELR export (model_type is not {MODEL_TYPE!r})")
     if raw.get("elr_export_format") not in READABLE_FORMATS:
-        raise CheckpointError(f"{path}: export format {raw.get('elr_export_format')!r}; this code reads "
-                              f"{', '.join(map(str, READABLE_FORMATS))}")
+        raise CheckpointError(
+            f"{path}: export format {raw.get('elr_export_format')!r}; this code reads "
+            f"{', '.join(map(str, READABLE_FORMATS))}"
+        )
     model_args(raw.get("elr_model"), path)
     if not isinstance(raw.get("elr_job"), dict):
         raise CheckpointError(f"{path}: elr_job must be the training job's config")
@@ -103,8 +124,13 @@ def model_args(fields, where: str | Path = CONFIG) -> ModelArgs:
         fields["recurrence"] = {**dataclasses.asdict(RecurrenceOptions()), **fields["recurrence"]}  # is the old model
     _check_fields(fields["recurrence"], RecurrenceOptions, where, "elr_model.recurrence")
     try:
-        return ModelArgs(**{**fields, "partition": tuple(fields["partition"]),
-                            "recurrence": RecurrenceOptions(**fields["recurrence"])})
+        return ModelArgs(
+            **{
+                **fields,
+                "partition": tuple(fields["partition"]),
+                "recurrence": RecurrenceOptions(**fields["recurrence"]),
+            }
+        )
     except ValueError as e:
         raise CheckpointError(f"{where}: elr_model: {e}") from None
 
@@ -116,10 +142,17 @@ def _check_fields(fields, cls, where, what: str) -> None:
     names = [f.name for f in dataclasses.fields(cls)]
     missing, unknown = [n for n in names if n not in fields], [n for n in fields if n not in names]
     if missing or unknown:
-        raise CheckpointError(f"{where}: {what} " + "; ".join(
-            part for part in (f"lacks {', '.join(missing)}" if missing else "",
-                              f"has unknown {', '.join(unknown)} (written by a newer version?)" if unknown else "")
-            if part))
+        raise CheckpointError(
+            f"{where}: {what} "
+            + "; ".join(
+                part
+                for part in (
+                    f"lacks {', '.join(missing)}" if missing else "",
+                    f"has unknown {', '.join(unknown)} (written by a newer version?)" if unknown else "",
+                )
+                if part
+            )
+        )
     hints = typing.get_type_hints(cls)
     for name in names:
         value, want = fields[name], hints[name]
@@ -145,8 +178,13 @@ def _is(value, want) -> bool:
 
 def differences(saved: ModelArgs, wanted: ModelArgs) -> list[str]:
     """`field saved -> wanted` for each ModelArgs field that differs (a recurrence option as `recurrence.name`)."""
-    pairs = [(f.name, getattr(saved, f.name), getattr(wanted, f.name)) for f in dataclasses.fields(ModelArgs)
-             if f.name != "recurrence"]
-    pairs += [(f"recurrence.{f.name}", getattr(saved.recurrence, f.name), getattr(wanted.recurrence, f.name))
-              for f in dataclasses.fields(RecurrenceOptions)]
+    pairs = [
+        (f.name, getattr(saved, f.name), getattr(wanted, f.name))
+        for f in dataclasses.fields(ModelArgs)
+        if f.name != "recurrence"
+    ]
+    pairs += [
+        (f"recurrence.{f.name}", getattr(saved.recurrence, f.name), getattr(wanted.recurrence, f.name))
+        for f in dataclasses.fields(RecurrenceOptions)
+    ]
     return [f"{name} {old!r} -> {new!r}" for name, old, new in pairs if old != new]

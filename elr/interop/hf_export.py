@@ -10,7 +10,8 @@
           README.md                   the model card: how to load it
 
 The folder is written beside `out` as `out.tmp` and renamed when complete: a failed export leaves
-nothing half-written (a write that fails for space or permission is one CheckpointError line). An `out.tmp` this code did not make (it lacks the marker file an export writes
+nothing half-written (a write that fails for space or permission is one CheckpointError line). An `out.tmp` this code
+did not make (it lacks the marker file an export writes
 first) is refused and left as it is; so is an existing `out` (with `overwrite`, only an ELR export is
 replaced). Weights are stored under "model." (the wrapper's name for the ELR model).
 """
@@ -81,13 +82,24 @@ with `add_special_tokens=False`, e.g. for text that already holds it); the chat 
 """
 
 
-def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict, tokenizer: Tokenizer,
-                 out: str | Path, *, dtype: torch.dtype = torch.float32, loops: int | None = None,
-                 kv: str = "per_loop", chat_template: str | None = CHAT_TEMPLATE,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+def write_export(
+    state_dict: dict[str, torch.Tensor],
+    args: ModelArgs,
+    job: dict,
+    tokenizer: Tokenizer,
+    out: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    loops: int | None = None,
+    kv: str = "per_loop",
+    chat_template: str | None = CHAT_TEMPLATE,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
     """Export the ELR model weights `state_dict` (plain names, full CPU tensors) built from `args`.
     `loops`: the default loop count (default: the model's max_loops). `chat_template`: the Jinja template
-    written into tokenizer_config.json (default: the one SFT trains with, elr/text/chat.py; None: none). An existing `out` is an error unless `overwrite`."""
+    written into tokenizer_config.json (default: the one SFT trains with, elr/text/chat.py; None: none). An existing
+    `out` is an error unless `overwrite`."""
     out = Path(out)
     if (out.exists() or out.is_symlink()) and not overwrite:
         raise CheckpointError(f"{out} already exists: remove it or export to another folder")
@@ -97,11 +109,20 @@ def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict
         raise CheckpointError(f"the shard size limit must be positive, got {max_shard_bytes}")
     loops = args.recurrence.max_loops if loops is None else loops
     if tokenizer.n_vocab > args.vocab_size:
-        raise CheckpointError(f"tokenizer {tokenizer.source} has {tokenizer.n_vocab} ids, but the model embeds "
-                              f"{args.vocab_size}: not the tokenizer it was trained with")
+        raise CheckpointError(
+            f"tokenizer {tokenizer.source} has {tokenizer.n_vocab} ids, but the model embeds "
+            f"{args.vocab_size}: not the tokenizer it was trained with"
+        )
     ranks = Path(tokenizer.source)
-    config = hf_config(args, job, loops=loops, kv=kv, dtype=str(dtype).removeprefix("torch."),
-                       eot_id=tokenizer.eot_id, tokenizer=RANKS if ranks.is_file() else tokenizer.source)
+    config = hf_config(
+        args,
+        job,
+        loops=loops,
+        kv=kv,
+        dtype=str(dtype).removeprefix("torch."),
+        eot_id=tokenizer.eot_id,
+        tokenizer=RANKS if ranks.is_file() else tokenizer.source,
+    )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = claim_tmp(out)
@@ -111,9 +132,19 @@ def write_export(state_dict: dict[str, torch.Tensor], args: ModelArgs, job: dict
         write_weights({PREFIX + k: v.detach().to(dtype) for k, v in state_dict.items()}, tmp, max_shard_bytes)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2))
         eot = tokenizer.eot_id
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot, "do_sample": False, "loops": loops,
-             "kv": kv}, indent=2))
+        (tmp / "generation_config.json").write_text(
+            json.dumps(
+                {
+                    "bos_token_id": eot,
+                    "eos_token_id": eot,
+                    "pad_token_id": eot,
+                    "do_sample": False,
+                    "loops": loops,
+                    "kv": kv,
+                },
+                indent=2,
+            )
+        )
         write_tokenizer(tokenizer, tmp, chat_template, args.max_seq_len)
         if ranks.is_file():
             shutil.copyfile(ranks, tmp / RANKS)
@@ -140,8 +171,10 @@ def claim_tmp(out: Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists() or tmp.is_symlink():
         if tmp.is_symlink() or not tmp.is_dir() or not (tmp / PARTIAL).is_file():
-            raise CheckpointError(f"{tmp} exists and was not made by an ELR export: remove or rename it, or export "
-                                  "to another folder (nothing was deleted)")
+            raise CheckpointError(
+                f"{tmp} exists and was not made by an ELR export: remove or rename it, or export "
+                "to another folder (nothing was deleted)"
+            )
         logger.warning(f"removing {tmp}, left by an interrupted export")
         shutil.rmtree(tmp)
     try:

@@ -43,8 +43,11 @@ def plain_file(folder: Path, name) -> Path:
 
 def seal(folder: Path, names: Iterable[str]) -> None:
     """Write the manifest of `names` (files already written into `folder`)."""
-    files = {name: {"bytes": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
-             for name in sorted(set(names)) if name not in (MANIFEST, *UNLISTED)}
+    files = {
+        name: {"bytes": (folder / name).stat().st_size, "sha256": file_sha256(folder / name)}
+        for name in sorted(set(names))
+        if name not in (MANIFEST, *UNLISTED)
+    }
     (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
@@ -62,17 +65,23 @@ def seal_folder(folder: Path) -> list[str]:
 def read_manifest(folder: Path) -> dict[str, dict]:
     """{name: {"bytes", "sha256"}} of the folder's manifest, its shape checked (nothing else read)."""
     if not (folder / MANIFEST).exists() and not (folder / MANIFEST).is_symlink():
-        raise CheckpointError(f"{folder} has no {MANIFEST}: not written by the ELR export or by ELRForCausalLM."
-                              "save_pretrained, so its files cannot be checked (if you trust it: "
-                              f"python scripts/export_hf.py --seal {folder})")
+        raise CheckpointError(
+            f"{folder} has no {MANIFEST}: not written by the ELR export or by ELRForCausalLM."
+            "save_pretrained, so its files cannot be checked (if you trust it: "
+            f"python scripts/export_hf.py --seal {folder})"
+        )
     path = plain_file(folder, MANIFEST)
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: not a manifest")
     try:
         files = json.loads(path.read_bytes())["files"]
         ok = isinstance(files, dict) and all(
-            isinstance(e, dict) and set(e) == {"bytes", "sha256"} and isinstance(e["bytes"], int)
-            and isinstance(e["sha256"], str) for e in files.values())
+            isinstance(e, dict)
+            and set(e) == {"bytes", "sha256"}
+            and isinstance(e["bytes"], int)
+            and isinstance(e["sha256"], str)
+            for e in files.values()
+        )
     except (ValueError, KeyError, TypeError):
         ok = False
     if not ok:
@@ -91,6 +100,8 @@ def verify(folder: str | Path, needed: Iterable[str] = ()) -> set[str]:
     for name, entry in files.items():
         path = plain_file(folder, name)
         if path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
-            raise CheckpointError(f"{path} does not match its SHA-256 in {MANIFEST}: damaged or changed since it "
-                                  "was written (if you changed it yourself: python scripts/export_hf.py --seal FOLDER)")
+            raise CheckpointError(
+                f"{path} does not match its SHA-256 in {MANIFEST}: damaged or changed since it "
+                "was written (if you changed it yourself: python scripts/export_hf.py --seal FOLDER)"
+            )
     return set(files)

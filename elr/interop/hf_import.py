@@ -48,7 +48,7 @@ def own_names(folder: Path, keys) -> list[str]:
     outside = sorted(k for k in keys if not k.startswith(PREFIX))
     if outside:
         raise CheckpointError(f"{folder} holds weights outside the model: {', '.join(outside[:5])}")
-    return [k[len(PREFIX):] for k in keys]
+    return [k[len(PREFIX) :] for k in keys]
 
 
 def check_export(folder: str | Path) -> tuple[ModelArgs, dict]:
@@ -82,34 +82,50 @@ def meta_model(args: ModelArgs) -> ELRModel:
     for field in dataclasses.fields(args):
         value = getattr(args, field.name)
         if isinstance(value, int) and value > MAX_DIMENSION:
-            raise CheckpointError(f"{CONFIG}: elr_model.{field.name} = {value} is beyond any model this code builds "
-                                  f"(at most {MAX_DIMENSION})")
+            raise CheckpointError(
+                f"{CONFIG}: elr_model.{field.name} = {value} is beyond any model this code builds "
+                f"(at most {MAX_DIMENSION})"
+            )
     with torch.device("meta"):
         model = build_model(args)
     stored = set(model.state_dict())
     unstored = sum(b.numel() for name, b in model.named_buffers() if name not in stored)
     if unstored > MAX_UNSTORED_ELEMENTS:
-        raise CheckpointError(f"{CONFIG}: elr_model asks for {unstored} elements of tables the export does not "
-                              f"store (the RoPE table: max_seq_len = {args.max_seq_len}); more than "
-                              f"{MAX_UNSTORED_ELEMENTS}, refused")
+        raise CheckpointError(
+            f"{CONFIG}: elr_model asks for {unstored} elements of tables the export does not "
+            f"store (the RoPE table: max_seq_len = {args.max_seq_len}); more than "
+            f"{MAX_UNSTORED_ELEMENTS}, refused"
+        )
     return model
 
 
-def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor | tuple], where: str | Path,
-               allow_missing: Callable[[str], bool] = lambda key: False) -> None:
+def check_fits(
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor | tuple],
+    where: str | Path,
+    allow_missing: Callable[[str], bool] = lambda key: False,
+) -> None:
     """CheckpointError naming the keys unless `state` (tensors, or shapes) gives every weight of `model`
     (full shapes; a model on the meta device will do)."""
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # a DTensor's shape is its global one
     given = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in state.items()}
-    problems = key_problems(wanted, given, [k for k in state if k not in wanted],
-                            allow_missing, ("weights missing from the export", "export weights the model lacks",
-                                            "shapes differ (export vs model)"))
+    problems = key_problems(
+        wanted,
+        given,
+        [k for k in state if k not in wanted],
+        allow_missing,
+        ("weights missing from the export", "export weights the model lacks", "shapes differ (export vs model)"),
+    )
     if problems:
         raise CheckpointError(f"{where} does not fit this model ({'; '.join(problems)})")
 
 
-def load_export(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                max_seq_len: int | None = None) -> tuple[ELRModel, dict]:
+def load_export(
+    folder: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_seq_len: int | None = None,
+) -> tuple[ELRModel, dict]:
     """Model (eval mode) and the training job's config, whose tokenizer path points at the export's
     ranks file. `max_seq_len` enlarges the RoPE table past the training length."""
     folder = Path(folder)
@@ -143,6 +159,8 @@ def job_config(folder: Path, raw: dict, listed: set[str]) -> dict:
     elif isinstance(source, str) and source in tiktoken.list_encoding_names():
         cfg["tokenizer"]["path"] = source
     else:
-        raise CheckpointError(f"{folder / CONFIG}: elr_tokenizer must be {RANKS} (the ranks file in the folder) or a "
-                              "tiktoken encoding name")
+        raise CheckpointError(
+            f"{folder / CONFIG}: elr_tokenizer must be {RANKS} (the ranks file in the folder) or a "
+            "tiktoken encoding name"
+        )
     return cfg

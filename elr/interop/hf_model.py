@@ -69,6 +69,7 @@ class ELRConfig(PretrainedConfig):
 class ELROutput(ModelOutput):
     """The cache goes under `cache`, the name generate hands to the next step (transformers >= 5.24, which
     the hf extra requires; `past_key_values`, its name before, is deprecated there)."""
+
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     cache: ELRCache | None = None
@@ -77,6 +78,7 @@ class ELROutput(ModelOutput):
 @dataclass
 class DecodePlan:
     """What one generate() call fixed: the loop count, the KV mode and the most columns a row holds."""
+
     loops: int
     kv: str
     capacity: int
@@ -107,8 +109,12 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _is_stateful = True  # the cache cannot be rolled back
-    _supported_generation_modes = [GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
-                                   GenerationMode.BEAM_SAMPLE]
+    _supported_generation_modes = [
+        GenerationMode.GREEDY_SEARCH,
+        GenerationMode.SAMPLE,
+        GenerationMode.BEAM_SEARCH,
+        GenerationMode.BEAM_SAMPLE,
+    ]
 
     def __init__(self, config: ELRConfig):
         super().__init__(config)
@@ -137,8 +143,11 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
         super().save_pretrained(save_directory, *args, **kwargs)
         for name in REMOTE_FILES:
             shutil.copyfile(REMOTE / name, folder / name)
-        written = [p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink()
-                   and before.get(p.name) != p.stat().st_mtime_ns]
+        written = [
+            p.name
+            for p in folder.iterdir()
+            if p.is_file() and not p.is_symlink() and before.get(p.name) != p.stat().st_mtime_ns
+        ]
         seal(folder, written)
 
     @classmethod
@@ -180,9 +189,19 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("left-padded batches are for inference (no gradients): to train, pad on the right")
         return pad
 
-    def forward(self, input_ids, attention_mask=None, labels=None, loops=None, cache=None, use_cache=None,
-                elr_decode: DecodePlan | None = None, return_dict=None, output_attentions=None,
-                output_hidden_states=None):
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        labels=None,
+        loops=None,
+        cache=None,
+        use_cache=None,
+        elr_decode: DecodePlan | None = None,
+        return_dict=None,
+        output_attentions=None,
+        output_hidden_states=None,
+    ):
         """Logits of `input_ids` at `loops` (default config.loops); with `labels`, the next-token loss.
         Inside generate (`elr_decode` set) each step continues the cache the first step built."""
         if output_attentions or output_hidden_states:
@@ -192,11 +211,16 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
         if elr_decode is not None and use_cache is not False:
             if cache is None:
                 if attention_mask is not None and attention_mask.shape[1] != input_ids.shape[1]:
-                    raise RuntimeError("transformers did not hand the cache back to the next step: "
-                                       "elr.interop.hf_model needs transformers >= 5.25")
+                    raise RuntimeError(
+                        "transformers did not hand the cache back to the next step: "
+                        "elr.interop.hf_model needs transformers >= 5.25"
+                    )
                 pad = self._pad(input_ids, attention_mask)
-                cache = ELRCache(InferenceCache(self.model, input_ids.shape[0], elr_decode.capacity,
-                                                elr_decode.loops, elr_decode.kv, pad))
+                cache = ELRCache(
+                    InferenceCache(
+                        self.model, input_ids.shape[0], elr_decode.capacity, elr_decode.loops, elr_decode.kv, pad
+                    )
+                )
             logits = self.model(input_ids, elr_decode.loops, cache.inference)
             return ELROutput(logits=logits, cache=cache)
         if cache is not None:
@@ -224,8 +248,9 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
         chosen = {}
         for name in ("loops", "kv"):  # the call's, else the generation config's, else the model config's
             given = kwargs.pop(name, None)
-            chosen[name] = next(v for v in (given, getattr(settings, name, None), getattr(self.config, name))
-                                if v is not None)
+            chosen[name] = next(
+                v for v in (given, getattr(settings, name, None), getattr(self.config, name)) if v is not None
+            )
         loops, kv = chosen["loops"], chosen["kv"]
         if not isinstance(loops, int) or isinstance(loops, bool) or loops < 1:
             raise ValueError(f"loops must be an integer >= 1, got {loops!r}")
@@ -238,13 +263,15 @@ class ELRForCausalLM(PreTrainedModel, GenerationMixin):
         merged.update(**kwargs)  # the attributes of a generation config; the rest are model inputs
         mode = merged.get_generation_mode()
         if mode not in self._supported_generation_modes:
-            raise ValueError(f"{mode.value} is not offered: ELR models generate greedily, by sampling or by beam "
-                             "search")
+            raise ValueError(
+                f"{mode.value} is not offered: ELR models generate greedily, by sampling or by beam search"
+            )
         new = merged.max_new_tokens if merged.max_new_tokens is not None else merged.max_length - ids.shape[1]
         capacity = ids.shape[1] + max(int(new), 1)
         self.model.extend_positions(capacity)  # positions past the training length were never trained
-        return super().generate(inputs, generation_config=generation_config,
-                                elr_decode=DecodePlan(loops, kv, capacity), **kwargs)
+        return super().generate(
+            inputs, generation_config=generation_config, elr_decode=DecodePlan(loops, kv, capacity), **kwargs
+        )
 
 
 AutoConfig.register(MODEL_TYPE, ELRConfig, exist_ok=True)

@@ -33,8 +33,10 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 MAX_TOKENIZER_JSON_BYTES = 256 << 20
 
 # What `check` encodes: words, digits in runs, contractions, whitespace runs, newlines, punctuation, UTF-8.
-SAMPLE = ("The king's 12345 men didn't   go.\n\n  Then: \"ok\"?! (x+y)=z\t\ttabs  \r\n"
-          "naïve café, Ελληνικά, 日本語のテキスト, emoji 🙂 and spaces at the end   ")
+SAMPLE = (
+    "The king's 12345 men didn't   go.\n\n  Then: \"ok\"?! (x+y)=z\t\ttabs  \r\n"
+    "naïve café, Ελληνικά, 日本語のテキスト, emoji 🙂 and spaces at the end   "
+)
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -53,13 +55,13 @@ def _last_merge(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
     """The two parts tiktoken joins last when it encodes `token` alone: its rank-ordered merging run
     with only the merges ranked below the token's own."""
     rank = ranks[token]
-    parts = [token[i:i + 1] for i in range(len(token))]
+    parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
         pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
         best, i = min(pairs)
         if best >= rank:
             break
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
     if len(parts) != 2:
         raise TokenizerError(f"token {token!r} (rank {rank}) is not a merge of two lower-ranked tokens")
     return parts[0], parts[1]
@@ -67,8 +69,12 @@ def _last_merge(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
 
 def _merges(ranks: dict[bytes, int], text) -> list[list[str]]:
     """The merge list in rank order: each multi-byte token as the pair tiktoken would join last."""
-    return [[text(a), text(b)] for a, b in (_last_merge(ranks, token) for token, _ in
-                                            sorted(ranks.items(), key=lambda item: item[1]) if len(token) > 1)]
+    return [
+        [text(a), text(b)]
+        for a, b in (
+            _last_merge(ranks, token) for token, _ in sorted(ranks.items(), key=lambda item: item[1]) if len(token) > 1
+        )
+    ]
 
 
 def tokenizer_json(tokenizer: Tokenizer) -> dict:
@@ -81,40 +87,83 @@ def tokenizer_json(tokenizer: Tokenizer) -> dict:
 
     ranks = encoding._mergeable_ranks
     vocab = {text(token): rank for token, rank in ranks.items()}
-    specials = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-                 "special": True} for s, i in sorted(encoding._special_tokens.items(), key=lambda item: item[1])]
+    specials = [
+        {
+            "id": i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for s, i in sorted(encoding._special_tokens.items(), key=lambda item: item[1])
+    ]
     pattern = encoding._pat_str.replace("{1,3}+", "{1,3}")
     eot = {"id": EOT, "type_id": 0}
-    begin = {"type": "TemplateProcessing", "single": [{"SpecialToken": eot}, {"Sequence": {"id": "A", "type_id": 0}}],
-             "pair": [{"SpecialToken": eot}, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": eot},
-                      {"Sequence": {"id": "B", "type_id": 1}}],
-             "special_tokens": {EOT: {"id": EOT, "ids": [tokenizer.eot_id], "tokens": [EOT]}}}
+    begin = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": eot}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"SpecialToken": eot},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": eot},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {EOT: {"id": EOT, "ids": [tokenizer.eot_id], "tokens": [EOT]}},
+    }
     return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": specials, "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": specials,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
         "post_processor": begin,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                  "vocab": vocab, "merges": _merges(ranks, text)},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": True,
+            "vocab": vocab,
+            "merges": _merges(ranks, text),
+        },
     }
 
 
 def tokenizer_config(chat_template: str | None = None, max_length: int | None = None) -> dict:
     """tokenizer_config.json: the fast tokenizer class, <|endoftext|> as every special token and added
     at the start of every text (as it begins every training document), and the chat template when given."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT, "pad_token": EOT,
-              "unk_token": None, "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-              "model_max_length": max_length or int(1e30)}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOT,
+        "eos_token": EOT,
+        "pad_token": EOT,
+        "unk_token": None,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length or int(1e30),
+    }
     if chat_template is not None:
         config["chat_template"] = chat_template
     return config
 
 
-def write_tokenizer(tokenizer: Tokenizer, folder: Path, chat_template: str | None = None,
-                    max_length: int | None = None) -> None:
+def write_tokenizer(
+    tokenizer: Tokenizer, folder: Path, chat_template: str | None = None, max_length: int | None = None
+) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `folder`, after
     checking that the converted tokenizer encodes like the run's (when `tokenizers` is installed)."""
     data = tokenizer_json(tokenizer)
@@ -132,8 +181,10 @@ def check(tokenizer: Tokenizer, data: dict, text: str = SAMPLE) -> None:
         return
     converted = HFTokenizer.from_str(json.dumps(data)).encode(text, add_special_tokens=False).ids
     if converted != tokenizer.encode(text):
-        raise TokenizerError(f"tokenizer {tokenizer.source}: its tokenizer.json conversion encodes differently "
-                             "(a split regex the tokenizers library reads otherwise?); not exported")
+        raise TokenizerError(
+            f"tokenizer {tokenizer.source}: its tokenizer.json conversion encodes differently "
+            "(a split regex the tokenizers library reads otherwise?); not exported"
+        )
 
 
 def tokenizer_from_json(path: str | Path) -> Tokenizer:
@@ -153,12 +204,19 @@ def tokenizer_from_json(path: str | Path) -> Tokenizer:
         specials = {t["content"]: t["id"] for t in data["added_tokens"]}
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise TokenizerError(f"{path}: not a tokenizer.json written by the ELR export ({type(e).__name__})") from None
-    if pattern != SPLIT_PATTERN.replace("{1,3}+", "{1,3}") or specials.get(EOT) != len(ranks) \
-            or not all(type(r) is int for r in ranks.values()) or sorted(ranks.values()) != list(range(len(ranks))):
-        raise TokenizerError(f"{path}: not a tokenizer.json written by the ELR export (its split regex, ranks or "
-                             f"{EOT} id differ)")
-    lines = b"".join(base64.b64encode(token) + b" %d\n" % rank
-                     for token, rank in sorted(ranks.items(), key=lambda item: item[1]))
-    encoding = tiktoken.Encoding(name=path.stem, pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
-                                 special_tokens={EOT: len(ranks)})
+    if (
+        pattern != SPLIT_PATTERN.replace("{1,3}+", "{1,3}")
+        or specials.get(EOT) != len(ranks)
+        or not all(type(r) is int for r in ranks.values())
+        or sorted(ranks.values()) != list(range(len(ranks)))
+    ):
+        raise TokenizerError(
+            f"{path}: not a tokenizer.json written by the ELR export (its split regex, ranks or {EOT} id differ)"
+        )
+    lines = b"".join(
+        base64.b64encode(token) + b" %d\n" % rank for token, rank in sorted(ranks.items(), key=lambda item: item[1])
+    )
+    encoding = tiktoken.Encoding(
+        name=path.stem, pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)}
+    )
     return Tokenizer(encoding, str(path), hashlib.sha256(lines).hexdigest())

@@ -25,7 +25,7 @@ def _safetensors(what: str = "reading or writing a Hugging Face export"):
     try:
         import safetensors.torch
     except ImportError:
-        raise UserError(f"{what} needs safetensors: pip install -e \".[hf]\"") from None
+        raise UserError(f'{what} needs safetensors: pip install -e ".[hf]"') from None
     return safetensors.torch
 
 
@@ -34,8 +34,9 @@ def check_installed(what: str) -> None:
     _safetensors(what)
 
 
-def write_weights(state_dict: dict[str, torch.Tensor], folder: Path,
-                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+def write_weights(
+    state_dict: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[str]:
     """Write `state_dict` (plain CPU tensors) into `folder`; returns the files written."""
     st = _safetensors()
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -90,8 +91,10 @@ def check_some_weights(folder: Path) -> None:
         extra = f" ({', '.join(pickled)} is pickled and is never loaded)" if pickled else ""
         raise CheckpointError(f"{folder} holds no {SINGLE} or {INDEX}{extra}")
     if pickled:
-        raise CheckpointError(f"{folder} holds {', '.join(pickled)} beside its safetensors weights: pickled files "
-                              "are never opened, and an export holds one weight set; remove them to load it")
+        raise CheckpointError(
+            f"{folder} holds {', '.join(pickled)} beside its safetensors weights: pickled files "
+            "are never opened, and an export holds one weight set; remove them to load it"
+        )
 
 
 def _listed(path: Path, listed: set[str]) -> None:
@@ -126,6 +129,7 @@ def weight_shapes(folder: Path, listed: set[str]) -> dict[str, tuple[int, ...]]:
     def shapes(path: str) -> dict[str, tuple[int, ...]]:
         with st.safe_open(path, framework="pt") as f:
             return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+
     return _read_each(folder, listed, shapes)
 
 

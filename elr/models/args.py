@@ -80,50 +80,119 @@ HYBRID_DENSE_PATTERN = NEMOTRON_3_NANO_PATTERN.translate(str.maketrans("ME*", "G
 HYBRID_MOE_PATTERN = NEMOTRON_3_NANO_PATTERN.translate(str.maketrans("ME*", "GEA"))
 
 _hybrid_4b = dict(
-    dim=3072, partition=(14, 24, 14), n_heads=24, n_kv_heads=8, head_dim=128,
-    gdp_heads=24, gdp_head_dim=128, ffn_dim=12288, ffn_activation="relu2",
+    dim=3072,
+    partition=(14, 24, 14),
+    n_heads=24,
+    n_kv_heads=8,
+    head_dim=128,
+    gdp_heads=24,
+    gdp_head_dim=128,
+    ffn_dim=12288,
+    ffn_activation="relu2",
 )
 
 flavors: dict[str, ModelArgs] = {
     # toy size, every layer kind (G, A, F, E) present and the recurrent block holding all four
     "debug": ModelArgs(
-        dim=128, layer_pattern="GF" + "GEAF" + "AF", partition=(2, 4, 2), vocab_size=8192, max_seq_len=1024,
-        n_heads=4, n_kv_heads=2, head_dim=32, gdp_heads=4, gdp_head_dim=32, ffn_dim=384,
-        moe_experts=8, moe_top_k=2, moe_expert_dim=128, moe_shared_dim=128, moe_routed_scale=1.0,
+        dim=128,
+        layer_pattern="GF" + "GEAF" + "AF",
+        partition=(2, 4, 2),
+        vocab_size=8192,
+        max_seq_len=1024,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        gdp_heads=4,
+        gdp_head_dim=32,
+        ffn_dim=384,
+        moe_experts=8,
+        moe_top_k=2,
+        moe_expert_dim=128,
+        moe_shared_dim=128,
+        moe_routed_scale=1.0,
     ),
     # the evidence study (scripts/study.py): GPT-0.5B's layer kinds and I/R/O shape (25/50/25% here,
     # 27/47/27% there), byte-level, small enough that a 2-core CPU trains a seed grid in an hour or two
     "study_gpt": ModelArgs(
-        dim=128, layer_pattern="AF" * 4, partition=(2, 4, 2), vocab_size=257, max_seq_len=1024,
-        n_heads=4, n_kv_heads=4, head_dim=32, ffn_dim=384, ffn_activation="swiglu",
+        dim=128,
+        layer_pattern="AF" * 4,
+        partition=(2, 4, 2),
+        vocab_size=257,
+        max_seq_len=1024,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=32,
+        ffn_dim=384,
+        ffn_activation="swiglu",
     ),
     # the same with routed experts in every FF position, for the route-replay measurements
     "study_moe": ModelArgs(
-        dim=128, layer_pattern="AE" * 4, partition=(2, 4, 2), vocab_size=257, max_seq_len=1024,
-        n_heads=4, n_kv_heads=4, head_dim=32, moe_experts=8, moe_top_k=2, moe_expert_dim=128,
+        dim=128,
+        layer_pattern="AE" * 4,
+        partition=(2, 4, 2),
+        vocab_size=257,
+        max_seq_len=1024,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=32,
+        moe_experts=8,
+        moe_top_k=2,
+        moe_expert_dim=128,
         moe_shared_dim=128,
     ),
     # the depth-bound tasks (elr/text/tasks.py): study_gpt's layer kinds at half the width, split 1/2/1 so the
     # recurrent block holds one attention layer (one pointer-chasing hop per loop); tiny vocabularies
     "task_gpt": ModelArgs(
-        dim=64, layer_pattern="AF" * 2, partition=(1, 2, 1), vocab_size=128, max_seq_len=64,
-        n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=256, ffn_activation="swiglu",
+        dim=64,
+        layer_pattern="AF" * 2,
+        partition=(1, 2, 1),
+        vocab_size=128,
+        max_seq_len=64,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=16,
+        ffn_dim=256,
+        ffn_activation="swiglu",
     ),
     # twice as wide: the depth issue's search over model size (does k = 1 keep its hops at this width?)
     "task_gpt_wide": ModelArgs(
-        dim=128, layer_pattern="AF" * 2, partition=(1, 2, 1), vocab_size=128, max_seq_len=64,
-        n_heads=8, n_kv_heads=8, head_dim=16, ffn_dim=512, ffn_activation="swiglu",
+        dim=128,
+        layer_pattern="AF" * 2,
+        partition=(1, 2, 1),
+        vocab_size=128,
+        max_seq_len=64,
+        n_heads=8,
+        n_kv_heads=8,
+        head_dim=16,
+        ffn_dim=512,
+        ffn_activation="swiglu",
     ),
     "gpt_0p5b": ModelArgs(
-        dim=1024, layer_pattern="AF" * 15, partition=(8, 14, 8), n_heads=16, n_kv_heads=4, head_dim=64,
-        ffn_dim=3968, ffn_activation="swiglu",
+        dim=1024,
+        layer_pattern="AF" * 15,
+        partition=(8, 14, 8),
+        n_heads=16,
+        n_kv_heads=4,
+        head_dim=64,
+        ffn_dim=3968,
+        ffn_activation="swiglu",
     ),
     "gdp_hybrid_4b": ModelArgs(layer_pattern=HYBRID_DENSE_PATTERN, **_hybrid_4b),
     "koi_4b": ModelArgs(layer_pattern=HYBRID_DENSE_PATTERN, **_hybrid_4b),  # Koi-4B is GDP-Hybrid-4B
     "gdp_hybrid_30b_a3b": ModelArgs(
-        dim=2688, layer_pattern=HYBRID_MOE_PATTERN, partition=(14, 24, 14),
-        n_heads=32, n_kv_heads=2, head_dim=128, gdp_heads=16, gdp_head_dim=128,
-        moe_experts=128, moe_top_k=6, moe_expert_dim=1856, moe_shared_dim=3712, moe_routed_scale=2.5,
+        dim=2688,
+        layer_pattern=HYBRID_MOE_PATTERN,
+        partition=(14, 24, 14),
+        n_heads=32,
+        n_kv_heads=2,
+        head_dim=128,
+        gdp_heads=16,
+        gdp_head_dim=128,
+        moe_experts=128,
+        moe_top_k=6,
+        moe_expert_dim=1856,
+        moe_shared_dim=3712,
+        moe_routed_scale=2.5,
     ),
 }
 
@@ -133,9 +202,10 @@ def untied(flavor: ModelArgs, loops: int) -> ModelArgs:
     out `loops` times as unique layers (the yardstick for what loops can buy at that depth)."""
     n_in, n_rec, n_out = flavor.partition
     pattern = flavor.layer_pattern
-    middle = pattern[n_in:n_in + n_rec] * loops
-    return replace(flavor, layer_pattern=pattern[:n_in] + middle + pattern[n_in + n_rec:],
-                   partition=(n_in, n_rec * loops, n_out))
+    middle = pattern[n_in : n_in + n_rec] * loops
+    return replace(
+        flavor, layer_pattern=pattern[:n_in] + middle + pattern[n_in + n_rec :], partition=(n_in, n_rec * loops, n_out)
+    )
 
 
 # Untied controls of the study flavors: the depth of k = 2 and k = 4 loops in unique layers.

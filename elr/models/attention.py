@@ -29,7 +29,7 @@ def apply_partial_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """
     half = rope.shape[-1]
     cos, sin = (t[..., None, :].to(x.dtype) for t in rope)
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
@@ -64,7 +64,12 @@ class Attention(nn.Module):
         elif self.context_parallel is not None:  # this shard's and every earlier shard's keys, mask offset
             k, v, mask = self.context_parallel.gather_kv(k, v)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1],
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
         return self.wo(o.transpose(1, 2).reshape(B, T, -1))
 
@@ -81,11 +86,13 @@ def attention_split(a: ModelArgs, tp: int) -> TensorSplit:
     otherwise replicated, each rank keeping the one kv head its q heads read."""
     heads, kv_heads = {"attention heads": a.n_heads}, {"attention kv heads": a.n_kv_heads}
     if a.n_kv_heads >= tp:
-        return TensorSplit("heads", {"wq.weight": 0, "wk.weight": 0, "wv.weight": 0, "wo.weight": 1},
-                           divides={**heads, **kv_heads})
+        return TensorSplit(
+            "heads", {"wq.weight": 0, "wk.weight": 0, "wv.weight": 0, "wo.weight": 1}, divides={**heads, **kv_heads}
+        )
     kv = Rows(a.n_kv_heads)
-    return TensorSplit("heads", {"wq.weight": 0, "wk.weight": kv, "wv.weight": kv, "wo.weight": 1},
-                       divides=heads, multiple_of=kv_heads)
+    return TensorSplit(
+        "heads", {"wq.weight": 0, "wk.weight": kv, "wv.weight": kv, "wo.weight": 1}, divides=heads, multiple_of=kv_heads
+    )
 
 
 class AttentionKV:

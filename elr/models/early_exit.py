@@ -46,8 +46,9 @@ class ExitRule:
     def needs_logits(self) -> bool:
         return self.kind == "kl"
 
-    def exits(self, s_prev: torch.Tensor, s: torch.Tensor, logp_prev: torch.Tensor | None,
-              logp: torch.Tensor | None) -> torch.Tensor:
+    def exits(
+        self, s_prev: torch.Tensor, s: torch.Tensor, logp_prev: torch.Tensor | None, logp: torch.Tensor | None
+    ) -> torch.Tensor:
         """[B, T] bool: the tokens the rule lets go after the loop that took s_prev to s (log-probs
         [B, T, vocab] of both states for `kl`; None for the first loop's previous)."""
         if self.kind == "state":

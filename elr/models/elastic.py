@@ -17,8 +17,16 @@ from __future__ import annotations
 import torch
 
 
-def elastic_forward(block, h_in: torch.Tensor, rope: torch.Tensor, loops, cache=None, every_loop: bool = False,
-                    exit_rule=None, readout=None):
+def elastic_forward(
+    block,
+    h_in: torch.Tensor,
+    rope: torch.Tensor,
+    loops,
+    cache=None,
+    every_loop: bool = False,
+    exit_rule=None,
+    readout=None,
+):
     """RecurrentBlock.forward's result for per-row budgets, a cache or an exit rule."""
     budgets = loops if torch.is_tensor(loops) else None
     least, most = (int(budgets.min()), int(budgets.max())) if budgets is not None else (loops, loops)
@@ -26,8 +34,10 @@ def elastic_forward(block, h_in: torch.Tensor, rope: torch.Tensor, loops, cache=
     exited = logp = block.loops_used = None
     if exit_rule is not None:
         if budgets is not None or every_loop or (cache is not None and h_in.shape[1] != 1):
-            raise ValueError("an exit rule takes one loop count (its cap), and decodes one token at a time "
-                             "through a cache (prefill at a fixed k)")
+            raise ValueError(
+                "an exit rule takes one loop count (its cap), and decodes one token at a time "
+                "through a cache (prefill at a fixed k)"
+            )
         exited = torch.zeros(h_in.shape[:2], dtype=torch.bool, device=h_in.device)
         block.loops_used = torch.full_like(exited, most, dtype=torch.long)
     block._recorded = []
@@ -43,8 +53,7 @@ def elastic_forward(block, h_in: torch.Tensor, rope: torch.Tensor, loops, cache=
         kept = s  # a row or token that has stopped keeps its state as it left its last loop
         s = block.step(s, i, loops, most, h_in, injected, rope, routes, cache=cache, running=running)
         if exited is not None and i < most:
-            logp_next = (readout(s, block.exit_films(i)).float().log_softmax(-1)
-                         if exit_rule.needs_logits else None)
+            logp_next = readout(s, block.exit_films(i)).float().log_softmax(-1) if exit_rule.needs_logits else None
             stop = exit_rule.exits(kept, s, logp, logp_next) & ~exited
             block.loops_used.masked_fill_(stop, i)
             exited, logp = exited | stop, logp_next

@@ -117,7 +117,7 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, dim, hidden))
         self.shared = FeedForward(dim, args.moe_shared_dim, "relu2") if args.moe_shared_dim else None
         # The bias only shifts which experts win; it is moved by load, not by gradients
-    # (update_expert_biases in elr/train/optimizer.py, once per optimizer step).
+        # (update_expert_biases in elr/train/optimizer.py, once per optimizer step).
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
         self.aux_loss: torch.Tensor | None = None
@@ -141,7 +141,9 @@ class MoE(nn.Module):
         weights = scores.gather(-1, indices)
         weights = weights / weights.sum(-1, keepdim=True) * self.routed_scale
         if self.training:  # evaluation must not move the balance, nor AC recomputation count it twice
-            aux = sequence_balance_loss(scores, indices, batch, self.sequence_shards)  # recomputed too: its backward needs it
+            aux = sequence_balance_loss(
+                scores, indices, batch, self.sequence_shards
+            )  # recomputed too: its backward needs it
             if not recomputing():
                 with torch.no_grad():
                     # index_add_, not bincount: CUDA's bincount reads the max index on the host to size its output
@@ -200,4 +202,3 @@ def moe_split(a: ModelArgs, tp: int) -> TensorSplit:
     """Replicated over TP, each rank routing and computing its own slice of the sequence (our
     choice): expert memory is split by expert parallelism, which takes the stacks w1/w2."""
     return TensorSplit("tokens", expert_stacks=("w1", "w2"))
-

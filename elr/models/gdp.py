@@ -48,7 +48,7 @@ class ShortConv(nn.Module):
             state = x.new_zeros(B, width, C)
         x = torch.cat([state.to(x.dtype), x], dim=1)
         y = F.conv1d(x.transpose(1, 2), self.weight, groups=C)
-        return F.silu(y).transpose(1, 2), x[:, x.shape[1] - width:]
+        return F.silu(y).transpose(1, 2), x[:, x.shape[1] - width :]
 
 
 class GatedDeltaProduct(nn.Module):
@@ -116,8 +116,15 @@ class GatedDeltaProduct(nn.Module):
             o, state = gated_delta_product_step(q, k, v, g, beta, cache.state, num_householder=n_h, impl=self.impl)
         else:
             o, state = gated_delta_product(
-                q, k, v, g, beta, num_householder=n_h, impl=self.impl,
-                initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                num_householder=n_h,
+                impl=self.impl,
+                initial_state=cache.state if cache is not None else None,
+                output_final_state=cache is not None,
             )
         if cache is not None:
             cache.write(state, (q_tail, k_tail, v_tail))
@@ -137,8 +144,10 @@ def gdp_flops(a: ModelArgs, seq_len: int) -> int:
 def gdp_split(a: ModelArgs, tp: int) -> TensorSplit:
     """Every projection, convolution and per-head parameter split by heads (k, v and beta rows are
     head-major), o by its input rows."""
-    by_head = [f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "a_proj",
-                                             "q_conv", "k_conv", "v_conv")] + ["A_log", "dt_bias"]
+    by_head = [
+        f"{name}.weight"
+        for name in ("q_proj", "k_proj", "v_proj", "b_proj", "g_proj", "a_proj", "q_conv", "k_conv", "v_conv")
+    ] + ["A_log", "dt_bias"]
     return TensorSplit("heads", {**dict.fromkeys(by_head, 0), "o_proj.weight": 1}, divides={"GDP heads": a.gdp_heads})
 
 
@@ -168,8 +177,9 @@ class GDPState:
         if rows is not None:
             held = self.pending or (self.state, self.conv_states)
             state = torch.where(rows[:, None, None, None], state, held[0].to(state.dtype))
-            conv_states = tuple(torch.where(rows[:, None, None], new, old.to(new.dtype))
-                                for new, old in zip(conv_states, held[1]))
+            conv_states = tuple(
+                torch.where(rows[:, None, None], new, old.to(new.dtype)) for new, old in zip(conv_states, held[1])
+            )
         self.pending = (state, conv_states)
 
     def commit(self) -> None:
@@ -202,4 +212,3 @@ def gdp_state_bytes(a: ModelArgs, context_len: int, element_size: int) -> int:
 
 # Checkpoint format 2 (2026-12-01) made the k/v/beta rows head-major.
 HEAD_MAJOR = WeightLayout(2, "k_proj", "GDP k/v/beta weights in the row order used before 2026-12-01")
-

@@ -18,15 +18,35 @@ from elr.models.ffn import MoE, dense_feed_forward, dense_flops, dense_split, mo
 from elr.models.gdp import HEAD_MAJOR, GatedDeltaProduct, GDPState, gdp_flops, gdp_split, gdp_state_bytes
 from elr.models.kinds import InferenceState, LayerKind
 
-LAYER_KINDS: dict[str, LayerKind] = {kind.letter: kind for kind in (
-    LayerKind("A", "attention", Attention, attention_flops, attention_split, inputs=("rope", "cache"),
-              mixes_tokens=True, inference_state=InferenceState("attention_kv", AttentionKV, attention_kv_bytes)),
-    LayerKind("G", "Gated DeltaProduct", GatedDeltaProduct, gdp_flops, gdp_split, inputs=("cache",),
-              mixes_tokens=True, inference_state=InferenceState("gdp_state", GDPState, gdp_state_bytes),
-              gates=("a_proj", "b_proj"), layouts=(HEAD_MAJOR,)),
-    LayerKind("F", "dense feed-forward", dense_feed_forward, dense_flops, dense_split),
-    LayerKind("E", "mixture of experts", MoE, moe_flops, moe_split, inputs=("route",), gates=("router",)),
-)}
+LAYER_KINDS: dict[str, LayerKind] = {
+    kind.letter: kind
+    for kind in (
+        LayerKind(
+            "A",
+            "attention",
+            Attention,
+            attention_flops,
+            attention_split,
+            inputs=("rope", "cache"),
+            mixes_tokens=True,
+            inference_state=InferenceState("attention_kv", AttentionKV, attention_kv_bytes),
+        ),
+        LayerKind(
+            "G",
+            "Gated DeltaProduct",
+            GatedDeltaProduct,
+            gdp_flops,
+            gdp_split,
+            inputs=("cache",),
+            mixes_tokens=True,
+            inference_state=InferenceState("gdp_state", GDPState, gdp_state_bytes),
+            gates=("a_proj", "b_proj"),
+            layouts=(HEAD_MAJOR,),
+        ),
+        LayerKind("F", "dense feed-forward", dense_feed_forward, dense_flops, dense_split),
+        LayerKind("E", "mixture of experts", MoE, moe_flops, moe_split, inputs=("route",), gates=("router",)),
+    )
+}
 
 
 def layer_kind(letter: str) -> LayerKind:

@@ -46,8 +46,8 @@ class ELRModel(nn.Module):
         layers = [Layer(kind, args) for kind in args.layer_pattern]
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.input_layers = nn.ModuleList(layers[:n_in])
-        self.recurrent = RecurrentBlock(args, layers[n_in:n_in + n_rec])
-        self.output_layers = nn.ModuleList(layers[n_in + n_rec:])
+        self.recurrent = RecurrentBlock(args, layers[n_in : n_in + n_rec])
+        self.output_layers = nn.ModuleList(layers[n_in + n_rec :])
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args.rope_dim, args.max_seq_len, args.rope_theta), persistent=False)
@@ -62,8 +62,8 @@ class ELRModel(nn.Module):
             layer.init_weights(out_std=0.02 / (2 * depth) ** 0.5)
         self.recurrent.init_weights()
         self.norm.reset_parameters()
-        cutoff = 3 * a.dim ** -0.5
-        nn.init.trunc_normal_(self.output.weight, std=a.dim ** -0.5, a=-cutoff, b=cutoff)
+        cutoff = 3 * a.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, std=a.dim**-0.5, a=-cutoff, b=cutoff)
 
     def init_depths(self) -> list[int]:
         """Each layer's depth for its output projections' init std 0.02 / sqrt(2 depth): its 1-based
@@ -74,8 +74,15 @@ class ELRModel(nn.Module):
         unrolled = (r.max_loops - 1) * n_rec if r.depth_scaled_init else 0
         return [d + 1 + (unrolled if d >= n_in else 0) for d in range(n_in + n_rec + n_out)]
 
-    def forward(self, tokens: torch.Tensor, loops: int | torch.Tensor = 1, cache=None, head: bool = True,
-                every_loop: bool = False, exit_rule=None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        loops: int | torch.Tensor = 1,
+        cache=None,
+        head: bool = True,
+        every_loop: bool = False,
+        exit_rule=None,
+    ) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times: an int,
         or a LongTensor [B] of per-row budgets (each row gets what it gets alone, RecurrentBlock).
 
@@ -99,7 +106,7 @@ class ELRModel(nn.Module):
                 start, T = self.context_parallel.positions(T)
             if T > self.args.max_seq_len:
                 raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.args.max_seq_len}")
-            rope = self.rope[:, start: start + tokens.shape[1]]
+            rope = self.rope[:, start : start + tokens.shape[1]]
         elif self.context_parallel is not None:
             raise ValueError("inference caches do not run under context parallelism; generate without a CP group")
         else:
@@ -117,8 +124,9 @@ class ELRModel(nn.Module):
             h = self.norm(h)
             return self.output(h) if head else h
 
-        h, exit_films = self.recurrent(h, rope, loops, cache, every_loop=every_loop, exit_rule=exit_rule,
-                                       readout=readout)
+        h, exit_films = self.recurrent(
+            h, rope, loops, cache, every_loop=every_loop, exit_rule=exit_rule, readout=readout
+        )
         if every_loop:
             h = torch.cat(h)
         h = readout(h, exit_films, head)
@@ -244,16 +252,15 @@ class ELRModel(nn.Module):
         a = self.args
         n_in, n_rec, _ = a.partition
         per_layer = [LAYER_KINDS[kind].flops_per_token(a, seq_len) for kind in a.layer_pattern]
-        recurrent = sum(per_layer[n_in:n_in + n_rec])
+        recurrent = sum(per_layer[n_in : n_in + n_rec])
         if self.recurrent.step_size is not None:
             recurrent += 6 * a.dim * a.dim
         exits = loops if every_loop else 1
         once = sum(per_layer[:n_in]) + (6 * a.dim * a.dim if self.recurrent.input_adapter is not None else 0)
-        after = sum(per_layer[n_in + n_rec:]) + 6 * a.dim * a.vocab_size
+        after = sum(per_layer[n_in + n_rec :]) + 6 * a.dim * a.vocab_size
         # every_loop: each exit's loss reaches its own loops, so every loop has a backward
         window = a.recurrence.backprop_loops
         forward_only = loops - window if window and loops > window and not every_loop else 0
         if forward_only and a.recurrence.recurrent_input == "state":
             once //= 3
         return once + (loops - forward_only) * recurrent + forward_only * recurrent // 3 + exits * after
-

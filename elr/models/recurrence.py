@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elr.config.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES, RecurrenceOptions
 from elr.models.args import ModelArgs
 from elr.models.elastic import elastic_forward
 from elr.models.ffn import Route
-from elr.config.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES, RecurrenceOptions
 
 # The option strings (UPDATE_RULES, RECURRENT_INPUTS, STEP_INPUTS) are declared with the options,
 # elr/config/recurrence.py. What the learned step sees (our choice; the paper gives no equation for
@@ -139,8 +139,9 @@ class LoopConditioning(nn.Module):
         exit_layers = exit_layers if o.conditioning_exit else 0
         width = (3 if self.gate else 2) * dim
         self.loop_embed = nn.Embedding(o.max_loops, cond_dim) if loops_conditioned else None
-        self.budget_embed = (nn.Embedding(o.max_loops, cond_dim)
-                             if (self.budget and loops_conditioned) or exit_layers else None)
+        self.budget_embed = (
+            nn.Embedding(o.max_loops, cond_dim) if (self.budget and loops_conditioned) or exit_layers else None
+        )
         self.heads = nn.ModuleList(nn.Linear(cond_dim, width) for _ in range(n_layers if loops_conditioned else 0))
         self.exit_heads = nn.ModuleList(nn.Linear(cond_dim, width) for _ in range(exit_layers))
 
@@ -217,11 +218,13 @@ class RecurrentBlock(nn.Module):
         self.step_size = AdaptiveStep(args.dim, args.norm_eps, o.step_input) if o.update == "adaptive_delta" else None
         self.conditioning = (
             LoopConditioning(len(layers), args.dim, args.cond_dim, o, exit_layers=args.partition[2])
-            if o.conditioning else None
+            if o.conditioning
+            else None
         )
         self.backprop_loops, self.initial_state_noise = o.backprop_loops, o.initial_state_noise
-        self.input_adapter = (nn.Linear(args.dim, args.dim, bias=False)
-                              if o.recurrent_input == "state_plus_adapted_input" else None)
+        self.input_adapter = (
+            nn.Linear(args.dim, args.dim, bias=False) if o.recurrent_input == "state_plus_adapted_input" else None
+        )
         self.state_norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if o.state_norm else None
         self.loop_gates = LoopGates(o.max_loops, args.dim) if o.identity_loops and o.max_loops > 1 else None
         self.route_replay = args.moe_route_replay
@@ -254,8 +257,16 @@ class RecurrentBlock(nn.Module):
         c = self.conditioning
         return c is None or not c.budget or not (c.first_loop or c.later_loops)
 
-    def forward(self, h_in: torch.Tensor, rope: torch.Tensor, loops, cache=None, every_loop: bool = False,
-                exit_rule=None, readout=None) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
+    def forward(
+        self,
+        h_in: torch.Tensor,
+        rope: torch.Tensor,
+        loops,
+        cache=None,
+        every_loop: bool = False,
+        exit_rule=None,
+        readout=None,
+    ) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
         """s_0 = h_in; s_i = update(s_{i-1}, L(cond(s~_{i-1}, i, k))) for i = 1..k. Returns (s_k, the
         output block's FiLM for budget k or None without exit heads); with `every_loop`, ([s_1, ..., s_k],
         each exit's FiLM) (needs a prefix-consistent block).
@@ -297,12 +308,16 @@ class RecurrentBlock(nn.Module):
 
     def check_loops(self, least: int, most: int, every_loop: bool, per_row: bool) -> None:
         if least < 1 or (most > self.max_loops and self.conditioning is not None):
-            raise ValueError(f"loops={most if least >= 1 else least} is outside 1..{self.max_loops}, the loop counts "
-                             "this model's conditioning embeddings cover (an unconditioned model runs any k >= 1; "
-                             "beyond its max_loops it extrapolates)")
+            raise ValueError(
+                f"loops={most if least >= 1 else least} is outside 1..{self.max_loops}, the loop counts "
+                "this model's conditioning embeddings cover (an unconditioned model runs any k >= 1; "
+                "beyond its max_loops it extrapolates)"
+            )
         if every_loop and (not self.prefix_consistent or per_row):
-            raise ValueError("every_loop needs one loop count and loop conditioning without the budget embedding "
-                             "(conditioning_budget = False)")
+            raise ValueError(
+                "every_loop needs one loop count and loop conditioning without the budget embedding "
+                "(conditioning_budget = False)"
+            )
 
     def new_routes(self) -> list:
         """One MoE route store per layer that replays loop 1's routes on later loops (route_replay)."""
@@ -358,8 +373,13 @@ class RecurrentBlock(nn.Module):
         """One loop as this rank sees it: the squared norms of the update and of the state summed
         over its tokens, and its mean step size; and the values the same on every rank: the mean FiLM
         gate and the mean loop gate (identity_loops), where the block has them."""
-        parts = torch.stack([(s_next - s).float().square().sum(), s.float().square().sum(),
-                             a.float().mean() if a is not None else s.new_zeros((), dtype=torch.float32)])
+        parts = torch.stack(
+            [
+                (s_next - s).float().square().sum(),
+                s.float().square().sum(),
+                a.float().mean() if a is not None else s.new_zeros((), dtype=torch.float32),
+            ]
+        )
         shared = {}
         if self.conditioning is not None and self.conditioning.gate and films[0] is not None:
             shared["film_gate_mean"] = torch.stack([1 + film[2].float().mean() for film in films]).mean()

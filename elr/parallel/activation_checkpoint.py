@@ -57,12 +57,14 @@ class CheckpointedLayer(ActivationWrapper):
         kwargs = {"context_fn": self.context_fn} if self.context_fn is not None else {}
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route: dict | None = None,
-                cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, film=None, route: dict | None = None, cache=None
+    ) -> torch.Tensor:
         layer = self._checkpoint_wrapped_module
         if cache is not None:  # inference keeps no activations for a backward: nothing to checkpoint
             return layer(x, rope, film=film, route=route, cache=cache)
         if route is not None and not route:
+
             def routed_layer(x):
                 fresh = {}
                 return layer(x, rope, film=film, route=fresh), fresh["indices"], fresh["weights"]

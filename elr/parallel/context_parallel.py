@@ -46,7 +46,7 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp_degree: int) -> torch.Tenso
     if T % cp_degree:
         raise ValueError(f"sequence length {T} is not divisible by the context-parallel degree {cp_degree}")
     shard = T // cp_degree
-    return x[:, cp_rank * shard:(cp_rank + 1) * shard]
+    return x[:, cp_rank * shard : (cp_rank + 1) * shard]
 
 
 class ContextParallel:
@@ -72,8 +72,9 @@ class ContextParallel:
     def gated_delta_product(self, q, k, v, g, beta, *, num_householder: int, impl: str) -> torch.Tensor:
         """GDP: this shard's output of the recurrence over the whole sequence
         (`context_parallel_gated_delta_product`)."""
-        return context_parallel_gated_delta_product(q, k, v, g, beta, num_householder=num_householder,
-                                                    group=self.group, impl=impl)
+        return context_parallel_gated_delta_product(
+            q, k, v, g, beta, num_householder=num_householder, group=self.group, impl=impl
+        )
 
 
 def enable_context_parallel(model: ELRModel, cp_mesh: DeviceMesh) -> None:
@@ -135,14 +136,24 @@ def conv_halos(inputs: list[torch.Tensor], width: int, group: dist.ProcessGroup)
     T = inputs[0].shape[1]
     if T < width:
         raise ValueError(f"context parallel needs at least conv_size - 1 = {width} tokens per shard, got {T}")
-    tails = torch.cat([x[:, T - width:] for x in inputs], dim=-1)
+    tails = torch.cat([x[:, T - width :] for x in inputs], dim=-1)
     gathered = all_gather(tails[None], group, dim=0)  # [cp, B, width, sum C_i]
     previous = torch.cat([torch.zeros_like(gathered[:1]), gathered[:-1]])[dist.get_rank(group)]
     return list(previous.split([x.shape[-1] for x in inputs], dim=-1))
 
 
-def context_parallel_gated_delta_product(q, k, v, g, beta, *, num_householder: int, group: dist.ProcessGroup,
-                                         initial_state: torch.Tensor | None = None, impl: str = "auto"):
+def context_parallel_gated_delta_product(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    num_householder: int,
+    group: dist.ProcessGroup,
+    initial_state: torch.Tensor | None = None,
+    impl: str = "auto",
+):
     """`gated_delta_product` over a sequence split across `group`; this rank passes its shard.
 
     Shapes as in `gated_delta_product`; `initial_state` [B, H, K, V] (the same on every rank) is
@@ -156,8 +167,9 @@ def context_parallel_gated_delta_product(q, k, v, g, beta, *, num_householder: i
     identity = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, H, K, K)
     start = torch.cat([identity, identity.new_zeros(B, H, K, V)], dim=-1)
     values = torch.cat([v.new_zeros(*v.shape[:-1], K), v], dim=-1)
-    o, summary = gated_delta_product(q, k, values, g, beta, num_householder=num_householder, impl=impl,
-                                     initial_state=start, output_final_state=True)
+    o, summary = gated_delta_product(
+        q, k, values, g, beta, num_householder=num_householder, impl=impl, initial_state=start, output_final_state=True
+    )
     o_start, o_zero = o.float().split([K, V], dim=-1)  # o_start[t] = scale P_t^T q_t
 
     # Chain every rank's (P, Q) in rank order; each rank builds every start state and keeps its
@@ -170,4 +182,3 @@ def context_parallel_gated_delta_product(q, k, v, g, beta, *, num_householder: i
         starts.append(state)
     state = torch.stack(starts)[dist.get_rank(group)]
     return (o_zero + torch.einsum("bthk,bhkv->bthv", o_start, state)).to(q.dtype)
-

@@ -39,8 +39,9 @@ from elr.models.experts import grouped_experts
 from elr.models.ffn import MoE
 
 
-def dispatch_combine(rows: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     group: dist.ProcessGroup) -> torch.Tensor:
+def dispatch_combine(
+    rows: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
     """Run expert-sorted rows [M, dim] (group ends `offsets` over all E experts) on the ranks that own
     their experts; w1 [E/ep, hidden, dim] and w2 [E/ep, dim, hidden] are this rank's experts, the
     rank's position in `group` naming which. Returns the experts' outputs in the order of `rows`."""
@@ -55,8 +56,10 @@ def dispatch_combine(rows: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor
     received = all_to_all_single_autograd(rows, receive_sizes, send_sizes, group)
 
     # Rows arrive grouped by source rank, then expert; the grouped GEMM wants them by expert alone.
-    expert_of_row = torch.arange(local_experts, device=rows.device).repeat(n_ranks).repeat_interleave(
-        received_counts.flatten(), output_size=sum(receive_sizes)
+    expert_of_row = (
+        torch.arange(local_experts, device=rows.device)
+        .repeat(n_ranks)
+        .repeat_interleave(received_counts.flatten(), output_size=sum(receive_sizes))
     )
     regroup = expert_of_row.argsort(stable=True)
     local_offsets = received_counts.sum(0).cumsum(0).to(torch.int32)
@@ -112,4 +115,3 @@ def reduce_expert_gradients(model: nn.Module, ep_mesh: DeviceMesh, averaged_rank
         grad.div_(averaged_ranks)
         if replicas is not None:
             dist.all_reduce(grad, group=replicas)
-

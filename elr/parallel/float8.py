@@ -30,12 +30,15 @@ from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig,
 from torchao.float8.float8_utils import amax_to_scale
 
 
-def to_float8(x: torch.Tensor, dtype: torch.dtype, mm_config: LinearMMConfig, role: GemmInputRole, group: str,
-              power_of_2: bool):
+def to_float8(
+    x: torch.Tensor, dtype: torch.dtype, mm_config: LinearMMConfig, role: GemmInputRole, group: str, power_of_2: bool
+):
     """x in float8 (autograd passes its gradient through), scaled by its amax over the TP group."""
     with torch.no_grad():
         amax = funcol.all_reduce(torch.max(torch.abs(x)), "max", group)
-        scale = amax_to_scale(amax.wait() if isinstance(amax, funcol.AsyncCollectiveTensor) else amax, dtype, power_of_2)
+        scale = amax_to_scale(
+            amax.wait() if isinstance(amax, funcol.AsyncCollectiveTensor) else amax, dtype, power_of_2
+        )
     return hp_tensor_and_scale_to_float8(x, scale, dtype, mm_config, role)
 
 

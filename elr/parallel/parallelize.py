@@ -59,8 +59,13 @@ def parallelize(model: ELRModel, dims: ParallelDims, cfg: JobConfig, device_type
         # non-nested SymInt", measured on CPU).
         compile_layers(model, dynamic=False if dims.tp_mesh is not None else None)
     if dims.fsdp_mesh is not None:
-        apply_fsdp(model, dims.fsdp_mesh, getattr(torch, cfg.training.mixed_precision_param),
-                   ignored=set(expert_weights), recurrent_per_layer=dims.loops_shared_by_all)
+        apply_fsdp(
+            model,
+            dims.fsdp_mesh,
+            getattr(torch, cfg.training.mixed_precision_param),
+            ignored=set(expert_weights),
+            recurrent_per_layer=dims.loops_shared_by_all,
+        )
 
 
 class SequenceShards:
@@ -120,13 +125,17 @@ def compile_layers(model: ELRModel, dynamic: bool | None = None) -> None:
         layer.compile(dynamic=dynamic)
 
 
-def apply_fsdp(model: ELRModel, mesh: DeviceMesh, param_dtype: torch.dtype, ignored: set[nn.Parameter] = frozenset(),
-               recurrent_per_layer: bool = False) -> None:
+def apply_fsdp(
+    model: ELRModel,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    ignored: set[nn.Parameter] = frozenset(),
+    recurrent_per_layer: bool = False,
+) -> None:
     """recurrent_per_layer: only when every rank runs the same k (a unit must be called equally often
     on every rank of its mesh)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    kwargs = dict(mesh=mesh, mp_policy=policy, ignored_params=set(ignored) or None,
-                  shard_placement_fn=fsdp_shard_dim)
+    kwargs = dict(mesh=mesh, mp_policy=policy, ignored_params=set(ignored) or None, shard_placement_fn=fsdp_shard_dim)
     if not recurrent_per_layer:  # ranks may run different k: every block parameter gets a gradient on each
         anchor_parameters(model.recurrent)
     recurrent = list(model.recurrent.layers) if recurrent_per_layer else [model.recurrent]

@@ -71,8 +71,9 @@ class LocalCompute(ParallelStyle):
     nn.Module's parameter lookup), so the model code stays single-device.
     """
 
-    def __init__(self, placements: dict[str, Placement | Rows] | None = None, gather: bool = True,
-                 leave: tuple[str, ...] = ()):
+    def __init__(
+        self, placements: dict[str, Placement | Rows] | None = None, gather: bool = True, leave: tuple[str, ...] = ()
+    ):
         super().__init__()
         self.placements = placements or {}
         self.gather = gather
@@ -131,8 +132,10 @@ def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
     for split in splits:
         for what, size in split.multiple_of.items():
             if tp % size:
-                raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} must be a multiple of the {size} {what} "
-                                  "when it exceeds them (each rank keeps a replicated one)")
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree: {tp} must be a multiple of the {size} {what} "
+                    "when it exceeds them (each rank keeps a replicated one)"
+                )
     for split in splits:
         for what, size in split.divides.items():
             if size % tp:
@@ -161,19 +164,27 @@ def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: 
     expert parallelism places the MoE expert stacks on its own mesh; TP leaves them plain."""
     args, tp = model.args, mesh.size()
     check_tensor_parallel(args, tp)
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(use_local_output=True),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(use_local_output=True),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
     # The embedding's reduce-scatter hands back an AsyncCollectiveTensor; a compiled first layer takes
     # it as a plain input and its backward is lost (measured), so materialise it: one copy of a slice.
     model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
     for layer in model.layers():
         split = LAYER_KINDS[layer.kind].tensor_split(args, tp)
         plan = {"norm": SequenceParallel(use_local_output=True)}
-        plan.update({f"sublayer.{name}" if name else "sublayer": style
-                     for name, style in sublayer_plan(split, experts_elsewhere).items()})
+        plan.update(
+            {
+                f"sublayer.{name}" if name else "sublayer": style
+                for name, style in sublayer_plan(split, experts_elsewhere).items()
+            }
+        )
         parallelize_module(layer, mesh, plan)
     for name in ("step_size", "conditioning", "input_adapter", "state_norm", "loop_gates"):
         if getattr(model.recurrent, name) is not None:

@@ -18,7 +18,7 @@ def right_padded(rows: list[list[int]], pad_id: int, device) -> torch.Tensor:
     width = max(len(r) for r in rows)
     out = torch.full((len(rows), width), pad_id, dtype=torch.long)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out.to(device)
 
 
@@ -40,8 +40,9 @@ def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     return _logprobs(F.linear(hidden, weight), targets)
 
 
-def token_logprobs(model, tokens: torch.Tensor, loops, chunk_tokens: int = 0,
-                   every_loop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model, tokens: torch.Tensor, loops, chunk_tokens: int = 0, every_loop: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p of tokens[:, 1:] given what precedes each, the distribution's entropy there), both [B, T - 1];
     with every_loop [k, B, T - 1]: at the exit of each loop 1..k (the model at each budget up to k)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

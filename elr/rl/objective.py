@@ -30,8 +30,9 @@ def group_advantages(rewards: torch.Tensor, scale_by_std: bool) -> torch.Tensor:
     return centred / (rewards.std(dim=1, keepdim=True) + STD_EPS)
 
 
-def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                      clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token (shapes [N, T], advantages [N] (or [k, N]) broadcast over T): the clipped surrogate loss, and where the
     clip took over (the ratio outside its range on the side that would have grown the objective)."""
     ratio = torch.exp(logp - old_logp)

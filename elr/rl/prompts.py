@@ -37,8 +37,9 @@ class Prompt:
         return render([{"role": r, "content": c} for r, c in self.messages], add_generation_prompt=True)
 
     def encode(self, tokenizer: Tokenizer) -> list[int]:
-        ids, _ = encode_conversation([{"role": r, "content": c} for r, c in self.messages], tokenizer,
-                                     add_generation_prompt=True)
+        ids, _ = encode_conversation(
+            [{"role": r, "content": c} for r, c in self.messages], tokenizer, add_generation_prompt=True
+        )
         return ids
 
 
@@ -49,8 +50,10 @@ def from_question(question: str, answer: str) -> Prompt:
 def read_jsonl(path: Path) -> list[Prompt]:
     """Every line a prompt with its answer; one DataError naming the file and line otherwise."""
     if not path.is_file():
-        raise DataError(f"rl.prompts: {path} is not a file (a JSONL file of {{\"prompt\", \"answer\"}}, or one of "
-                        f"{', '.join(BUILT_IN)})")
+        raise DataError(
+            f'rl.prompts: {path} is not a file (a JSONL file of {{"prompt", "answer"}}, or one of '
+            f"{', '.join(BUILT_IN)})"
+        )
     prompts = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -65,9 +68,13 @@ def read_jsonl(path: Path) -> list[Prompt]:
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not JSON ({e})") from None
         if not isinstance(record, dict) or set(record) - {"prompt", "answer"}:
-            raise DataError(f"{where}: expected an object with \"prompt\" and \"answer\" only, got {line[:120]!r}")
-        if "answer" not in record or not isinstance(record["answer"], (str, int, float)) or isinstance(record["answer"], bool):
-            raise DataError(f"{where}: needs an \"answer\" (a string or a number)")
+            raise DataError(f'{where}: expected an object with "prompt" and "answer" only, got {line[:120]!r}')
+        if (
+            "answer" not in record
+            or not isinstance(record["answer"], (str, int, float))
+            or isinstance(record["answer"], bool)
+        ):
+            raise DataError(f'{where}: needs an "answer" (a string or a number)')
         prompt = record.get("prompt")
         if isinstance(prompt, str) and prompt.strip():
             prompts.append(from_question(prompt, str(record["answer"])))
@@ -77,7 +84,7 @@ def read_jsonl(path: Path) -> list[Prompt]:
                 raise DataError(f"{where}: the prompt's last turn is the assistant's; the completion is its answer")
             prompts.append(Prompt(tuple((m["role"], m["content"]) for m in messages), str(record["answer"])))
         else:
-            raise DataError(f"{where}: \"prompt\" must be a non-empty string or a list of chat messages")
+            raise DataError(f'{where}: "prompt" must be a non-empty string or a list of chat messages')
     if not prompts:
         raise DataError(f"rl.prompts: {path} holds no prompt")
     return prompts
@@ -103,8 +110,10 @@ def split(prompts: list[Prompt]) -> tuple[list[Prompt], list[Prompt]]:
     train = [p for p, h in zip(prompts, held) if not h]
     val = [p for p, h in zip(prompts, held) if h]
     if not train or not val:
-        raise DataError(f"rl.prompts: {len(prompts)} prompts leave none for {'training' if not train else 'evaluation'} "
-                        f"(one in {HELD_OUT} is held out by a hash of its text); give more prompts")
+        raise DataError(
+            f"rl.prompts: {len(prompts)} prompts leave none for {'training' if not train else 'evaluation'} "
+            f"(one in {HELD_OUT} is held out by a hash of its text); give more prompts"
+        )
     return train, val
 
 

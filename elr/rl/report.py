@@ -22,8 +22,16 @@ from elr.train.step_report import StepStats, memory_gib
 logger = logging.getLogger("elr")
 
 # The scalars whose means over the logging window make the console line.
-WINDOW = ("rl/reward", "rl/length", "rl/clip_frac", "rl/entropy", "grad_norm", "rl/rollout_share",
-          "rl/gen_tokens_per_s", "rl/zero_std_frac")
+WINDOW = (
+    "rl/reward",
+    "rl/length",
+    "rl/clip_frac",
+    "rl/entropy",
+    "grad_norm",
+    "rl/rollout_share",
+    "rl/gen_tokens_per_s",
+    "rl/zero_std_frac",
+)
 
 
 class RLReporter:
@@ -60,11 +68,13 @@ class RLReporter:
         eta = self.seconds / self.steps * (total_steps - step)
         logger.info(
             f"step {step:>{len(str(total_steps))}}/{total_steps} | reward {mean['rl/reward']:.3f} ({per_k}) | "
-            f"len {mean['rl/length']:.1f} | no signal {mean['rl/zero_std_frac']:.0%} | clip {mean['rl/clip_frac']:.3f} | "
+            f"len {mean['rl/length']:.1f} | no signal {mean['rl/zero_std_frac']:.0%} | "
+            f"clip {mean['rl/clip_frac']:.3f} | "
             f"entropy {mean['rl/entropy']:.3f} | lr {s['lr']:.2e} | gnorm {mean['grad_norm']:.3f} | "
             f"rollout {mean['rl/rollout_share']:.0%} of the step, {mean['rl/gen_tokens_per_s']:,.0f} tok/s | "
             f"mem {s['memory/max_gib']:.2f} GiB | elapsed {duration(time.perf_counter() - self.session_start)} | "
-            f"eta {duration(eta)}")
+            f"eta {duration(eta)}"
+        )
         self.reset()
 
 
@@ -79,7 +89,7 @@ class RLEvaluator:
     @torch.no_grad()
     def __call__(self, model) -> dict[str, float]:
         t = self.trainer
-        cfg, r, K = t.cfg, t.cfg.rl, t.cfg.elr.max_loops
+        r, K = t.cfg.rl, t.cfg.elr.max_loops
         prompts = t.eval_prompts
         share = math.ceil(len(prompts) / t.dp_world)
         mine = [t.dp_rank * share + i for i in range(share)]
@@ -90,11 +100,20 @@ class RLEvaluator:
         model.record_loop_statistics(False)
         sums = torch.zeros(3, K, dtype=torch.float64)  # reward, completion tokens, prompts
         for k in range(1, K + 1):
-            completions = generate(model, ids, k, r.max_new_tokens, t.tokenizer.eot_id, kv_mode=r.rollout_kv,
-                                   sampling=Sampling(), all_done=t.all_done())
+            completions = generate(
+                model,
+                ids,
+                k,
+                r.max_new_tokens,
+                t.tokenizer.eot_id,
+                kv_mode=r.rollout_kv,
+                sampling=Sampling(),
+                all_done=t.all_done(),
+            )
             for p, c, w in zip(mine, completions, counted.tolist()):
-                sums[:, k - 1] += w * torch.tensor([score(t.reward, p.text, t.tokenizer.decode(c), p.answer), len(c), 1.0],
-                                                   dtype=torch.float64)
+                sums[:, k - 1] += w * torch.tensor(
+                    [score(t.reward, p.text, t.tokenizer.decode(c), p.answer), len(c), 1.0], dtype=torch.float64
+                )
         model.train()
         sums = sums.to(t.device)
         if dist.is_initialized():
@@ -109,6 +128,9 @@ class RLEvaluator:
     def summary(self, step: int, val: dict[str, float]) -> str:
         K = self.trainer.cfg.elr.max_loops
         n = len(self.trainer.eval_prompts)
-        return (f"evaluation at step {step} ({n} held-out prompts, greedy): reward "
-                + " ".join(f"k{k} {val[f'val/reward_k{k}']:.3f}" for k in range(1, K + 1))
-                + " | completion tokens " + " ".join(f"k{k} {val[f'val/length_k{k}']:.1f}" for k in range(1, K + 1)))
+        return (
+            f"evaluation at step {step} ({n} held-out prompts, greedy): reward "
+            + " ".join(f"k{k} {val[f'val/reward_k{k}']:.3f}" for k in range(1, K + 1))
+            + " | completion tokens "
+            + " ".join(f"k{k} {val[f'val/length_k{k}']:.1f}" for k in range(1, K + 1))
+        )

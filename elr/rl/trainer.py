@@ -74,27 +74,34 @@ class RLTrainer(Trainer):
         """The tokenizer, the prompts (training and held out), the reward; checked before any work."""
         cfg, r = self.cfg, self.cfg.rl
         if not cfg.tokenizer.path:
-            raise ConfigError("tokenizer.path: the RLVR stage reads no data folder; name the tokenizer the SFT model "
-                              "was trained with")
+            raise ConfigError(
+                "tokenizer.path: the RLVR stage reads no data folder; name the tokenizer the SFT model was trained with"
+            )
         self.task = None
         self.tokenizer = build_tokenizer(cfg.tokenizer.path)
         self.vocab_size = self.tokenizer.n_vocab
         self.prompts, held_out = split(load_prompts(r.prompts))
-        self.eval_prompts = held_out[:r.eval_prompts]
+        self.eval_prompts = held_out[: r.eval_prompts]
         self.reward = load_reward(r.reward, r.answer_format)
         self.prompt_ids = [p.encode(self.tokenizer) for p in self.prompts]
         longest = max(len(ids) for ids in self.prompt_ids + [p.encode(self.tokenizer) for p in self.eval_prompts])
         if longest + r.max_new_tokens > cfg.training.seq_len:
-            raise ConfigError(f"rl.max_new_tokens: the longest prompt ({longest} tokens) plus max_new_tokens = "
-                              f"{r.max_new_tokens} exceeds training.seq_len = {cfg.training.seq_len}")
+            raise ConfigError(
+                f"rl.max_new_tokens: the longest prompt ({longest} tokens) plus max_new_tokens = "
+                f"{r.max_new_tokens} exceeds training.seq_len = {cfg.training.seq_len}"
+            )
         self.n_groups = self.global_batch // r.group_size  # every rank's, together
         if self.n_groups % self.dp_world:
-            raise ConfigError(f"training.global_batch_size: {self.global_batch} completions are {self.n_groups} groups "
-                              f"of {r.group_size}, which {self.dp_world} data-parallel ranks cannot share evenly")
+            raise ConfigError(
+                f"training.global_batch_size: {self.global_batch} completions are {self.n_groups} groups "
+                f"of {r.group_size}, which {self.dp_world} data-parallel ranks cannot share evenly"
+            )
         if r.loop_credit == "every_loop" and r.group_size % cfg.training.local_batch_size:
-            raise ConfigError(f"training.local_batch_size: with rl.loop_credit = every_loop a microbatch must hold "
-                              f"one group's completions (one k): {cfg.training.local_batch_size} must divide "
-                              f"rl.group_size = {r.group_size}")
+            raise ConfigError(
+                f"training.local_batch_size: with rl.loop_credit = every_loop a microbatch must hold "
+                f"one group's completions (one k): {cfg.training.local_batch_size} must divide "
+                f"rl.group_size = {r.group_size}"
+            )
         self.validator = RLEvaluator(self)
 
     def _optimizer_updates(self) -> int:
@@ -122,11 +129,13 @@ class RLTrainer(Trainer):
     def _log_setup(self) -> None:
         log_setup(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch)
         r, e = self.cfg.rl, self.cfg.elr
-        logger.info(f"RLVR: {len(self.prompts)} training prompts, {len(self.eval_prompts)} held out | "
-                    f"{self.n_groups} prompts x {r.group_size} completions per step, one k per group drawn "
-                    f"{e.sampling} from weights {e.loop_weights or 'uniform'} over 1..{e.max_loops} | "
-                    f"{r.advantage}, clip [{1 - r.clip_low:g}, {1 + r.clip_high:g}], {r.updates_per_batch} update(s) "
-                    f"per batch, reward {r.reward}")
+        logger.info(
+            f"RLVR: {len(self.prompts)} training prompts, {len(self.eval_prompts)} held out | "
+            f"{self.n_groups} prompts x {r.group_size} completions per step, one k per group drawn "
+            f"{e.sampling} from weights {e.loop_weights or 'uniform'} over 1..{e.max_loops} | "
+            f"{r.advantage}, clip [{1 - r.clip_low:g}, {1 + r.clip_high:g}], {r.updates_per_batch} update(s) "
+            f"per batch, reward {r.reward}"
+        )
 
     def _reporter(self) -> RLReporter:
         return RLReporter(self.cfg, self.metrics, self.world_size, self.device)
@@ -147,7 +156,9 @@ class RLTrainer(Trainer):
 
         def draw(t: int) -> torch.Tensor:
             gen = torch.Generator().manual_seed(_mix(seed + 0x5EED, step * 65_536 + t))
-            return torch.rand(self.global_batch, generator=gen, dtype=torch.float64)[rows.start:rows.stop].to(self.device)
+            return torch.rand(self.global_batch, generator=gen, dtype=torch.float64)[rows.start : rows.stop].to(
+                self.device
+            )
 
         return draw
 
@@ -175,13 +186,22 @@ class RLTrainer(Trainer):
         rows = range(groups.start * G, groups.stop * G)
         self.model.eval()
         self.model.record_loop_statistics(False)
-        completions = generate(self.model, prompt_ids, loops, r.max_new_tokens, self.tokenizer.eot_id,
-                               kv_mode=r.rollout_kv, sampling=Sampling(r.temperature, 0, r.top_p),
-                               uniforms=self.uniforms(step, rows), all_done=self.all_done())
+        completions = generate(
+            self.model,
+            prompt_ids,
+            loops,
+            r.max_new_tokens,
+            self.tokenizer.eot_id,
+            kv_mode=r.rollout_kv,
+            sampling=Sampling(r.temperature, 0, r.top_p),
+            uniforms=self.uniforms(step, rows),
+            all_done=self.all_done(),
+        )
         self.model.train()
         out = Rollouts(prompts, prompt_ids, completions, loops)
-        out.rewards = [score(self.reward, p.text, self.tokenizer.decode(c), p.answer)
-                       for p, c in zip(prompts, completions)]
+        out.rewards = [
+            score(self.reward, p.text, self.tokenizer.decode(c), p.answer) for p, c in zip(prompts, completions)
+        ]
         return out
 
     def train_step(self, step: int) -> StepStats:
@@ -206,7 +226,7 @@ class RLTrainer(Trainer):
         # Microbatches of rows in order of k: the deepest row decides a microbatch's cost.
         order = sorted(range(len(rows)), key=lambda i: batch.loops[i])
         size = cfg.training.local_batch_size
-        micro = [order[i:i + size] for i in range(0, len(order), size)]
+        micro = [order[i : i + size] for i in range(0, len(order), size)]
         old = self._logprobs(self.model, rows, batch.loops, micro) if r.updates_per_batch > 1 else None
         reference = self._logprobs(self.reference, rows, batch.loops, micro) if self.reference is not None else None
 
@@ -219,16 +239,23 @@ class RLTrainer(Trainer):
                 loops = self._loops([batch.loops[i] for i in idx])
                 logp, entropy = token_logprobs(self.model, tokens, loops, cfg.training.loss_chunk_tokens, every_loop)
                 adv = advantages[idx].expand(loops, -1) if every_loop else advantages[idx]
-                per_token, clipped = clipped_surrogate(logp, old[m] if old is not None else logp.detach(), adv,
-                                                       r.clip_low, r.clip_high)
+                per_token, clipped = clipped_surrogate(
+                    logp, old[m] if old is not None else logp.detach(), adv, r.clip_low, r.clip_high
+                )
                 kl = k3_kl(logp, reference[m]) if reference is not None else torch.zeros_like(per_token)
                 per_token = per_token + r.kl_coeff * kl
                 if every_loop:  # each loop's exit is the policy at that budget: the objective is their mean
-                    per_token, clipped, kl, entropy = per_token.mean(0), clipped.float().mean(0), kl.mean(0), entropy[-1]
+                    per_token, clipped, kl, entropy = (
+                        per_token.mean(0),
+                        clipped.float().mean(0),
+                        kl.mean(0),
+                        entropy[-1],
+                    )
                 loss = (per_token * mask).sum()
                 (loss * scale).backward()
-                sums += torch.stack([loss.detach(), (clipped * mask).sum(), (entropy * mask).sum(),
-                                     (kl.detach() * mask).sum()]).double()
+                sums += torch.stack(
+                    [loss.detach(), (clipped * mask).sum(), (entropy * mask).sum(), (kl.detach() * mask).sum()]
+                ).double()
             reduce_gradients(self.model, self.dims)
             grad_norm = clip_gradients(self.model, cfg.training.max_norm)
             if self.nonfinite.allows_update(step, sums[0].item() / max(denominator, 1.0), grad_norm):
@@ -239,10 +266,16 @@ class RLTrainer(Trainer):
         if dist.is_initialized():
             dist.all_reduce(sums)
         train_seconds = time.perf_counter() - start - rollout_seconds
-        scalars = {"loss/train": sums[0].item() / max(denominator, 1.0), "rl/clip_frac": sums[1].item() / max(scored, 1.0),
-                   "rl/entropy": sums[2].item() / max(scored, 1.0), "grad_norm": grad_norm, "lr": lr,
-                   "rl/rollout_s": rollout_seconds, "rl/train_s": train_seconds,
-                   "rl/rollout_share": rollout_seconds / max(rollout_seconds + train_seconds, 1e-9)}
+        scalars = {
+            "loss/train": sums[0].item() / max(denominator, 1.0),
+            "rl/clip_frac": sums[1].item() / max(scored, 1.0),
+            "rl/entropy": sums[2].item() / max(scored, 1.0),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "rl/rollout_s": rollout_seconds,
+            "rl/train_s": train_seconds,
+            "rl/rollout_share": rollout_seconds / max(rollout_seconds + train_seconds, 1e-9),
+        }
         if reference is not None:
             scalars["rl/kl"] = sums[3].item() / max(scored, 1.0)
         return self._stats(batch, rewards, scalars)
@@ -259,8 +292,13 @@ class RLTrainer(Trainer):
         out = []
         for idx in micro:
             tokens = right_padded([rows[i] for i in idx], self.tokenizer.eot_id, self.device)
-            logp, _ = token_logprobs(model, tokens, self._loops([loops[i] for i in idx]),
-                                     self.cfg.training.loss_chunk_tokens, self.cfg.rl.loop_credit == "every_loop")
+            logp, _ = token_logprobs(
+                model,
+                tokens,
+                self._loops([loops[i] for i in idx]),
+                self.cfg.training.loss_chunk_tokens,
+                self.cfg.rl.loop_credit == "every_loop",
+            )
             out.append(logp)
         return out
 
@@ -272,18 +310,27 @@ class RLTrainer(Trainer):
         for k, reward, new in zip(batch.loops, batch.rewards, batch.completions):
             per_k[:, k - 1] += torch.tensor([reward, len(new), 1.0], dtype=torch.float64)
         spread = rewards.std(dim=1)
-        extra = torch.tensor([float((spread == 0).sum()), float(spread.sum()),
-                              float(sum(len(ids) for ids in batch.prompt_ids))], dtype=torch.float64)
+        extra = torch.tensor(
+            [float((spread == 0).sum()), float(spread.sum()), float(sum(len(ids) for ids in batch.prompt_ids))],
+            dtype=torch.float64,
+        )
         sums = torch.cat([per_k.flatten(), extra]).to(self.device)
         if dist.is_initialized():
             dist.all_reduce(sums)
         sums = sums.cpu()
-        per_k, (no_signal, spread_sum, prompt_tokens) = sums[:3 * K].view(3, K), sums[3 * K:].tolist()
+        per_k, (no_signal, spread_sum, prompt_tokens) = sums[: 3 * K].view(3, K), sums[3 * K :].tolist()
         n, generated = per_k[2].sum().item(), per_k[1].sum().item()
-        scalars.update({"rl/reward": per_k[0].sum().item() / n, "rl/reward_std": spread_sum / self.n_groups,
-                        "rl/zero_std_frac": no_signal / self.n_groups, "rl/length": generated / n,
-                        "rl/gen_tokens_per_s": generated / max(scalars["rl/rollout_s"], 1e-9),
-                        "rl/tokens": prompt_tokens + generated, "loops/mean": (per_k[2] @ torch.arange(1.0, K + 1, dtype=torch.float64)).item() / n})
+        scalars.update(
+            {
+                "rl/reward": per_k[0].sum().item() / n,
+                "rl/reward_std": spread_sum / self.n_groups,
+                "rl/zero_std_frac": no_signal / self.n_groups,
+                "rl/length": generated / n,
+                "rl/gen_tokens_per_s": generated / max(scalars["rl/rollout_s"], 1e-9),
+                "rl/tokens": prompt_tokens + generated,
+                "loops/mean": (per_k[2] @ torch.arange(1.0, K + 1, dtype=torch.float64)).item() / n,
+            }
+        )
         for k in range(1, K + 1):
             if per_k[2, k - 1] > 0:
                 scalars[f"rl/reward_k{k}"] = (per_k[0, k - 1] / per_k[2, k - 1]).item()
@@ -301,9 +348,21 @@ class RLTrainer(Trainer):
         if self.rank != 0 or self.metrics.failed:
             return
         path = self.dump_folder / "samples.jsonl"
-        lines = [json.dumps({"step": step, "k": k, "prompt": p.text, "completion": self.tokenizer.decode(c),
-                             "answer": p.answer, "reward": rew})
-                 for p, c, k, rew in list(zip(batch.prompts, batch.completions, batch.loops, batch.rewards))[:self.cfg.rl.group_size]]
+        lines = [
+            json.dumps(
+                {
+                    "step": step,
+                    "k": k,
+                    "prompt": p.text,
+                    "completion": self.tokenizer.decode(c),
+                    "answer": p.answer,
+                    "reward": rew,
+                }
+            )
+            for p, c, k, rew in list(zip(batch.prompts, batch.completions, batch.loops, batch.rewards))[
+                : self.cfg.rl.group_size
+            ]
+        ]
         try:
             with open(path, "a") as f:
                 f.write("\n".join(lines) + "\n")

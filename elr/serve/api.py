@@ -66,9 +66,19 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "elr", "max_loops": served.max_loops,
-                                            "context_length": served.context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "elr",
+                    "max_loops": served.max_loops,
+                    "context_length": served.context,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):

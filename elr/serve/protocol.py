@@ -27,15 +27,28 @@ from elr.text.chat import check_messages, encode_conversation
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_LOGPROBS = 20  # alternatives per token
 # OpenAI fields this server does not implement: refused unless given at their no-op value
-UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {}),
-               "frequency_penalty": (None, 0),
-               "presence_penalty": (None, 0), "tools": (None, []), "functions": (None, []),
-               "response_format": (None, {"type": "text"})}
+UNSUPPORTED = {
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -106,15 +119,23 @@ class Served:
 
     def check_length(self, text: str, param: str) -> None:
         if len(text) > self.longest_text:
-            raise APIError(400, f"the {param} is longer than the model's context of {self.context} tokens", param,
-                           "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the {param} is longer than the model's context of {self.context} tokens",
+                param,
+                "context_length_exceeded",
+            )
 
 
 def check_common(body: Body, served: Served) -> dict:
     """The Request fields every endpoint shares, checked."""
     if body.model != served.model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served.model_name!r}",
-                       "model", "model_not_found")
+        raise APIError(
+            404,
+            f"the model {body.model!r} does not exist; this server serves {served.model_name!r}",
+            "model",
+            "model_not_found",
+        )
     for name, allowed in UNSUPPORTED.items():
         if (body.model_extra or {}).get(name) not in allowed:
             raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
@@ -132,8 +153,14 @@ def check_common(body: Body, served: Served) -> dict:
         raise APIError(400, f"stop takes up to {MAX_STOP} non-empty strings", "stop")
     if body.seed is not None and not 0 <= body.seed < 2**62:
         raise APIError(400, "seed must lie in 0..2^62", "seed")
-    return dict(loops=served.default_loops if body.loop_budget is None else body.loop_budget,
-                sampling=Sampling(temperature, 0, top_p), n=n, seed=body.seed, stop=stop, draft_loops=body.draft_loops)
+    return dict(
+        loops=served.default_loops if body.loop_budget is None else body.loop_budget,
+        sampling=Sampling(temperature, 0, top_p),
+        n=n,
+        seed=body.seed,
+        stop=stop,
+        draft_loops=body.draft_loops,
+    )
 
 
 def completion_request(body: CompletionBody, served: Served) -> Request:
@@ -188,6 +215,7 @@ def chat_request(body: ChatBody, served: Served) -> Request:
 
 # --- responses ---
 
+
 def sequence_loops(request: Request, sequence: Sequence) -> float | None:
     if sequence.fed:
         return sequence.loops / sequence.fed
@@ -196,8 +224,10 @@ def sequence_loops(request: Request, sequence: Sequence) -> float | None:
 
 def loop_report(request: Request) -> dict:
     mean = request.mean_loops
-    report = {"loop_budget": request.loops,
-              "mean_loops": mean if mean is not None else float(request.loops) if request.loops != AUTO else None}
+    report = {
+        "loop_budget": request.loops,
+        "mean_loops": mean if mean is not None else float(request.loops) if request.loops != AUTO else None,
+    }
     if request.draft_loops is not None and request.draft_stats is not None:
         report.update(draft_loops=request.draft_loops, draft_acceptance=request.draft_stats.acceptance)
     return report
@@ -219,18 +249,26 @@ def completion_logprobs(tokenizer, records: list[TokenLogprob], offset: int) -> 
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
-            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in r.top} for r in records],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [r.logprob for r in records],
+        "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in r.top} for r in records],
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(tokenizer, records: list[TokenLogprob]) -> dict:
     def entry(token: int, logprob: float) -> dict:
-        return {"token": token_text(tokenizer, token), "logprob": logprob,
-                "bytes": list(tokenizer.encoding.decode_single_token_bytes(token))}
+        return {
+            "token": token_text(tokenizer, token),
+            "logprob": logprob,
+            "bytes": list(tokenizer.encoding.decode_single_token_bytes(token)),
+        }
 
-    return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
-                        for r in records], "refusal": None}
+    return {
+        "content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]} for r in records],
+        "refusal": None,
+    }
 
 
 @dataclass
@@ -256,15 +294,23 @@ class Shapes:
         choices = []
         for sequence in self.request.sequences:
             records = sequence.logprobs
-            choice = {"index": sequence.index, "finish_reason": sequence.finish_reason,
-                      "mean_loops": sequence_loops(self.request, sequence)}
+            choice = {
+                "index": sequence.index,
+                "finish_reason": sequence.finish_reason,
+                "mean_loops": sequence_loops(self.request, sequence),
+            }
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": sequence.text}
-                choice["logprobs"] = chat_logprobs(self.served.tokenizer, records) if self.request.logprobs is not None else None
+                choice["logprobs"] = (
+                    chat_logprobs(self.served.tokenizer, records) if self.request.logprobs is not None else None
+                )
             else:
                 choice["text"] = sequence.text
-                choice["logprobs"] = (completion_logprobs(self.served.tokenizer, records, 0)
-                                      if self.request.logprobs is not None else None)
+                choice["logprobs"] = (
+                    completion_logprobs(self.served.tokenizer, records, 0)
+                    if self.request.logprobs is not None
+                    else None
+                )
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self.head(kind), "choices": choices, "usage": usage(self.request), **loop_report(self.request)}
@@ -273,17 +319,32 @@ class Shapes:
         """Chat streams open each choice with the assistant's role."""
         if not self.chat:
             return []
-        return [{**self.head("chat.completion.chunk"), "loop_budget": self.request.loops,
-                 "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]} for s in self.request.sequences]
+        return [
+            {
+                **self.head("chat.completion.chunk"),
+                "loop_budget": self.request.loops,
+                "choices": [
+                    {
+                        "index": s.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            for s in self.request.sequences
+        ]
 
     def chunk(self, delta) -> dict:
         sequence = self.request.sequences[delta.index]
         choice = {"index": delta.index, "finish_reason": delta.finish_reason}
         logprobs = None
         if self.request.logprobs is not None:
-            logprobs = (chat_logprobs(self.served.tokenizer, delta.logprobs) if self.chat else
-                        completion_logprobs(self.served.tokenizer, delta.logprobs, self.offsets[delta.index]))
+            logprobs = (
+                chat_logprobs(self.served.tokenizer, delta.logprobs)
+                if self.chat
+                else completion_logprobs(self.served.tokenizer, delta.logprobs, self.offsets[delta.index])
+            )
         self.offsets[delta.index] += len(delta.text)
         if self.chat:
             choice["delta"] = {"content": delta.text} if delta.text or not delta.finish_reason else {}

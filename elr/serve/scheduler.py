@@ -113,10 +113,12 @@ class Engine:
     def memory_report(self) -> str:
         limits = self.limits
         rows = limits.max_concurrent + limits.max_auto + limits.max_draft
-        return (f"inference state: {rows} rows ({limits.max_concurrent} at a fixed k, {limits.max_auto} auto, "
-                f"{limits.max_draft} drafted) x {human_bytes(self.row_bytes)} each (k={self.max_loops}, {self.context} "
-                f"tokens, {self.kv_mode}) = {human_bytes(rows * self.row_bytes)} at most; drafted rows are "
-                "allocated per request, the others at start")
+        return (
+            f"inference state: {rows} rows ({limits.max_concurrent} at a fixed k, {limits.max_auto} auto, "
+            f"{limits.max_draft} drafted) x {human_bytes(self.row_bytes)} each (k={self.max_loops}, {self.context} "
+            f"tokens, {self.kv_mode}) = {human_bytes(rows * self.row_bytes)} at most; drafted rows are "
+            "allocated per request, the others at start"
+        )
 
     # --- the client's side (any thread) ---
 
@@ -124,30 +126,43 @@ class Engine:
         """Refused for what this engine can never serve (protocol.py checks the shape of the rest)."""
         if request.loops == AUTO:
             if not self.limits.max_auto:
-                raise Refused("this server takes no \"auto\" loop budget (started with --max-auto 0)", "loop_budget")
+                raise Refused('this server takes no "auto" loop budget (started with --max-auto 0)', "loop_budget")
         elif not 1 <= request.loops <= self.max_loops:
-            raise Refused(f"loop_budget must lie in 1..{self.max_loops} (the checkpoint's K) or be \"auto\", "
-                          f"not {request.loops}", "loop_budget")
+            raise Refused(
+                f'loop_budget must lie in 1..{self.max_loops} (the checkpoint\'s K) or be "auto", not {request.loops}',
+                "loop_budget",
+            )
         if request.draft_loops is not None:
             if not self.limits.max_draft:
-                raise Refused("this server decodes nothing self-speculatively (started with --max-draft 0)",
-                              "draft_loops")
+                raise Refused(
+                    "this server decodes nothing self-speculatively (started with --max-draft 0)", "draft_loops"
+                )
             if request.loops == AUTO or request.sampling.temperature > 0 or request.logprobs is not None:
-                raise Refused("draft_loops decodes greedily at one k: give an integer loop_budget, temperature 0 "
-                              "and no logprobs", "draft_loops")
+                raise Refused(
+                    "draft_loops decodes greedily at one k: give an integer loop_budget, temperature 0 and no logprobs",
+                    "draft_loops",
+                )
             if not 1 <= request.draft_loops <= request.loops:
-                raise Refused(f"draft_loops must lie in 1..{request.loops} (the request's loop_budget, which "
-                              f"verifies), not {request.draft_loops}", "draft_loops")
+                raise Refused(
+                    f"draft_loops must lie in 1..{request.loops} (the request's loop_budget, which "
+                    f"verifies), not {request.draft_loops}",
+                    "draft_loops",
+                )
         if request.max_tokens < 1:
             raise Refused(f"max_tokens must be at least 1, not {request.max_tokens}", "max_tokens")
         longest = max(len(p) for p in request.prompts) + request.max_tokens
         if longest > self.context:
-            raise Refused(f"the prompt plus max_tokens ({longest} tokens) exceed the model's context of "
-                          f"{self.context} tokens", "max_tokens")
+            raise Refused(
+                f"the prompt plus max_tokens ({longest} tokens) exceed the model's context of {self.context} tokens",
+                "max_tokens",
+            )
         rows = {"budgets": self.limits.max_concurrent, AUTO: self.limits.max_auto, "draft": 1}[request.pool]
         if len(request.sequences) > rows:
-            raise Refused(f"{len(request.sequences)} choices (n x prompts) need more rows than the {rows} this "
-                          "server decodes at once", "n")
+            raise Refused(
+                f"{len(request.sequences)} choices (n x prompts) need more rows than the {rows} this "
+                "server decodes at once",
+                "n",
+            )
 
     def submit(self, request: Request) -> None:
         """Queue a request (Busy when the queue is full, Unavailable when closed, ValueError when it can
@@ -159,8 +174,10 @@ class Engine:
             if self._thread is not None and not self._thread.is_alive():
                 raise Unavailable("the engine has stopped")
             if self.queued_tokens and self.queued_tokens + request.cost > self.limits.max_queued_tokens:
-                raise Busy(f"{self.queued_tokens} tokens are waiting already (limit {self.limits.max_queued_tokens}); "
-                           "retry later")
+                raise Busy(
+                    f"{self.queued_tokens} tokens are waiting already (limit {self.limits.max_queued_tokens}); "
+                    "retry later"
+                )
             self.queued_tokens += request.cost
             self._inbox.append(request)
             self._lock.notify()
@@ -173,9 +190,12 @@ class Engine:
 
     def load(self) -> dict:
         """What /health reports."""
-        return {"running": sum(len(p.busy) for p in self.pools.values()) + len(self.drafts),
-                "free_rows": {name: len(p.free) for name, p in self.pools.items()},
-                "waiting": len(self.waiting) + len(self._inbox), "queued_tokens": self.queued_tokens}
+        return {
+            "running": sum(len(p.busy) for p in self.pools.values()) + len(self.drafts),
+            "free_rows": {name: len(p.free) for name, p in self.pools.items()},
+            "waiting": len(self.waiting) + len(self._inbox),
+            "queued_tokens": self.queued_tokens,
+        }
 
     # --- the engine's thread ---
 
@@ -260,8 +280,9 @@ class Engine:
             if pool == "draft":
                 fits = len(self.drafts) < self.limits.max_draft
             else:
-                fits = len(self.pools[pool].free) >= len(request.sequences) + \
-                    sum(len(r.sequences) for r in joining[pool])
+                fits = len(self.pools[pool].free) >= len(request.sequences) + sum(
+                    len(r.sequences) for r in joining[pool]
+                )
             if not fits:
                 blocked.add(pool)
                 continue
@@ -281,8 +302,10 @@ class Engine:
     def _prefill(self, pool: SlotPool, requests: list[Request]) -> None:
         try:
             rows = [(request, i) for request in requests for i in range(len(request.prompts))]
-            logits, cache = pool.prefill([request.prompts[i] for request, i in rows],
-                                         [request.loops if request.loops != AUTO else pool.loops for request, _ in rows])
+            logits, cache = pool.prefill(
+                [request.prompts[i] for request, i in rows],
+                [request.loops if request.loops != AUTO else pool.loops for request, _ in rows],
+            )
         except Exception as e:
             if len(requests) > 1:  # find the one that fails: each alone
                 for request in requests:
@@ -292,12 +315,13 @@ class Engine:
                 self._fail(requests[0], f"reading the prompt failed: {e}")
             return
         for row, (request, i) in enumerate(rows):
-            for sequence in request.sequences[i * request.n:(i + 1) * request.n]:
+            for sequence in request.sequences[i * request.n : (i + 1) * request.n]:
                 if not request.finished:
                     self._guarded(request, self._first_token, pool, cache, row, request, sequence, logits[row])
 
-    def _first_token(self, pool: SlotPool, cache, row: int, request: Request, sequence: Sequence,
-                     logits: torch.Tensor) -> None:
+    def _first_token(
+        self, pool: SlotPool, cache, row: int, request: Request, sequence: Sequence, logits: torch.Tensor
+    ) -> None:
         pool.join(cache, row, request, sequence)
         self._next_token(request, sequence, logits, pool)
 
@@ -310,8 +334,15 @@ class Engine:
         else:
             self._add(request, sequence, [token], pool, ended=False, logprobs=logprobs)
 
-    def _add(self, request: Request, sequence: Sequence, tokens: list[int], pool: SlotPool | None, ended: bool,
-             logprobs: list[TokenLogprob]) -> None:
+    def _add(
+        self,
+        request: Request,
+        sequence: Sequence,
+        tokens: list[int],
+        pool: SlotPool | None,
+        ended: bool,
+        logprobs: list[TokenLogprob],
+    ) -> None:
         """Append tokens to a choice (stopping at max_tokens), emit its new text; `ended`: it hit the end of text."""
         room = request.max_tokens - len(sequence.tokens)
         sequence.tokens += tokens[:room]
@@ -342,9 +373,17 @@ class Engine:
         sequence = request.sequences[0]
         if lane.rounds is None:
             request.draft_stats = SpeculationStats()
-            lane.rounds = speculative_rounds(self.model, sequence.prompt, request.loops, request.max_tokens,
-                                             self.eot_id, self.kv_mode, request.draft_loops,
-                                             self.limits.draft_tokens, request.draft_stats)
+            lane.rounds = speculative_rounds(
+                self.model,
+                sequence.prompt,
+                request.loops,
+                request.max_tokens,
+                self.eot_id,
+                self.kv_mode,
+                request.draft_loops,
+                self.limits.draft_tokens,
+                request.draft_stats,
+            )
         gained = next(lane.rounds, None)
         if gained is None:  # it ended at an end-of-text
             self._add(request, sequence, [], None, ended=True, logprobs=[])

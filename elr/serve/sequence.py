@@ -74,12 +74,12 @@ class Sequence:
         hits = [i for i in (text.find(s, max(0, len(self.text) - longest)) for s in stop) if i >= 0]
         stopped = bool(hits)
         if stopped:
-            text = text[:min(hits)]
+            text = text[: min(hits)]
         elif not final:
             text = text.rstrip("\ufffd")  # an incomplete character completes with the next token
             held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-            text = text[:len(text) - held]
-        new = text[len(self.text):] if text.startswith(self.text) else ""
+            text = text[: len(text) - held]
+        new = text[len(self.text) :] if text.startswith(self.text) else ""
         self.text += new
         return new, stopped
 
@@ -111,7 +111,9 @@ class Request:
     draft_stats: object = None  # SpeculationStats of a drafted request
 
     def __post_init__(self):
-        self.sequences = [Sequence(i * self.n + j, prompt) for i, prompt in enumerate(self.prompts) for j in range(self.n)]
+        self.sequences = [
+            Sequence(i * self.n + j, prompt) for i, prompt in enumerate(self.prompts) for j in range(self.n)
+        ]
 
     def seed_generators(self, device: torch.device) -> None:
         """One generator per sampled choice, on the device the logits are on."""

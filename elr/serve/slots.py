@@ -77,8 +77,11 @@ class SlotPool:
             self.cache.move_columns(-self.shared_padding())
         device = self.cache.pad.device
         tokens = torch.zeros(self.rows, 1, dtype=torch.long, device=device)
-        budgets = torch.full((self.rows,), max(request.loops if self.exit_rule is None else self.loops
-                                               for request, _ in self.busy.values()), device=device)
+        budgets = torch.full(
+            (self.rows,),
+            max(request.loops if self.exit_rule is None else self.loops for request, _ in self.busy.values()),
+            device=device,
+        )
         for row, (request, sequence) in self.busy.items():
             tokens[row, 0] = sequence.tokens[-1]
             if self.exit_rule is None:

@@ -38,10 +38,10 @@ def check_messages(messages, where: str, need_assistant: bool = True) -> list[di
     """A list of {"role", "content"} with known roles and string contents, or one DataError naming
     `where` (a file and line). Training data needs an assistant turn; a chat prompt does not."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: \"messages\" must be a non-empty list")
+        raise DataError(f'{where}: "messages" must be a non-empty list')
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m or "content" not in m:
-            raise DataError(f"{where}: message {i} must be an object with \"role\" and \"content\" only, got {m!r}")
+            raise DataError(f'{where}: message {i} must be an object with "role" and "content" only, got {m!r}')
         if m["role"] not in ROLES:
             raise DataError(f"{where}: message {i} has unknown role {m['role']!r} (use {', '.join(ROLES)})")
         if not isinstance(m["content"], str):
@@ -51,8 +51,9 @@ def check_messages(messages, where: str, need_assistant: bool = True) -> list[di
     return messages
 
 
-def _pieces(messages: list[dict], add_generation_prompt: bool,
-            trained: list[bool] | None = None) -> list[tuple[str, bool, bool]]:
+def _pieces(
+    messages: list[dict], add_generation_prompt: bool, trained: list[bool] | None = None
+) -> list[tuple[str, bool, bool]]:
     """The rendering as (text, scored, special) pieces; special: the <|endoftext|> token itself.
     `trained[i]` false: message i is context even when it is the assistant's (a prompt's turns)."""
     pieces = [(EOT, False, True)]
@@ -73,8 +74,9 @@ def render(messages: list[dict], add_generation_prompt: bool = False) -> str:
     return "".join(text for text, _, _ in _pieces(messages, add_generation_prompt))
 
 
-def encode_conversation(messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False,
-                        trained: list[bool] | None = None) -> tuple[list[int], list[bool]]:
+def encode_conversation(
+    messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False, trained: list[bool] | None = None
+) -> tuple[list[int], list[bool]]:
     """Token ids of `render(messages)` and, per token, whether the loss scores it (see the top; `trained`:
     per message, false for an assistant turn that is context, elr/text/chat_formats.py).
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from elr.errors import DataError
 from elr.text.chat import check_messages, encode_conversation
 from elr.text.chat_formats import read_record
-from elr.errors import DataError
 from elr.text.tokenizer import Tokenizer, file_sha256
 
 FORMAT = "chat"
@@ -62,22 +62,29 @@ def is_val(messages: list[dict], val_fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < val_fraction
 
 
-def prepare_chat(files: list[Path], tokenizer: Tokenizer, tokenizer_path: str, out_dir: str | Path,
-                 val_fraction: float, max_tokens: int = 0) -> dict:
+def prepare_chat(
+    files: list[Path],
+    tokenizer: Tokenizer,
+    tokenizer_path: str,
+    out_dir: str | Path,
+    val_fraction: float,
+    max_tokens: int = 0,
+) -> dict:
     """Tokenize the conversations of `files` into `out_dir` (atomically: every file is written under
     a temporary name and renamed once all are complete); returns meta.json. max_tokens > 0 refuses a
     conversation longer than that (the training seq_len + 1), naming its file and line."""
     out = Path(out_dir)
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 2**16 else np.uint32)
     parts = {s: {"tokens": [], "mask": [], "lengths": []} for s in SPLITS}
-    counts = {s: {"conversations": 0, "tokens": 0, "scored_tokens": 0, "longest": 0, "longest_at": ""}
-              for s in SPLITS}
+    counts = {s: {"conversations": 0, "tokens": 0, "scored_tokens": 0, "longest": 0, "longest_at": ""} for s in SPLITS}
     for path in files:
         for messages, trained, where in read_conversations(path):
             ids, scored = encode_conversation(messages, tokenizer, trained=trained)
             if max_tokens and len(ids) > max_tokens:
-                raise DataError(f"{where}: the conversation is {len(ids)} tokens, more than --max-tokens "
-                                f"{max_tokens} (conversations are never cut; shorten it or raise the limit)")
+                raise DataError(
+                    f"{where}: the conversation is {len(ids)} tokens, more than --max-tokens "
+                    f"{max_tokens} (conversations are never cut; shorten it or raise the limit)"
+                )
             split = "val" if is_val(messages, val_fraction) else "train"
             p, c = parts[split], counts[split]
             p["tokens"].append(np.asarray(ids, dtype=dtype))
@@ -91,16 +98,23 @@ def prepare_chat(files: list[Path], tokenizer: Tokenizer, tokenizer_path: str, o
     for split in SPLITS:
         if not counts[split]["conversations"]:
             total = sum(c["conversations"] for c in counts.values())
-            raise DataError(f"no conversation fell into the {split} split ({total} conversations, val fraction "
-                            f"{val_fraction}); add conversations or change --val-fraction")
+            raise DataError(
+                f"no conversation fell into the {split} split ({total} conversations, val fraction "
+                f"{val_fraction}); add conversations or change --val-fraction"
+            )
     tok_file = Path(tokenizer_path)
     meta = {
-        "format": FORMAT, "dtype": dtype.name, "vocab_size": tokenizer.n_vocab, "eot_id": tokenizer.eot_id,
+        "format": FORMAT,
+        "dtype": dtype.name,
+        "vocab_size": tokenizer.n_vocab,
+        "eot_id": tokenizer.eot_id,
         "tokenizer": tok_file.name if tok_file.is_file() else tokenizer_path,
         "tokenizer_sha256": file_sha256(tok_file) if tok_file.is_file() else None,
         "val_fraction": val_fraction,
-        "splits": {s: {"file": f"{s}.bin", **counts[s],
-                       "max_token_id": int(max(t.max() for t in parts[s]["tokens"]))} for s in SPLITS},
+        "splits": {
+            s: {"file": f"{s}.bin", **counts[s], "max_token_id": int(max(t.max() for t in parts[s]["tokens"]))}
+            for s in SPLITS
+        },
         "sources": [str(p) for p in files],
     }
     arrays = {}
@@ -142,8 +156,10 @@ class ChatSplit:
         meta = json.loads((self.dir / "meta.json").read_text())
         info = meta.get("splits", {}).get(split)
         if meta.get("format") != FORMAT or info is None or meta.get("dtype") not in ("uint16", "uint32"):
-            raise DataError(f"{self.dir}/meta.json: not a chat folder with a {split} split "
-                            "(make it with scripts/prepare_data.py --format chat)")
+            raise DataError(
+                f"{self.dir}/meta.json: not a chat folder with a {split} split "
+                "(make it with scripts/prepare_data.py --format chat)"
+            )
         self.info, self.pad_id = info, int(meta["eot_id"])
         try:
             self.tokens = np.memmap(self.dir / f"{split}{FILES['tokens']}", dtype=meta["dtype"], mode="r")
@@ -152,8 +168,13 @@ class ChatSplit:
         except (OSError, ValueError) as e:
             raise DataError(f"{self.dir}: the {split} split's files are missing or empty ({e})") from None
         n = len(self.offsets) - 1
-        if (n != info["conversations"] or len(self.tokens) != info["tokens"] or len(self.mask) != len(self.tokens)
-                or self.offsets[0] != 0 or self.offsets[-1] != len(self.tokens)):
+        if (
+            n != info["conversations"]
+            or len(self.tokens) != info["tokens"]
+            or len(self.mask) != len(self.tokens)
+            or self.offsets[0] != 0
+            or self.offsets[-1] != len(self.tokens)
+        ):
             raise DataError(f"{self.dir}: the {split} split's files disagree with meta.json (rewrite the folder)")
         if info["max_token_id"] >= meta["vocab_size"]:
             raise DataError(f"{self.dir}: token id {info['max_token_id']} >= vocab_size {meta['vocab_size']}")
@@ -162,9 +183,11 @@ class ChatSplit:
     def check_fits(self, seq_len: int) -> None:
         """Every conversation fits one row of seq_len + 1 tokens, or one DataError naming the longest."""
         if self.info["longest"] > seq_len + 1:
-            raise DataError(f"data.path: {self.dir}'s {self.split} split holds a conversation of "
-                            f"{self.info['longest']} tokens ({self.info['longest_at']}), longer than training.seq_len "
-                            f"+ 1 = {seq_len + 1}; raise training.seq_len (conversations are never cut)")
+            raise DataError(
+                f"data.path: {self.dir}'s {self.split} split holds a conversation of "
+                f"{self.info['longest']} tokens ({self.info['longest_at']}), longer than training.seq_len "
+                f"+ 1 = {seq_len + 1}; raise training.seq_len (conversations are never cut)"
+            )
 
     def rows(self, conversations: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) [len(conversations), seq_len] int64: one conversation per row, padded."""

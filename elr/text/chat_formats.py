@@ -31,13 +31,26 @@ import json
 
 from elr.errors import DataError
 
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "function_call": "assistant", "tool": "tool", "observation": "tool", "function_response": "tool"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
 SHAPES = ("messages", "conversations", "prompt")
 TOOL_CALL = "<|tool_call|>"
 # keys a message may carry besides role and content, by role; dropped once read (tool_calls rendered)
-EXTRA_KEYS = {"assistant": {"tool_calls", "name"}, "tool": {"tool_call_id", "name"}, "user": {"name"},
-              "system": {"name"}}
+EXTRA_KEYS = {
+    "assistant": {"tool_calls", "name"},
+    "tool": {"tool_call_id", "name"},
+    "user": {"name"},
+    "system": {"name"},
+}
 
 
 def read_record(record, where: str) -> tuple[list[dict], list[bool]]:
@@ -54,14 +67,16 @@ def read_record(record, where: str) -> tuple[list[dict], list[bool]]:
     if shapes == ["prompt"] and "completion" in record:
         return _prompt_completion(record["prompt"], record["completion"], where)
     keys = ", ".join(sorted(map(str, record))) or "none"
-    raise DataError(f"{where}: not a conversation of a known shape (keys: {keys}); expected \"messages\", ShareGPT "
-                    "\"conversations\", or \"prompt\" with \"completion\" (docs/stages.md)")
+    raise DataError(
+        f'{where}: not a conversation of a known shape (keys: {keys}); expected "messages", ShareGPT '
+        '"conversations", or "prompt" with "completion" (docs/stages.md)'
+    )
 
 
 def _conversations(record: dict, where: str) -> tuple[list[dict], list[bool]]:
     turns = record["conversations"]
     if not isinstance(turns, list) or not turns:
-        raise DataError(f"{where}: \"conversations\" must be a non-empty list")
+        raise DataError(f'{where}: "conversations" must be a non-empty list')
     if all(isinstance(t, dict) and "role" in t for t in turns):  # messages under another name
         messages = _messages(turns, where, "conversations")
         return messages, [True] * len(messages)
@@ -69,15 +84,16 @@ def _conversations(record: dict, where: str) -> tuple[list[dict], list[bool]]:
     system = record.get("system")
     if system:
         if not isinstance(system, str):
-            raise DataError(f"{where}: \"system\" must be a string")
+            raise DataError(f'{where}: "system" must be a string')
         messages.append({"role": "system", "content": system})
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or set(turn) - {"from", "value"} or "from" not in turn or "value" not in turn:
-            raise DataError(f"{where}: turn {i} of \"conversations\" must be an object with \"from\" and \"value\" "
-                            f"(ShareGPT) or \"role\" and \"content\", got {turn!r}")
+            raise DataError(
+                f'{where}: turn {i} of "conversations" must be an object with "from" and "value" '
+                f'(ShareGPT) or "role" and "content", got {turn!r}'
+            )
         if turn["from"] not in SHAREGPT_ROLES:
-            raise DataError(f"{where}: turn {i} has unknown \"from\" {turn['from']!r} (use "
-                            f"{', '.join(SHAREGPT_ROLES)})")
+            raise DataError(f'{where}: turn {i} has unknown "from" {turn["from"]!r} (use {", ".join(SHAREGPT_ROLES)})')
         if not isinstance(turn["value"], str):
             raise DataError(f"{where}: turn {i}'s value is not a string")
         messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
@@ -92,23 +108,24 @@ def _prompt_completion(prompt, completion, where: str) -> tuple[list[dict], list
         if not any(m["role"] == "assistant" for m in after):
             raise DataError(f"{where}: the completion has no assistant turn (nothing to train on)")
         return before + after, [False] * len(before) + [True] * len(after)
-    raise DataError(f"{where}: \"prompt\" and \"completion\" must both be strings or both be lists of messages")
+    raise DataError(f'{where}: "prompt" and "completion" must both be strings or both be lists of messages')
 
 
 def _messages(messages, where: str, field: str) -> list[dict]:
     """OpenAI-style messages as plain {"role", "content"}: parts joined, tool calls written out."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: \"{field}\" must be a non-empty list")
+        raise DataError(f'{where}: "{field}" must be a non-empty list')
     plain = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise DataError(f"{where}: {field} message {i} must be an object with \"role\" and \"content\", got {m!r}")
+            raise DataError(f'{where}: {field} message {i} must be an object with "role" and "content", got {m!r}')
         extra = set(m) - {"role", "content"} - EXTRA_KEYS.get(m["role"] if isinstance(m["role"], str) else "", set())
         if extra:
-            raise DataError(f"{where}: {field} message {i} ({m['role']!r}) has unknown key(s) "
-                            f"{', '.join(sorted(map(str, extra)))}")
+            raise DataError(
+                f"{where}: {field} message {i} ({m['role']!r}) has unknown key(s) {', '.join(sorted(map(str, extra)))}"
+            )
         if "content" not in m and not m.get("tool_calls"):
-            raise DataError(f"{where}: {field} message {i} has no \"content\"")
+            raise DataError(f'{where}: {field} message {i} has no "content"')
         content = _text(m.get("content"), where, f"{field} message {i}")
         calls = [_tool_call(c, where, f"{field} message {i}") for c in m.get("tool_calls") or []]
         plain.append({"role": m["role"], "content": "\n".join(([content] if content else []) + calls)})
@@ -118,8 +135,9 @@ def _messages(messages, where: str, field: str) -> list[dict]:
 def _text(content, where: str, what: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(
-            p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise DataError(f"{where}: {what}'s content is not a string or a list of text parts")
 

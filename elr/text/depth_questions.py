@@ -30,7 +30,7 @@ def var_chain(rng: random.Random) -> tuple[str, str]:
     names = rng.sample(NAMES, 2 * (hops + 1))
     value, other = rng.sample(range(10), 2)
     statements = []
-    for chain, end in ((names[: hops + 1], value), (names[hops + 1:], other)):
+    for chain, end in ((names[: hops + 1], value), (names[hops + 1 :], other)):
         statements.append(f"{chain[-1]} = {end}.")
         statements += [f"{chain[i]} = {chain[i + 1]}." for i in range(hops)]
     rng.shuffle(statements)

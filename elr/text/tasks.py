@@ -44,8 +44,10 @@ class PointerChase:
         if symbols < 2:
             raise ValueError(f"pointer_chase needs at least 2 symbols, got {symbols}")
         if not 1 <= max_difficulty <= symbols // 2:
-            raise ValueError(f"pointer_chase: hops must lie in 1..{symbols // 2} for {symbols} symbols (more "
-                             f"would be fewer hops backwards), got {max_difficulty}")
+            raise ValueError(
+                f"pointer_chase: hops must lie in 1..{symbols // 2} for {symbols} symbols (more "
+                f"would be fewer hops backwards), got {max_difficulty}"
+            )
         self.symbols, self.max_difficulty = symbols, max_difficulty
         self.vocab_size = symbols * symbols + symbols + 1 + max_difficulty
         self.row_len = symbols + 4
@@ -98,7 +100,7 @@ class VarChain:
             left -= lengths[-1]
         statements, used = [], 0
         for length in lengths:
-            chain = names[used: used + length]
+            chain = names[used : used + length]
             used += length
             statements += [a * m + b for a, b in zip(chain[:-1], chain[1:])]  # chain[i] = chain[i + 1]
             value = int(rng.integers(v))
@@ -145,8 +147,9 @@ def draw(task, seed: int, stream: int, g: int, hardest: int | None = None) -> tu
             return row, difficulty
 
 
-def batch(task, seed: int, stream: int, first: int, count: int,
-          hardest: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def batch(
+    task, seed: int, stream: int, first: int, count: int, hardest: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Examples first .. first + count - 1: rows [count, row_len] and difficulties [count]."""
     rows, difficulties = zip(*(draw(task, seed, stream, g, hardest) for g in range(first, first + count)))
     return np.stack(rows), np.array(difficulties)
@@ -160,11 +163,16 @@ def inputs_and_labels(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return inputs, labels
 
 
-def score_answers(logits: torch.Tensor, labels: torch.Tensor, difficulties: torch.Tensor,
-                  max_difficulty: int) -> torch.Tensor:
+def score_answers(
+    logits: torch.Tensor, labels: torch.Tensor, difficulties: torch.Tensor, max_difficulty: int
+) -> torch.Tensor:
     """[2, max_difficulty]: correct answers (greedy, over the whole vocabulary) and examples at each
     difficulty 1..max, from logits [B, T, V] whose last position predicts the answer."""
     correct = (logits[:, -1].argmax(-1) == labels[:, -1]).double()
     index = (difficulties - 1).to(logits.device)
-    return torch.stack([torch.bincount(index, weights=correct, minlength=max_difficulty),
-                        torch.bincount(index, minlength=max_difficulty).double()])
+    return torch.stack(
+        [
+            torch.bincount(index, weights=correct, minlength=max_difficulty),
+            torch.bincount(index, minlength=max_difficulty).double(),
+        ]
+    )

@@ -128,6 +128,6 @@ def vocab_size(path_or_name: str) -> int:
         return build_tokenizer(path_or_name).n_vocab
     if path_or_name in ENCODING_VOCAB:
         return ENCODING_VOCAB[path_or_name]
-    raise ConfigError(f"tokenizer.path: {path_or_name!r} is neither a file nor one of {', '.join(ENCODING_VOCAB)}; "
-                      "pass --vocab-size")
-
+    raise ConfigError(
+        f"tokenizer.path: {path_or_name!r} is neither a file nor one of {', '.join(ENCODING_VOCAB)}; pass --vocab-size"
+    )

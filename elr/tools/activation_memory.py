@@ -45,7 +45,8 @@ class LiveTensors(TorchDispatchMode):
 
     def live_bytes(self, exclude: set[int] = frozenset()) -> int:
         return sum(
-            nbytes for key, (refs, nbytes) in self.created.items()
+            nbytes
+            for key, (refs, nbytes) in self.created.items()
             if key not in exclude and any(r() is not None for r in refs)
         )
 

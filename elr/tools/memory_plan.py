@@ -23,7 +23,8 @@ sharded weights sit beside both. The plan is the larger of the two peaks.
 
 Activations are not a formula: the model is built on the meta device in the compute dtype, tensor
 and context parallelism and AC are applied as the trainer applies them (TP and CP on fake ranks:
-collectives do nothing, every shape is a real rank's), and one forward + loss runs with `LiveTensors` counting what stays
+collectives do nothing, every shape is a real rank's), and one forward + loss runs with `LiveTensors` counting what
+stays
 alive for backward (elr/tools/activation_memory.py). Nothing is allocated, so a 4B model at 8192
 tokens plans in seconds on a CPU, and the count follows the code rather than a hand-kept table.
 Modelled for FSDP2 units as apply_fsdp makes them (each recurrent layer its own unit when one
@@ -92,14 +93,29 @@ class MemoryPlan:
 
     @property
     def training_total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.unsharded + self.activations
-                + self.backward_work + self.reserve + self.reference)
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.unsharded
+            + self.activations
+            + self.backward_work
+            + self.reserve
+            + self.reference
+        )
 
     @property
     def rollout_total(self) -> float:
         """The peak while generating: no gradients or training activations, the cache and logits instead."""
-        return (self.params + self.optimizer + self.unsharded + self.reference + self.rollout_cache
-                + self.rollout_logits + self.reserve)
+        return (
+            self.params
+            + self.optimizer
+            + self.unsharded
+            + self.reference
+            + self.rollout_cache
+            + self.rollout_logits
+            + self.reserve
+        )
 
     @property
     def total(self) -> float:
@@ -127,7 +143,8 @@ class MemoryPlan:
             lines += [
                 *([f"  reference model (frozen)         {g(self.reference)}"] if self.reference else []),
                 f"  training peak                    {g(self.training_total)}",
-                f"  rollouts: {self.rollout_rows} completions per rank, inference state {g(self.rollout_cache).strip()}, "
+                f"  rollouts: {self.rollout_rows} completions per rank, "
+                f"inference state {g(self.rollout_cache).strip()}, "
                 f"decoding logits {g(self.rollout_logits).strip()}",
                 f"  rollout peak (no gradients)      {g(self.rollout_total)}",
             ]
@@ -179,7 +196,9 @@ class FusedAttention(TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal)[0]
 
 
-def meta_model(args, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None, cp_mesh: DeviceMesh | None = None) -> ELRModel:
+def meta_model(
+    args, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None, cp_mesh: DeviceMesh | None = None
+) -> ELRModel:
     with torch.device("meta"):
         model = build_model(args)
     if tp_mesh is not None:
@@ -191,8 +210,14 @@ def meta_model(args, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None, cp_m
     return model
 
 
-def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_mesh: DeviceMesh | None = None,
-                     cp_mesh: DeviceMesh | None = None) -> int:
+def activation_bytes(
+    args,
+    cfg: JobConfig,
+    dtype: torch.dtype,
+    loops: int,
+    tp_mesh: DeviceMesh | None = None,
+    cp_mesh: DeviceMesh | None = None,
+) -> int:
     """One microbatch's activations for cfg's AC mode, counted on the meta device; under TP or CP
     this rank's, cfg's seq_len being its CP slice."""
     t, ac = cfg.training, cfg.activation_checkpoint
@@ -202,11 +227,13 @@ def activation_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_me
     with FusedAttention(), loss_parallel() if tp_mesh is not None else contextlib.nullcontext():
         return live_activation_bytes(  # the trainer's loss, whole or chunked
             lambda: model_loss(model, tokens, tokens, loops, t.loss_chunk_tokens, tensor_parallel=tp_mesh is not None),
-            model)
+            model,
+        )
 
 
-def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None,
-                        cp_mesh: DeviceMesh | None = None) -> int:
+def largest_layer_bytes(
+    args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: DeviceMesh | None = None, cp_mesh: DeviceMesh | None = None
+) -> int:
     """The largest layer call's activations without AC: what backward recomputes at once under AC."""
     t = cfg.training
     model = meta_model(args, dtype, tp_mesh, cp_mesh)
@@ -218,8 +245,14 @@ def largest_layer_bytes(args, cfg: JobConfig, dtype: torch.dtype, tp_mesh: Devic
         return max(live_activation_bytes(lambda: layer(h, rope), layer, h, model.rope) for layer in layers.values())
 
 
-def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_mesh: DeviceMesh | None = None,
-                     cp_mesh: DeviceMesh | None = None) -> tuple[int, int]:
+def microbatch_bytes(
+    args,
+    cfg: JobConfig,
+    dtype: torch.dtype,
+    loops: int,
+    tp_mesh: DeviceMesh | None = None,
+    cp_mesh: DeviceMesh | None = None,
+) -> tuple[int, int]:
     """(activations kept for backward, backward working set) of one microbatch at `loops`.
 
     The working set is the larger of the loss's backward and, under AC, the largest layer's
@@ -237,7 +270,9 @@ def microbatch_bytes(args, cfg: JobConfig, dtype: torch.dtype, loops: int, tp_me
     tp = tp_mesh.size() if tp_mesh is not None else 1
     tokens = t.local_batch_size * t.seq_len
     V, D = -(-args.vocab_size // tp), args.dim
-    recompute = largest_layer_bytes(args, cfg, dtype, tp_mesh, cp_mesh) if cfg.activation_checkpoint.mode != "none" else 0
+    recompute = (
+        largest_layer_bytes(args, cfg, dtype, tp_mesh, cp_mesh) if cfg.activation_checkpoint.mode != "none" else 0
+    )
     recompute += 3 * tokens // tp * D * pd
     if t.loss_chunk_tokens:
         chunk = min(t.loss_chunk_tokens, tokens)
@@ -266,16 +301,27 @@ def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, co
     p = cfg.parallelism
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
     if ngpu % (cp * tp):
-        raise ConfigError(f"parallelism: context_parallel_degree ({cp}) x tensor_parallel_degree ({tp}) does not "
-                          f"divide the {ngpu} GPUs")
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu // (cp * tp),
-                        ep=p.expert_parallel_degree)
+        raise ConfigError(
+            f"parallelism: context_parallel_degree ({cp}) x tensor_parallel_degree ({tp}) does not "
+            f"divide the {ngpu} GPUs"
+        )
+    dims = ParallelDims(
+        p.data_parallel_replicate_degree, p.data_parallel_shard_degree, ngpu // (cp * tp), ep=p.expert_parallel_degree
+    )
     with fake_sequence_meshes(cp, tp) as (cp_mesh, tp_mesh):
         return _plan(cfg, model_args, dims, cp_mesh, tp_mesh, ngpu, gpu_memory_gib, config_name)
 
 
-def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None,
-          ngpu: int, gpu_memory_gib: float, config_name: str) -> MemoryPlan:
+def _plan(
+    cfg: JobConfig,
+    model_args,
+    dims: ParallelDims,
+    cp_mesh: DeviceMesh | None,
+    tp_mesh: DeviceMesh | None,
+    ngpu: int,
+    gpu_memory_gib: float,
+    config_name: str,
+) -> MemoryPlan:
     cp, tp = (mesh.size() if mesh is not None else 1 for mesh in (cp_mesh, tp_mesh))
     dtype = getattr(torch, cfg.training.mixed_precision_param)
     pd = torch.finfo(dtype).bits // 8
@@ -332,15 +378,32 @@ def _plan(cfg: JobConfig, model_args, dims: ParallelDims, cp_mesh: DeviceMesh | 
     if cfg.rl.enable:
         rows = (t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_world) // dims.dp_world
         cache = sum(inference_state_bytes(args, loops, t.seq_len, cfg.rl.rollout_kv, dtype, batch=rows).values())
-        rl = dict(rollout_rows=rows, rollout_cache=cache, rollout_logits=2 * 4 * rows * args.vocab_size,
-                  reference=4 * per_rank if cfg.rl.kl_coeff > 0 else 0.0)  # stored as the trained model is
+        rl = dict(
+            rollout_rows=rows,
+            rollout_cache=cache,
+            rollout_logits=2 * 4 * rows * args.vocab_size,
+            reference=4 * per_rank if cfg.rl.kl_coeff > 0 else 0.0,
+        )  # stored as the trained model is
     return MemoryPlan(
-        config=config_name, layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
-        + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
+        config=config_name,
+        layout=f"{ngpu} GPU: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
+        + (f" x cp {cp}" if cp > 1 else "")
+        + (f" x tp {tp}" if tp > 1 else "")
         + (f", expert parallel {ep}" if ep > 1 else ""),
-        ac=ac_name, loops=loops, tokens_per_microbatch=tokens, loss_chunk_tokens=t.loss_chunk_tokens, n_params=n,
-        params=4 * per_rank, grads=4 * per_rank, optimizer=optimizer, optimizer_name=optimizer_name,
-        unsharded=unsharded, unsharded_unit=unit_text,
-        activations=activations, backward_work=backward_work, reserve=RESERVE_GIB * GiB, gpu=gpu_memory_gib * GiB,
+        ac=ac_name,
+        loops=loops,
+        tokens_per_microbatch=tokens,
+        loss_chunk_tokens=t.loss_chunk_tokens,
+        n_params=n,
+        params=4 * per_rank,
+        grads=4 * per_rank,
+        optimizer=optimizer,
+        optimizer_name=optimizer_name,
+        unsharded=unsharded,
+        unsharded_unit=unit_text,
+        activations=activations,
+        backward_work=backward_work,
+        reserve=RESERVE_GIB * GiB,
+        gpu=gpu_memory_gib * GiB,
         **rl,
     )

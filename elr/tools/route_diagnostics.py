@@ -29,9 +29,11 @@ METRICS = ("kept", "count_cosine", "routed_cosine", "routed_cosine_shifted", "fu
 
 def shifted(route: dict, batch: int) -> dict:
     """Each token gets the routes of the token before it (the first token of a row keeps its own)."""
+
     def shift(t):
         t = t.view(batch, -1, t.shape[-1])
         return torch.cat([t[:, :1], t[:, :-1]], dim=1).flatten(0, 1)
+
     return {"indices": shift(route["indices"]), "weights": shift(route["weights"])}
 
 
@@ -56,9 +58,14 @@ def compare(moe: MoE, x1: torch.Tensor, xi: torch.Tensor) -> dict[str, float]:
     def cos(a, b):
         return F.cosine_similarity(a, b, dim=-1).mean().item()
 
-    return {"kept": kept.item(), "count_cosine": F.cosine_similarity(*counts, dim=0).item(),
-            "routed_cosine": cos(routed_replay, routed_own), "routed_cosine_shifted": cos(routed_shift, routed_own),
-            "full_cosine": cos(full_replay, full_own), "full_cosine_shifted": cos(full_shift, full_own)}
+    return {
+        "kept": kept.item(),
+        "count_cosine": F.cosine_similarity(*counts, dim=0).item(),
+        "routed_cosine": cos(routed_replay, routed_own),
+        "routed_cosine_shifted": cos(routed_shift, routed_own),
+        "full_cosine": cos(full_replay, full_own),
+        "full_cosine_shifted": cos(full_shift, full_own),
+    }
 
 
 @torch.no_grad()

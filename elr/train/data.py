@@ -30,10 +30,10 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from elr.text import tasks
-from elr.text.chat_data import ChatSplit, is_chat_folder
 from elr.config import JobConfig, Training
 from elr.errors import ConfigError, DataError
+from elr.text import tasks
+from elr.text.chat_data import ChatSplit, is_chat_folder
 from elr.train.token_files import load_tokens
 
 # torchdata 0.11 warns on every loader that it calls a deprecated torch API; nothing for us to act on.
@@ -50,9 +50,7 @@ def num_windows(tokens: np.ndarray, seq_len: int, path: str | Path) -> int:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     count = (len(tokens) - 1) // seq_len
     if count < 1:
-        raise DataError(
-            f"{path}: {len(tokens)} tokens are too few for one window of {seq_len + 1} tokens"
-        )
+        raise DataError(f"{path}: {len(tokens)} tokens are too few for one window of {seq_len + 1} tokens")
     return count
 
 
@@ -204,8 +202,16 @@ class TaskDataset(GlobalStream):
     follows from its index, so the position stays the whole state.
     """
 
-    def __init__(self, task, local_batch_size: int, dp_rank: int, dp_world: int, seed: int,
-                 samples_per_update: int, curriculum_steps: int = 0):
+    def __init__(
+        self,
+        task,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world: int,
+        seed: int,
+        samples_per_update: int,
+        curriculum_steps: int = 0,
+    ):
         super().__init__(local_batch_size, dp_rank, dp_world)
         self.task, self.seed = task, seed
         self.samples_per_update, self.curriculum_steps = samples_per_update, curriculum_steps
@@ -218,8 +224,12 @@ class TaskDataset(GlobalStream):
         return min(top, 1 + (g // self.samples_per_update) * top // self.curriculum_steps)
 
     def samples(self, first: int) -> Batch:
-        rows = np.stack([tasks.draw(self.task, self.seed, tasks.TRAIN, g, self.hardest(g))[0]
-                         for g in range(first, first + self.local_batch_size)])
+        rows = np.stack(
+            [
+                tasks.draw(self.task, self.seed, tasks.TRAIN, g, self.hardest(g))[0]
+                for g in range(first, first + self.local_batch_size)
+            ]
+        )
         return tuple(torch.from_numpy(x.copy()) for x in tasks.inputs_and_labels(rows))
 
 
@@ -227,17 +237,28 @@ class ChatDataset(GlobalStream):
     """Endless stream of this rank's conversation rows (elr/text/chat_data.py): sample g is conversation
     perm_e(g mod N) of epoch e, shuffled as token windows are; (inputs, labels) [local_batch_size, seq_len]."""
 
-    def __init__(self, data_dir: str | Path, seq_len: int, local_batch_size: int, dp_rank: int, dp_world: int,
-                 seed: int, shuffle: bool = True):
+    def __init__(
+        self,
+        data_dir: str | Path,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world: int,
+        seed: int,
+        shuffle: bool = True,
+    ):
         super().__init__(local_batch_size, dp_rank, dp_world)
         self.split = ChatSplit(data_dir, "train")
         self.split.check_fits(seq_len)
         self.seq_len = seq_len
-        self.conversation = EpochOrder(self.split.num_conversations, seed, shuffle)  # global sample g -> its conversation
+        self.conversation = EpochOrder(
+            self.split.num_conversations, seed, shuffle
+        )  # global sample g -> its conversation
 
     def samples(self, first: int) -> Batch:
-        return self.split.rows([self.conversation(g) for g in range(first, first + self.local_batch_size)],
-                               self.seq_len)
+        return self.split.rows(
+            [self.conversation(g) for g in range(first, first + self.local_batch_size)], self.seq_len
+        )
 
 
 def build_train_loader(
@@ -261,8 +282,15 @@ def build_train_loader(
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
 
 
-def build_task_loader(task, local_batch_size: int, dp_rank: int, dp_world: int, seed: int,
-                      samples_per_update: int, curriculum_steps: int = 0) -> StatefulDataLoader:
+def build_task_loader(
+    task,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world: int,
+    seed: int,
+    samples_per_update: int,
+    curriculum_steps: int = 0,
+) -> StatefulDataLoader:
     """The training loader of a generated task, shaped as build_train_loader's."""
     dataset = TaskDataset(task, local_batch_size, dp_rank, dp_world, seed, samples_per_update, curriculum_steps)
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
@@ -290,9 +318,13 @@ def val_batches(
         raise DataError(
             f"{path}: {num_batches} validation batches of {dp_world} x {local_batch_size} windows "
             f"need {num_batches * global_batch} windows of {seq_len + 1} tokens; the file has "
-            f"{available}. " + (f"Lower validation.steps to {available // global_batch} or less" if available >= global_batch
-                                else "Not one batch fits: lower training.local_batch_size") +
-            " or add validation data (a larger --val-fraction in scripts/prepare_data.py)"
+            f"{available}. "
+            + (
+                f"Lower validation.steps to {available // global_batch} or less"
+                if available >= global_batch
+                else "Not one batch fits: lower training.local_batch_size"
+            )
+            + " or add validation data (a larger --val-fraction in scripts/prepare_data.py)"
         )
 
     def batches() -> Iterator[Batch]:
@@ -303,15 +335,18 @@ def val_batches(
     return batches()
 
 
-def _val_chat_batches(data_dir: Path, seq_len: int, local_batch_size: int, num_batches: int, dp_rank: int,
-                      dp_world: int) -> Iterator[Batch]:
+def _val_chat_batches(
+    data_dir: Path, seq_len: int, local_batch_size: int, num_batches: int, dp_rank: int, dp_world: int
+) -> Iterator[Batch]:
     split = ChatSplit(data_dir, "val")
     split.check_fits(seq_len)
     global_batch = dp_world * local_batch_size
     if num_batches * global_batch > split.num_conversations:
-        raise DataError(f"{data_dir}: {num_batches} validation batches of {dp_world} x {local_batch_size} "
-                        f"conversations need {num_batches * global_batch}; the val split has "
-                        f"{split.num_conversations}. Lower validation.steps or add validation conversations.")
+        raise DataError(
+            f"{data_dir}: {num_batches} validation batches of {dp_world} x {local_batch_size} "
+            f"conversations need {num_batches * global_batch}; the val split has "
+            f"{split.num_conversations}. Lower validation.steps or add validation conversations."
+        )
 
     def batches() -> Iterator[Batch]:
         for b in range(num_batches):
@@ -321,14 +356,16 @@ def _val_chat_batches(data_dir: Path, seq_len: int, local_batch_size: int, num_b
     return batches()
 
 
-def val_task_batches(task, seed: int, local_batch_size: int, num_batches: int, dp_rank: int,
-                     dp_world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def val_task_batches(
+    task, seed: int, local_batch_size: int, num_batches: int, dp_rank: int, dp_world: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """This rank's share of the task's first num_batches * dp_world * local_batch_size validation
     examples: (inputs, labels, difficulties), the same each call."""
     global_batch = dp_world * local_batch_size
     for b in range(num_batches):
-        rows, difficulties = tasks.batch(task, seed, tasks.VAL, b * global_batch + dp_rank * local_batch_size,
-                                         local_batch_size)
+        rows, difficulties = tasks.batch(
+            task, seed, tasks.VAL, b * global_batch + dp_rank * local_batch_size, local_batch_size
+        )
         inputs, labels = tasks.inputs_and_labels(rows)
         yield torch.from_numpy(inputs.copy()), torch.from_numpy(labels), torch.from_numpy(difficulties)
 
@@ -338,8 +375,10 @@ def microbatches(t: Training, dp_world: int) -> tuple[int, int]:
     per_update = t.local_batch_size * dp_world
     global_batch = per_update if t.global_batch_size == -1 else t.global_batch_size
     if global_batch % per_update:
-        raise ConfigError(f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size x "
-                          f"data-parallel ranks = {t.local_batch_size} x {dp_world}")
+        raise ConfigError(
+            f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size x "
+            f"data-parallel ranks = {t.local_batch_size} x {dp_world}"
+        )
     return global_batch, global_batch // per_update
 
 
@@ -351,7 +390,8 @@ def job_task(cfg: JobConfig):
     except ValueError as e:
         raise ConfigError(f"data.task: {e}") from None
     if seq_len != task.row_len - 1:
-        raise ConfigError(f"training.seq_len: {d.task} with {d.task_items} items takes inputs of "
-                          f"{task.row_len - 1} tokens; set training.seq_len = {task.row_len - 1} (got {seq_len})")
+        raise ConfigError(
+            f"training.seq_len: {d.task} with {d.task_items} items takes inputs of "
+            f"{task.row_len - 1} tokens; set training.seq_len = {task.row_len - 1} (got {seq_len})"
+        )
     return task
-

@@ -46,7 +46,6 @@ from elr.config import JobConfig, switch_step
 from elr.config.checks import CHOICES
 from elr.errors import ConfigError
 
-
 SAMPLING = CHOICES["elr.sampling"]
 
 
@@ -58,9 +57,17 @@ def _mix(seed: int, step: int) -> int:
 
 
 class LoopSampler:
-    def __init__(self, max_loops: int, sampling: str = "independent", one_loop_override: float = 0.0,
-                 loop_weights: list[float] | None = None, seed: int = 0, start_weights: list[float] | None = None,
-                 schedule_steps: int = 0, schedule_from: int = 0):
+    def __init__(
+        self,
+        max_loops: int,
+        sampling: str = "independent",
+        one_loop_override: float = 0.0,
+        loop_weights: list[float] | None = None,
+        seed: int = 0,
+        start_weights: list[float] | None = None,
+        schedule_steps: int = 0,
+        schedule_from: int = 0,
+    ):
         if sampling not in SAMPLING:
             raise ValueError(f"unknown loop sampling {sampling!r}")
         self.max_loops, self.sampling, self.override, self.seed = max_loops, sampling, one_loop_override, seed
@@ -138,8 +145,9 @@ def wait_factor(ks: torch.Tensor, fixed_cost: float) -> float:
     return (cost.max(0).values.sum() / cost.sum(1).mean()).item()
 
 
-def expected_wait(sampler: LoopSampler, n_ranks: int, n_micro: int, fixed_cost: float, group_size: int = 1,
-                  steps: int = 200) -> tuple[float, float]:
+def expected_wait(
+    sampler: LoopSampler, n_ranks: int, n_micro: int, fixed_cost: float, group_size: int = 1, steps: int = 200
+) -> tuple[float, float]:
     """(wait factor, distinct depths per update) of a sampler at a cluster size, over `steps` updates:
     the figures to read before launch."""
     draws = [sampler.sample(step, n_ranks, n_micro, group_size) for step in range(1, steps + 1)]
@@ -161,15 +169,25 @@ class DepthSchedule:
     def __init__(self, cfg: JobConfig, dp_world: int, n_micro: int, group_size: int = 1):
         e = cfg.elr
         self.switch_step = switch_step(cfg)
-        self.sampler = LoopSampler(e.max_loops, e.sampling, e.one_loop_override, e.loop_weights, cfg.training.seed,
-                                   e.loop_weights_start, e.loop_schedule_steps, schedule_from=self.switch_step)
+        self.sampler = LoopSampler(
+            e.max_loops,
+            e.sampling,
+            e.one_loop_override,
+            e.loop_weights,
+            cfg.training.seed,
+            e.loop_weights_start,
+            e.loop_schedule_steps,
+            schedule_from=self.switch_step,
+        )
         self.dp_world, self.n_micro, self.group_size = dp_world, n_micro, group_size
         # One process standing in for a cluster (elr.emulated_ranks): its microbatches are laid out as
         # ranks x microbatches, rank-major, and drawn as that many ranks would draw them.
         self.emulated = e.emulated_ranks
         if self.emulated > 1 and (dp_world != 1 or n_micro % self.emulated):
-            raise ConfigError(f"elr.emulated_ranks: {self.emulated} needs one data-parallel rank (got {dp_world}) "
-                              f"and a microbatch count it divides (got {n_micro})")
+            raise ConfigError(
+                f"elr.emulated_ranks: {self.emulated} needs one data-parallel rank (got {dp_world}) "
+                f"and a microbatch count it divides (got {n_micro})"
+            )
 
     def mixed_depth(self, updates: int) -> bool:
         """The phase of the model after `updates` optimizer steps."""

@@ -77,8 +77,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            lse[rows], label_logit = _lse_and_label_logit(_chunk_logits(hidden[rows], weight), labels[rows],
-                                                          vocab_start, group)
+            lse[rows], label_logit = _lse_and_label_logit(
+                _chunk_logits(hidden[rows], weight), labels[rows], vocab_start, group
+            )
             total += ((lse[rows] - label_logit) * (labels[rows] != IGNORE_INDEX)).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_tokens, ctx.vocab_start = chunk_tokens, vocab_start
@@ -105,8 +106,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, (grad_weight.to(weight.dtype) if need_weight else None), None, None, None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_tokens: int) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
     """Summed cross entropy of F.linear(hidden, weight) against labels, chunk_tokens tokens at a time.
 
     hidden: [..., D] (the model's normed final hidden state), weight: [V, D] (the head), labels: [...].
@@ -114,8 +116,15 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     return ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk_tokens)
 
 
-def model_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loops: int, chunk_tokens: int,
-               tensor_parallel: bool, every_loop: bool = False) -> torch.Tensor:
+def model_loss(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    loops: int,
+    chunk_tokens: int,
+    tensor_parallel: bool,
+    every_loop: bool = False,
+) -> torch.Tensor:
     """Summed cross entropy of the model at `loops`; chunked (chunk_tokens > 0) or whole. every_loop:
     each token's loss is the mean over the exits after loops 1..k (ELRModel.forward's every_loop).
 
@@ -135,8 +144,9 @@ def model_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tenso
     return loss / loops if every_loop else loss
 
 
-def vocab_parallel_chunked_cross_entropy(hidden: torch.Tensor, weight: DTensor, labels: torch.Tensor,
-                                         chunk_tokens: int) -> torch.Tensor:
+def vocab_parallel_chunked_cross_entropy(
+    hidden: torch.Tensor, weight: DTensor, labels: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
     """chunked_cross_entropy under tensor parallelism, without gathering the head or the logits.
 
     hidden: this rank's sequence slice [B, T / tp, D] (sequence parallel); weight: the head as a
@@ -152,5 +162,6 @@ def vocab_parallel_chunked_cross_entropy(hidden: torch.Tensor, weight: DTensor, 
     vocab_start = min(mesh.get_local_rank() * rows_per_rank, weight.shape[0])
     assert local.shape[0] == min(weight.shape[0] - vocab_start, rows_per_rank), (local.shape, vocab_start)
     hidden = gather_sequence(hidden, mesh)
-    return ChunkedCrossEntropy.apply(hidden.flatten(0, -2), local, labels.flatten(), chunk_tokens, vocab_start,
-                                     mesh.get_group())
+    return ChunkedCrossEntropy.apply(
+        hidden.flatten(0, -2), local, labels.flatten(), chunk_tokens, vocab_start, mesh.get_group()
+    )

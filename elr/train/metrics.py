@@ -51,18 +51,30 @@ def log_setup(cfg: JobConfig, model, dims, device: torch.device, n_micro: int, g
     for line in lines:
         logger.info(line)
     differs = config_changes(JobConfig().to_dict(), cfg.to_dict())
-    logger.info("config (what differs from the defaults; all of it in config.json): "
-                + ", ".join(f"{k} {show_value(v)}" for k, (_, v) in differs.items()))
+    logger.info(
+        "config (what differs from the defaults; all of it in config.json): "
+        + ", ".join(f"{k} {show_value(v)}" for k, (_, v) in differs.items())
+    )
     s, steps = cfg.lr_scheduler, cfg.training.steps
     if s.warmup_steps > steps:
-        logger.warning(f"lr_scheduler.warmup_steps = {s.warmup_steps} exceeds training.steps = {steps}: the "
-                       "learning rate never reaches optimizer.lr")
+        logger.warning(
+            f"lr_scheduler.warmup_steps = {s.warmup_steps} exceeds training.steps = {steps}: the "
+            "learning rate never reaches optimizer.lr"
+        )
 
 
 # Dense bf16 peak TFLOP/s per device, from the vendors' datasheets; the first name found in the device's
 # name wins (so "H100 PCIe" before "H100").
-PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "GH200": 989.0, "H200": 989.0, "H100": 989.0,
-               "A100": 312.0, "B200": 2250.0, "MI300X": 1307.0}
+PEAK_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "GH200": 989.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "B200": 2250.0,
+    "MI300X": 1307.0,
+}
 
 
 def peak_tflops(configured: float, device: torch.device) -> float | None:
@@ -76,8 +88,9 @@ def peak_tflops(configured: float, device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
-def outputs_line(dump_folder: Path, step: int, steps: int, tensorboard: bool, checkpoint: Path | None,
-                 export: Path | None = None) -> str:
+def outputs_line(
+    dump_folder: Path, step: int, steps: int, tensorboard: bool, checkpoint: Path | None, export: Path | None = None
+) -> str:
     """A run's last line: what it wrote and where, so the next command (generate, evaluate, plot) can start."""
     outputs = [str(dump_folder / "metrics.jsonl"), str(dump_folder / "config.json")]
     if tensorboard:
@@ -92,8 +105,15 @@ class MetricsLogger:
     """Writes only on rank 0; every rank may call it. `start_step`: the step this session resumes
     from (0: a fresh run), whose later records a killed run may have left behind."""
 
-    def __init__(self, dump_folder: Path, enable_tensorboard: bool, rank: int, start_step: int = 0,
-                 enable_wandb: bool = False, config: dict | None = None):
+    def __init__(
+        self,
+        dump_folder: Path,
+        enable_tensorboard: bool,
+        rank: int,
+        start_step: int = 0,
+        enable_wandb: bool = False,
+        config: dict | None = None,
+    ):
         self.enabled = rank == 0
         self.failed = ""  # what could not be written, once a write failed: the trainer stops after a save
         self.events = None
@@ -172,8 +192,9 @@ class EventFile:
 
         self._event, self._record = Event, RecordWriter
         folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
-                              f"{next(self._sessions)}")
+        self.path = folder / (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(self._sessions)}"
+        )
         self.file = open(self.path, "xb")
         self.add(Event(wall_time=time.time(), step=purge_step, file_version="brain.Event:2"))
         self.add(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
@@ -205,8 +226,12 @@ def record_config(events: EventFile, config: dict) -> None:
     from torch.utils.tensorboard.summary import hparams, text
 
     events.add_summary(text("config", "```\n" + json.dumps(config, indent=2) + "\n```"), 0)
-    flat = {f"{section}.{key}": value if isinstance(value, (int, float, str, bool)) else str(value)
-            for section, keys in config.items() if isinstance(keys, dict) for key, value in keys.items()}
+    flat = {
+        f"{section}.{key}": value if isinstance(value, (int, float, str, bool)) else str(value)
+        for section, keys in config.items()
+        if isinstance(keys, dict)
+        for key, value in keys.items()
+    }
     max_loops = config.get("elr", {}).get("max_loops", 1)
     metrics = {"loss/train": 0.0, **{f"val/loss_k{k}": 0.0 for k in range(1, max_loops + 1)}}  # names only
     for summary in hparams(flat, metrics):
@@ -217,11 +242,18 @@ def _wandb_run(dump_folder: Path, config: dict | None):
     """A Weights & Biases run in dump_folder/wandb, resumed under one id per folder; offline unless
     WANDB_MODE says otherwise (a cluster node rarely reaches the service; `wandb sync` uploads later)."""
     import wandb  # present: the config check (elr/config/job.py) looked for it
+
     run_id = hashlib.sha1(str(dump_folder.resolve()).encode()).hexdigest()[:12]
     id_file = dump_folder / "wandb_id"
     if id_file.is_file():
         run_id = id_file.read_text().strip()
     else:
         id_file.write_text(run_id)
-    return wandb.init(project=os.environ.get("WANDB_PROJECT", "elr"), dir=str(dump_folder), id=run_id,
-                      resume="allow", config=config, mode=os.environ.get("WANDB_MODE", "offline"))
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "elr"),
+        dir=str(dump_folder),
+        id=run_id,
+        resume="allow",
+        config=config,
+        mode=os.environ.get("WANDB_MODE", "offline"),
+    )

@@ -33,8 +33,10 @@ class NonFiniteGuard:
             self.streak = 0
             return True
         self.streak += 1
-        logger.warning(f"step {step}: non-finite loss {loss} or grad norm {grad_norm}; update skipped "
-                       f"({self.streak} in a row, limit {self.limit})")
+        logger.warning(
+            f"step {step}: non-finite loss {loss} or grad norm {grad_norm}; update skipped "
+            f"({self.streak} in a row, limit {self.limit})"
+        )
         if self.streak > self.limit:
             raise NonFiniteLossError(
                 f"{self.streak} consecutive updates had a NaN/Inf loss or gradient norm "
@@ -46,10 +48,13 @@ class NonFiniteGuard:
 
 def check_weights_finite(model: nn.Module, device: torch.device, step: int) -> None:
     """NonFiniteLossError if any rank's shards of the weights hold NaN/Inf (a collective)."""
-    bad = torch.tensor([first_nonfinite(ModelState(model).state_dict()) is not None],
-                       dtype=torch.float32, device=device)
+    bad = torch.tensor(
+        [first_nonfinite(ModelState(model).state_dict()) is not None], dtype=torch.float32, device=device
+    )
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
-        raise NonFiniteLossError(f"step {step}: the model weights hold NaN/Inf; not saving a checkpoint of them. "
-                                 "Lower optimizer.lr or resume from the last checkpoint.")
+        raise NonFiniteLossError(
+            f"step {step}: the model weights hold NaN/Inf; not saving a checkpoint of them. "
+            "Lower optimizer.lr or resume from the last checkpoint."
+        )

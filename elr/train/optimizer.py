@@ -23,8 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
-from torch.optim._muon import _zeropower_via_newtonschulz
+from torch.optim._muon import (
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    DEFAULT_NS_STEPS,
+    EPS,
+    _adjust_lr,
+    _zeropower_via_newtonschulz,
+)
 
 from elr.config import ELR, LRScheduler, Optimizer
 from elr.models.ffn import MoE
@@ -142,12 +149,15 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, elr: ELR | None = None) ->
     muon_ids = {id(p) for p in muon_params(model)}
     muon = [p for p in decay["params"] if id(p) in muon_ids]
     assert len(muon) == len(muon_ids), "every Muon matrix must be a decayed matrix"
-    return MuonAdamW([
-        {**decay, "params": muon, "muon": True, "momentum": cfg.muon_momentum},
-        {**decay, "params": [p for p in decay["params"] if id(p) not in muon_ids], "muon": False},
-        {**no_decay, "muon": False},
-        *({**group, "muon": False} for group in own),
-    ], **kwargs)
+    return MuonAdamW(
+        [
+            {**decay, "params": muon, "muon": True, "momentum": cfg.muon_momentum},
+            {**decay, "params": [p for p in decay["params"] if id(p) not in muon_ids], "muon": False},
+            {**no_decay, "muon": False},
+            *({**group, "muon": False} for group in own),
+        ],
+        **kwargs,
+    )
 
 
 @torch.no_grad()
@@ -219,5 +229,8 @@ def apply_job_settings(optimizer: torch.optim.Optimizer, scheduler, settings: li
             group["lr"] = lr
     scheduler._last_lr = lrs
     name = {"initial_lr": "peak lr", "lr": "lr now"}
-    return [f"{name.get(k, k)} {', '.join(f'{a:g} -> {b:g}' if isinstance(a, float) else f'{a} -> {b}' for a, b in sorted(v))}"
-            for k, v in changes.items()]
+
+    def pair(a, b) -> str:
+        return f"{a:g} -> {b:g}" if isinstance(a, float) else f"{a} -> {b}"
+
+    return [f"{name.get(k, k)} {', '.join(pair(a, b) for a, b in sorted(v))}" for k, v in changes.items()]

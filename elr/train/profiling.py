@@ -33,7 +33,7 @@ class Profiler:
             logger.warning("profiling.enable_memory_snapshot: needs CUDA; no memory snapshot on %s", device.type)
         self._step = 0
 
-    def __enter__(self) -> "Profiler":
+    def __enter__(self) -> Profiler:
         freq = self.cfg.profile_freq
         if self.cfg.enable_profiling:
             warmup = min(3, freq - 1 - ACTIVE_STEPS) if freq > 2 else 0
@@ -42,7 +42,8 @@ class Profiler:
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(
-                activities=activities, on_trace_ready=self._save_trace,
+                activities=activities,
+                on_trace_ready=self._save_trace,
                 schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=ACTIVE_STEPS),
             )
             self.profiler.__enter__()

@@ -19,9 +19,8 @@ import json
 import os
 from pathlib import Path
 
-from elr.config import recurrence
 from elr.checkpoint import export_path, latest_step, read_config, verify
-from elr.config import JobConfig
+from elr.config import JobConfig, recurrence
 from elr.errors import ConfigError, UnusableCheckpoint
 from elr.text.tokenizer import build_tokenizer
 from elr.train.token_files import job_tokenizer_path
@@ -30,13 +29,19 @@ from elr.train.token_files import job_tokenizer_path
 # loop draws mean something else: every recurrence option (each changes the network), and these.
 FROZEN = (
     "model.flavor",
-    "elr.enabled", "elr.partition",  # the baseline or not; the layers in each block
+    "elr.enabled",
+    "elr.partition",  # the baseline or not; the layers in each block
     *(f"elr.{name}" for name in recurrence.names()),
     "elr.switch_conditioning",  # whether the one-loop phase's model holds the conditioning
     "optimizer.name",  # AdamW and Muon+AdamW keep different state
-    "training.seq_len", "training.seed", "data.shuffle",  # the data position counts windows of this order
-    "data.task", "data.task_items", "data.task_max_difficulty",  # the task's vocabulary and example length
-    "data.path", "tokenizer.sha256",  # another corpus or vocabulary is another run (run_folder.py)
+    "training.seq_len",
+    "training.seed",
+    "data.shuffle",  # the data position counts windows of this order
+    "data.task",
+    "data.task_items",
+    "data.task_max_difficulty",  # the task's vocabulary and example length
+    "data.path",
+    "tokenizer.sha256",  # another corpus or vocabulary is another run (run_folder.py)
 )
 # Keys that record where this run lives or how it was started: expected to differ, never logged.
 IGNORED = ("checkpoint.load_step", "checkpoint.initial_load_path", "checkpoint.create_seed", "job.start_over")
@@ -54,7 +59,12 @@ def config_changes(saved: dict, job: dict) -> dict[str, list]:
     old, new = flat(saved), flat(job)
     changes = {}
     for key, value in new.items():
-        if key in IGNORED or key not in old or old[key] == value or (key == "data.path" and _same_folder(old[key], value)):
+        if (
+            key in IGNORED
+            or key not in old
+            or old[key] == value
+            or (key == "data.path" and _same_folder(old[key], value))
+        ):
             continue
         if key in ("tokenizer.sha256", "data.meta_sha256") and not value:  # empty: the trainer records it
             continue
@@ -67,15 +77,19 @@ def check_resume(saved: dict, job: dict, step: int) -> dict[str, list]:
     changes = config_changes(saved, job)
     if "data.meta_sha256" in changes:  # the same folder prepared again (prepare_data.py --replace): other data
         was, now = changes["data.meta_sha256"]
-        raise ConfigError(f"data.meta_sha256: the data under {job['data']['path']} changed since the run began (its "
-                          f"meta.json has SHA-256 {now}, checkpoint step-{step} was saved with {was}): resume on the "
-                          "data it began with, or start a new run (another job.dump_folder, or --job.start_over true)")
+        raise ConfigError(
+            f"data.meta_sha256: the data under {job['data']['path']} changed since the run began (its "
+            f"meta.json has SHA-256 {now}, checkpoint step-{step} was saved with {was}): resume on the "
+            "data it began with, or start a new run (another job.dump_folder, or --job.start_over true)"
+        )
     frozen = [k for k in changes if k in FROZEN]
     if frozen:
         listed = ", ".join(f"{k} {show_value(changes[k][0])} -> {show_value(changes[k][1])}" for k in frozen)
-        raise ConfigError(f"{', '.join(frozen)}: cannot change on resume (checkpoint step-{step} was saved with "
-                          f"another value: {listed}); use the saved value, or a new job.dump_folder for a new run "
-                          "(or --job.start_over true to set this folder's run aside and start over in it)")
+        raise ConfigError(
+            f"{', '.join(frozen)}: cannot change on resume (checkpoint step-{step} was saved with "
+            f"another value: {listed}); use the saved value, or a new job.dump_folder for a new run "
+            "(or --job.start_over true to set this folder's run aside and start over in it)"
+        )
     return changes
 
 
@@ -89,8 +103,11 @@ def _same_folder(a, b) -> bool:
 
 def change_line(changes: dict[str, list], step: int) -> str:
     """The one log line of a resume's changes."""
-    return "changed on resume: " + "; ".join(f"{k} {show_value(a)} -> {show_value(b)}" for k, (a, b) in changes.items()) + \
-        f" (from step {step + 1})"
+    return (
+        "changed on resume: "
+        + "; ".join(f"{k} {show_value(a)} -> {show_value(b)}" for k, (a, b) in changes.items())
+        + f" (from step {step + 1})"
+    )
 
 
 def show_value(value) -> str:

@@ -44,8 +44,12 @@ def claim_line(cfg: JobConfig, checkpoint_folder: Path, resume_step: int | None)
     dump = Path(cfg.job.dump_folder)
     held = held_run(dump, checkpoint_folder)
     if cfg.job.start_over:
-        return (f"starting over in {dump} (job.start_over): the earlier run's {', '.join(held)} set aside as "
-                "<name>.abandoned-<time>" if held else f"new run in {dump}")
+        return (
+            f"starting over in {dump} (job.start_over): the earlier run's {', '.join(held)} set aside as "
+            "<name>.abandoned-<time>"
+            if held
+            else f"new run in {dump}"
+        )
     if resume_step is not None:
         return None
     if cfg.checkpoint.enable and step_folders(checkpoint_folder):
@@ -53,9 +57,11 @@ def claim_line(cfg: JobConfig, checkpoint_folder: Path, resume_step: int | None)
     if not held:
         return f"new run in {dump}"
     why = "checkpoint.enable is false" if not cfg.checkpoint.enable else "it saved no checkpoint"
-    raise ConfigError(f"job.dump_folder: {dump} holds a run ({', '.join(held)}) that this job cannot continue ({why}) "
-                      "and would overwrite; use another job.dump_folder, or --job.start_over true to start over "
-                      "there (the earlier run's files are set aside, not deleted)")
+    raise ConfigError(
+        f"job.dump_folder: {dump} holds a run ({', '.join(held)}) that this job cannot continue ({why}) "
+        "and would overwrite; use another job.dump_folder, or --job.start_over true to start over "
+        "there (the earlier run's files are set aside, not deleted)"
+    )
 
 
 def set_aside_run_files(dump_folder: Path) -> list[str]:

@@ -80,16 +80,22 @@ class RunLock:
         """Lock each folder ({config key: folder}) on rank 0, or raise FolderInUse on every rank."""
         lock, error = None, None
         if rank == 0:
-            me = {"pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            me = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "process_start": _process_start(os.getpid()),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
             lock = cls(me)
             try:
                 for key, folder in folders.items():
                     try:
                         lock._take(key, Path(folder))
                     except OSError as e:  # read-only, no permission, no space: before any work starts
-                        raise ConfigError(f"{key}: cannot write in {folder} ({e.strerror or e}); a run needs a "
-                                          "writable folder for its lock, metrics and checkpoints") from None
+                        raise ConfigError(
+                            f"{key}: cannot write in {folder} ({e.strerror or e}); a run needs a "
+                            "writable folder for its lock, metrics and checkpoints"
+                        ) from None
             except (FolderInUse, ConfigError) as e:
                 lock.release()
                 lock, error = None, (type(e).__name__, str(e))
@@ -116,8 +122,10 @@ class RunLock:
                 os.close(fd)
                 raise self._in_use(key, folder, path, owner)
             if owner is not None and owner.get("pid") != self.me["pid"]:
-                logger.warning(f"{path}: taking over the lock of run pid {owner['pid']} on {owner['host']} "
-                               f"(started {owner.get('started')}), which is no longer running")
+                logger.warning(
+                    f"{path}: taking over the lock of run pid {owner['pid']} on {owner['host']} "
+                    f"(started {owner.get('started')}), which is no longer running"
+                )
         data = json.dumps(self.me).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
@@ -127,10 +135,15 @@ class RunLock:
 
     @staticmethod
     def _in_use(key: str, folder: Path, path: Path, owner: dict | None) -> FolderInUse:
-        who = (f"pid {owner.get('pid')} on {owner.get('host')}, started {owner.get('started')}"
-               if owner is not None else "its lock file names no owner yet")
-        return FolderInUse(f"{key}: {folder} is in use by another run ({who}); two runs in one folder would mix "
-                           f"their checkpoints and metrics. Use another folder, or delete {path} if that run is gone")
+        who = (
+            f"pid {owner.get('pid')} on {owner.get('host')}, started {owner.get('started')}"
+            if owner is not None
+            else "its lock file names no owner yet"
+        )
+        return FolderInUse(
+            f"{key}: {folder} is in use by another run ({who}); two runs in one folder would mix "
+            f"their checkpoints and metrics. Use another folder, or delete {path} if that run is gone"
+        )
 
     def release(self) -> None:
         """Remove the lock files this lock still holds, then drop their flocks."""

@@ -40,8 +40,15 @@ class StepReporter:
     and every `metrics.log_freq` steps (and the first and last) the window's means into the record
     and one console line."""
 
-    def __init__(self, cfg: JobConfig, metrics: MetricsLogger, world_size: int, device: torch.device,
-                 tokens_per_update: int, loop_timer=None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        metrics: MetricsLogger,
+        world_size: int,
+        device: torch.device,
+        tokens_per_update: int,
+        loop_timer=None,
+    ):
         """loop_timer: returns the model's LoopTimer (elr/train/stragglers.py; a new one after the late
         switch rebuilds the model), whose times are gathered over the ranks at each console line."""
         self.cfg, self.metrics, self.world_size, self.device = cfg, metrics, world_size, device
@@ -71,8 +78,17 @@ class StepReporter:
                     scalars.update({f"loops/{name}": value for name, value in waits.items()})
         self.metrics.log(step, scalars, {"loops": stats.ks.tolist(), "tokens": tokens_seen})
         if line:
-            logger.info(console_line(step, t.steps, scalars, self.window, self.world_size, self.peak_tflops,
-                                     time.perf_counter() - self.session_start))
+            logger.info(
+                console_line(
+                    step,
+                    t.steps,
+                    scalars,
+                    self.window,
+                    self.world_size,
+                    self.peak_tflops,
+                    time.perf_counter() - self.session_start,
+                )
+            )
             self.window.reset()
 
 
@@ -82,18 +98,23 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def throughput(tokens: int, flops: float, seconds: float, n_devices: int, peak_tflops: float | None) -> dict[str, float]:
+def throughput(
+    tokens: int, flops: float, seconds: float, n_devices: int, peak_tflops: float | None
+) -> dict[str, float]:
     """Tokens/s for the job and per device, and MFU per device (none without a known peak).
 
     `flops` is the model's work for all `tokens` (every slot at its own k). Each device does
     flops / n_devices of it: data-parallel ranks split the tokens, tensor-parallel ranks split each
     token's FLOPs (per device = model FLOPs / tp), so MFU is the same for any layout of n_devices.
     """
-    scalars = {"throughput/tokens_per_s": tokens / seconds,
-               "throughput/tokens_per_s_per_device": tokens / seconds / n_devices}
+    scalars = {
+        "throughput/tokens_per_s": tokens / seconds,
+        "throughput/tokens_per_s_per_device": tokens / seconds / n_devices,
+    }
     if peak_tflops:
         scalars["throughput/mfu_pct"] = 100 * flops / n_devices / seconds / (peak_tflops * 1e12)
     return scalars
+
 
 class LogWindow:
     """Sums since the previous console line: loss and tokens per k, loop counts, gradient norms,
@@ -145,8 +166,9 @@ def wait_text(s: dict[str, float]) -> str:
     return f"wait {expected:.2f}x (draws) | " if expected > 1.0 + 1e-9 else ""
 
 
-def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, n_devices: int,
-                 peak: float | None, elapsed: float) -> str:
+def console_line(
+    step: int, total: int, s: dict[str, float], window: LogWindow, n_devices: int, peak: float | None, elapsed: float
+) -> str:
     """One readable line over the logging window: loss (token-weighted) per k, mean k, gradient norm,
     tokens/s and MFU are over every step since the previous line; lr is the logged step's, memory
     the peak so far; eta is the window's time per step x the steps left (validation not counted)."""
@@ -159,7 +181,8 @@ def console_line(step: int, total: int, s: dict[str, float], window: LogWindow, 
     eta = window.seconds / window.steps * (total - step)
     return (
         f"step {step:>{len(str(total))}}/{total} | loss {loss:.4f} ({per_k}) | "
-        f"mean k {window.k_sum / window.k_count:.2f} | lr {s['lr']:.2e} | gnorm {window.grad_norm / window.steps:.3f} | "
+        f"mean k {window.k_sum / window.k_count:.2f} | lr {s['lr']:.2e} | "
+        f"gnorm {window.grad_norm / window.steps:.3f} | "
         f"{wait_text(s)}{window.tokens / seconds:,.0f} tok/s | mfu {mfu} | mem {s['memory/max_gib']:.2f} GiB | "
         f"elapsed {duration(elapsed)} | eta {duration(eta)}"
     )

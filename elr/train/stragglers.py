@@ -74,5 +74,8 @@ def measured_wait(ms: torch.Tensor, group=None, device: torch.device | None = No
     times = torch.stack(gathered).double().cpu()  # [ranks, microbatches]
     slowest = times.max(0).values
     idle = (slowest - times).sum(1) / times.shape[1]
-    return {"wait_measured": (slowest.sum() / times.sum(1).mean()).item(),
-            "idle_ms_mean": idle.mean().item(), "idle_ms_max": idle.max().item()}
+    return {
+        "wait_measured": (slowest.sum() / times.sum(1).mean()).item(),
+        "idle_ms_mean": idle.mean().item(),
+        "idle_ms_max": idle.max().item(),
+    }

@@ -49,10 +49,16 @@ def job_tokenizer_path(cfg: JobConfig) -> str:
     meta = read_meta(data_dir)
     name = meta.get("tokenizer")
     if not name:
-        raise ConfigError(f"tokenizer.path: empty, and {data_dir / 'meta.json'} records no tokenizer; set tokenizer.path")
+        raise ConfigError(
+            f"tokenizer.path: empty, and {data_dir / 'meta.json'} records no tokenizer; set tokenizer.path"
+        )
     repository = Path(__file__).resolve().parents[2]
-    for candidate in (meta.get("tokenizer_path"), data_dir / name, data_dir.parent / "tokenizer" / name,
-                      repository / "data" / "tokenizer" / name):
+    for candidate in (
+        meta.get("tokenizer_path"),
+        data_dir / name,
+        data_dir.parent / "tokenizer" / name,
+        repository / "data" / "tokenizer" / name,
+    ):
         if candidate and Path(candidate).is_file():
             return str(candidate)
     return name
@@ -64,13 +70,17 @@ def check_tokenizer(data_dir: Path, tokenizer: Tokenizer, cfg: JobConfig) -> Non
     meta = read_meta(data_dir)
     vocab, tok = meta["vocab_size"], cfg.tokenizer
     if vocab != tokenizer.n_vocab:
-        raise ConfigError(f"data.path: {data_dir} was tokenized with a vocabulary of {vocab}, but tokenizer.path "
-                          f"{tok.path} has {tokenizer.n_vocab}")
+        raise ConfigError(
+            f"data.path: {data_dir} was tokenized with a vocabulary of {vocab}, but tokenizer.path "
+            f"{tok.path} has {tokenizer.n_vocab}"
+        )
     have = tokenizer.sha256
     for key, want in (("data.path", meta.get("tokenizer_sha256")), ("tokenizer.sha256", tok.sha256)):
         if want and have and want != have:
-            raise ConfigError(f"{key}: {'the data was tokenized by' if key == 'data.path' else 'expects'} a tokenizer "
-                              f"with SHA-256 {want}, but tokenizer.path {tok.path} has {have}")
+            raise ConfigError(
+                f"{key}: {'the data was tokenized by' if key == 'data.path' else 'expects'} a tokenizer "
+                f"with SHA-256 {want}, but tokenizer.path {tok.path} has {have}"
+            )
     tok.sha256 = tok.sha256 or have or ""
 
 
@@ -81,8 +91,10 @@ def check_data_unchanged(data_dir: Path, cfg: JobConfig) -> None:
     have = hashlib.sha256((Path(data_dir) / "meta.json").read_bytes()).hexdigest()
     want = cfg.data.meta_sha256
     if want and want != have:
-        raise ConfigError(f"data.meta_sha256: {data_dir}'s meta.json has SHA-256 {have}, not the {want} this job "
-                          "names: another preparation of the data")
+        raise ConfigError(
+            f"data.meta_sha256: {data_dir}'s meta.json has SHA-256 {have}, not the {want} this job "
+            "names: another preparation of the data"
+        )
     cfg.data.meta_sha256 = have
 
 
@@ -111,8 +123,10 @@ def load_tokens(path: str | Path) -> np.memmap:
     if vocab is not None:
         largest = largest_token_id(path, tokens)
         if largest >= vocab:
-            raise DataError(f"{path}: holds token id {largest}, but {meta_path} gives vocab_size {vocab}: "
-                            f"tokenized with another vocabulary, or not written as {dtype.name}")
+            raise DataError(
+                f"{path}: holds token id {largest}, but {meta_path} gives vocab_size {vocab}: "
+                f"tokenized with another vocabulary, or not written as {dtype.name}"
+            )
     return tokens
 
 
@@ -143,7 +157,7 @@ def largest_token_id(path: Path, tokens: np.ndarray) -> int:
         cache = {}
     if isinstance(cache.get(key), int):
         return cache[key]
-    largest = max(int(tokens[i:i + CHUNK_TOKENS].max()) for i in range(0, len(tokens), CHUNK_TOKENS))
+    largest = max(int(tokens[i : i + CHUNK_TOKENS].max()) for i in range(0, len(tokens), CHUNK_TOKENS))
     cache = {k: v for k, v in cache.items() if not k.startswith(f"{path.resolve()}|")}  # one entry per file
     cache[key] = largest
     try:  # atomically; where the cache cannot be written, the next open reads the file again

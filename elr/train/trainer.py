@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor.parallel import loss_parallel
 
 from elr.checkpoint import dcp_note
+from elr.checkpoint.manager import CheckpointManager
 from elr.config import JobConfig
 from elr.errors import CheckpointError, ConfigError, RunWriteFailed
 from elr.interop import check_fits, differences, is_export, read_export
@@ -37,21 +38,25 @@ from elr.parallel.gradients import clip_gradients, reduce_gradients
 from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
 from elr.text.tokenizer import build_tokenizer
-from elr.checkpoint.manager import CheckpointManager
 from elr.train.data import build_task_loader, build_train_loader, job_task, microbatches
 from elr.train.loop_sampler import DepthSchedule, wait_factor
-from elr.train.stragglers import LoopTimer
 from elr.train.loss import IGNORE_INDEX, model_loss
 from elr.train.metrics import MetricsLogger, log_setup, outputs_line
 from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
-from elr.train.optimizer import apply_job_settings, build_lr_scheduler, build_optimizer, job_settings
-from elr.train.optimizer import update_expert_biases
+from elr.train.optimizer import (
+    apply_job_settings,
+    build_lr_scheduler,
+    build_optimizer,
+    job_settings,
+    update_expert_biases,
+)
 from elr.train.profiling import Profiler
 from elr.train.resume import RESUMES, change_line, check_resume, run_config
 from elr.train.run_folder import claim_line, set_aside_run_files
 from elr.train.run_lock import RunLock
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.stop import StopOnSignal
+from elr.train.stragglers import LoopTimer
 from elr.train.token_files import check_data_unchanged, check_tokenizer, job_tokenizer_path
 from elr.train.train_state import ModelState, OptimizerState
 from elr.train.validate import Validator
@@ -63,14 +68,18 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         check_model_config(cfg)  # the config checks that need the model code, before any work
         if cfg.checkpoint.export_format == "hf":
-            check_installed("checkpoint.export_format = \"hf\"")
+            check_installed('checkpoint.export_format = "hf"')
         self.cfg = cfg
         t = cfg.training
         self.rank, self.world_size, self.device = init_distributed()
         p = cfg.parallelism
         self.dims = ParallelDims(
-            p.data_parallel_replicate_degree, p.data_parallel_shard_degree, self.world_size,
-            ep=p.expert_parallel_degree, cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
+            p.data_parallel_replicate_degree,
+            p.data_parallel_shard_degree,
+            self.world_size,
+            ep=p.expert_parallel_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
         )
         self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_world = self.dims.dp_rank, self.dims.dp_world
@@ -83,9 +92,12 @@ class Trainer:
         checkpoint_folder = self.dump_folder / cfg.checkpoint.folder
         # The manager checks each step's hashes once (a collective); its config is the run's, set once the
         # resume's changes are known.
-        self.checkpointer = CheckpointManager(checkpoint_folder, interval=cfg.checkpoint.interval,
-                                              keep_latest_k=cfg.checkpoint.keep_latest_k,
-                                              async_save=cfg.checkpoint.async_save)
+        self.checkpointer = CheckpointManager(
+            checkpoint_folder,
+            interval=cfg.checkpoint.interval,
+            keep_latest_k=cfg.checkpoint.keep_latest_k,
+            async_save=cfg.checkpoint.async_save,
+        )
         # The step to resume from, and its changes, checked before anything is written: a frozen key
         # stops the job here.
         ckpt, self.planned_step = cfg.checkpoint, None
@@ -115,8 +127,14 @@ class Trainer:
             if folder_line:
                 logger.info(folder_line)
             self._build_and_resume()
-            self.metrics = MetricsLogger(self.dump_folder, cfg.metrics.enable_tensorboard, self.rank, self.step,
-                                         cfg.metrics.enable_wandb, cfg.to_dict())
+            self.metrics = MetricsLogger(
+                self.dump_folder,
+                cfg.metrics.enable_tensorboard,
+                self.rank,
+                self.step,
+                cfg.metrics.enable_wandb,
+                cfg.to_dict(),
+            )
             # A fresh run's config is what runs; a resume's changes are recorded once a step has run them.
             self.config_pending = self.step > 0
             if not self.config_pending:
@@ -135,7 +153,12 @@ class Trainer:
         if self.task is not None:  # generated examples in the task's own vocabulary: no files, no tokenizer
             self.vocab_size = self.task.vocab_size
             self.train_loader = build_task_loader(
-                self.task, t.local_batch_size, self.dp_rank, self.dp_world, t.seed, self.global_batch,
+                self.task,
+                t.local_batch_size,
+                self.dp_rank,
+                self.dp_world,
+                t.seed,
+                self.global_batch,
                 cfg.data.task_curriculum_steps,
             )
         else:
@@ -146,7 +169,12 @@ class Trainer:
             check_tokenizer(data_dir, tokenizer, cfg)
             check_data_unchanged(data_dir, cfg)
             self.train_loader = build_train_loader(
-                str(data_dir / "train.bin"), t.seq_len, t.local_batch_size, self.dp_rank, self.dp_world, t.seed,
+                str(data_dir / "train.bin"),
+                t.seq_len,
+                t.local_batch_size,
+                self.dp_rank,
+                self.dp_world,
+                t.seed,
                 cfg.data.shuffle,
             )
         self.data_iter = iter(self.train_loader)
@@ -282,8 +310,9 @@ class Trainer:
         model = model if model is not None else self.model
         if is_export(path):
             return self._load_initial_export(path, model)
-        loaded = self.checkpointer.load_initial(path, {"model": ModelState(model)},
-                                                allow_missing=self._missing_before_switch())
+        loaded = self.checkpointer.load_initial(
+            path, {"model": ModelState(model)}, allow_missing=self._missing_before_switch()
+        )
         if loaded is None:
             raise ConfigError(f"checkpoint.initial_load_path: no committed checkpoint at {path}")
         if self.rank == 0:
@@ -296,12 +325,15 @@ class Trainer:
         args, _, state = read_export(path)
         diff = differences(args, self.model_args)
         if diff and self.rank == 0:
-            logger.warning("checkpoint.initial_load_path: the export's model differs from this job's: " + "; ".join(diff))
+            logger.warning(
+                "checkpoint.initial_load_path: the export's model differs from this job's: " + "; ".join(diff)
+            )
         try:
             check_fits(model, state, path, allow_missing=self._missing_before_switch())
         except CheckpointError as e:
-            raise CheckpointError(f"checkpoint.initial_load_path: {e}" + (f"; its config differs: {'; '.join(diff)}"
-                                                                          if diff else "")) from None
+            raise CheckpointError(
+                f"checkpoint.initial_load_path: {e}" + (f"; its config differs: {'; '.join(diff)}" if diff else "")
+            ) from None
         dtypes = {k: v.dtype for k, v in model.state_dict().items()}
         state = {k: v.to(dtypes[k]) for k, v in state.items()}
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
@@ -369,8 +401,13 @@ class Trainer:
         lr = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
 
-        scalars = {"loss/train": loss, "grad_norm": grad_norm, "lr": lr, "loops/mean": ks.float().mean().item(),
-                   "loops/wait_expected": wait_factor(self.depths.by_rank(ks), self.fixed_cost)}
+        scalars = {
+            "loss/train": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "loops/mean": ks.float().mean().item(),
+            "loops/wait_expected": wait_factor(self.depths.by_rank(ks), self.fixed_cost),
+        }
         for k, (loss_sum, tokens) in enumerate(zip(*per_k.tolist()), start=1):
             if tokens > 0:
                 scalars[f"loss/k{k}"] = loss_sum / tokens
@@ -394,11 +431,19 @@ class Trainer:
 
     def model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, k: int, every_loop: bool = False) -> torch.Tensor:
         """Summed cross entropy at k loops, as training.loss_chunk_tokens and the layout ask."""
-        return model_loss(self.model, inputs, labels, k, self.cfg.training.loss_chunk_tokens,
-                          tensor_parallel=self.dims.tp_mesh is not None, every_loop=every_loop)
+        return model_loss(
+            self.model,
+            inputs,
+            labels,
+            k,
+            self.cfg.training.loss_chunk_tokens,
+            tensor_parallel=self.dims.tp_mesh is not None,
+            every_loop=every_loop,
+        )
 
     def validate(self) -> dict[str, float]:
         """Validation loss at every k in 1..K (on a task also answer accuracy), elr/train/validate.py."""
+
         def loss(inputs, labels, k):
             with self._loss_context():
                 return self.model_loss(inputs, labels, k)
@@ -416,8 +461,10 @@ class Trainer:
         self._enter_phase(True, step)
         r = self.model_args.recurrence
         how = "added at zero" if self.cfg.elr.switch_conditioning == "at_switch" else "trained since step 1"
-        logger.info(f"step {step}: switched to mixed depth (K={r.max_loops}), loop conditioning "
-                    f"{how if r.conditioning else 'off'}")
+        logger.info(
+            f"step {step}: switched to mixed depth (K={r.max_loops}), loop conditioning "
+            f"{how if r.conditioning else 'off'}"
+        )
 
     def _states_to_save(self) -> dict:
         """The states a checkpoint holds, never weights holding NaN/Inf (every rank checks its shards)."""
@@ -468,21 +515,29 @@ class Trainer:
                     if step == self.depths.switch_step and step < t.steps:
                         self._switch_to_mixed_depth(step)
                         if cfg.elr.stop_at_switch:
-                            logger.info(f"stopped at the switch (step {step}, elr.stop_at_switch); the same command "
-                                        "resumes here in the mixed-depth phase")
+                            logger.info(
+                                f"stopped at the switch (step {step}, elr.stop_at_switch); the same command "
+                                "resumes here in the mixed-depth phase"
+                            )
                             break
                     elif cfg.checkpoint.enable:
                         self.checkpointer.maybe_save(step, step == t.steps, self._states_to_save, force=stop)
                     if stop:
                         if not self.metrics.failed:
-                            logger.info(f"stopped at step {step}; resume with the same command" if cfg.checkpoint.enable
-                                        else f"stopped at step {step} without saving (checkpoint.enable is false)")
+                            logger.info(
+                                f"stopped at step {step}; resume with the same command"
+                                if cfg.checkpoint.enable
+                                else f"stopped at step {step} without saving (checkpoint.enable is false)"
+                            )
                         break
                 self.checkpointer.wait()
                 if self.metrics.failed:
-                    kept = (f"saved checkpoint step-{self.step} in {self.checkpointer.folder}; the same command resumes "
-                            "there once the folder can be written" if cfg.checkpoint.enable
-                            else f"stopped at step {self.step} without a checkpoint (checkpoint.enable is false)")
+                    kept = (
+                        f"saved checkpoint step-{self.step} in {self.checkpointer.folder}; the same command resumes "
+                        "there once the folder can be written"
+                        if cfg.checkpoint.enable
+                        else f"stopped at step {self.step} without a checkpoint (checkpoint.enable is false)"
+                    )
                     raise RunWriteFailed(f"metrics: {self.metrics.failed}; {kept}")
                 export = None
                 if cfg.checkpoint.export_dtype != "none" and self.step == t.steps:
@@ -493,8 +548,14 @@ class Trainer:
 
     def _reporter(self) -> StepReporter:
         """What turns each step's StepStats into metrics and console lines."""
-        return StepReporter(self.cfg, self.metrics, self.world_size, self.device,
-                            self.global_batch * self.cfg.training.seq_len, lambda: self.loop_timer)
+        return StepReporter(
+            self.cfg,
+            self.metrics,
+            self.world_size,
+            self.device,
+            self.global_batch * self.cfg.training.seq_len,
+            lambda: self.loop_timer,
+        )
 
     def _tokens(self, stats: StepStats) -> int:
         """The tokens a step trained on (every slot's whole sequence)."""
@@ -512,9 +573,12 @@ class Trainer:
             else:
                 path = self.checkpointer.export_model(self.step, self.model, dtype)
         except CheckpointError as e:
-            kept = (f"checkpoint step-{self.step} in {self.checkpointer.folder} is kept; the same command writes the "
-                    "export once the folder can be written" if c.enable
-                    else "the trained weights are lost (checkpoint.enable is false)")
+            kept = (
+                f"checkpoint step-{self.step} in {self.checkpointer.folder} is kept; the same command writes the "
+                "export once the folder can be written"
+                if c.enable
+                else "the trained weights are lost (checkpoint.enable is false)"
+            )
             raise RunWriteFailed(f"{e}; {kept}") from None
         logger.info(f"exported model weights ({c.export_dtype}, {c.export_format}) to {path}")
         return path
@@ -523,8 +587,16 @@ class Trainer:
         """The run's closing line: where its metrics, curves and last checkpoint are."""
         latest = self.checkpointer.latest_step() if self.cfg.checkpoint.enable else None
         checkpoint = self.checkpointer.folder / f"step-{latest}" if latest is not None else None
-        logger.info(outputs_line(self.dump_folder, self.step, self.cfg.training.steps,
-                                 self.cfg.metrics.enable_tensorboard, checkpoint, export))
+        logger.info(
+            outputs_line(
+                self.dump_folder,
+                self.step,
+                self.cfg.training.steps,
+                self.cfg.metrics.enable_tensorboard,
+                checkpoint,
+                export,
+            )
+        )
 
     def _log_validation(self, step: int) -> None:
         val = self.validate()

@@ -30,8 +30,10 @@ class Validator:
     def _batches(self):
         t, steps = self.cfg.training, self.cfg.validation.steps
         if self.task is None:
-            return ((*b, None) for b in val_batches(self.val_path, t.seq_len, t.local_batch_size, steps,
-                                                     self.dp_rank, self.dp_world))
+            return (
+                (*b, None)
+                for b in val_batches(self.val_path, t.seq_len, t.local_batch_size, steps, self.dp_rank, self.dp_world)
+            )
         return val_task_batches(self.task, t.seed, t.local_batch_size, steps, self.dp_rank, self.dp_world)
 
     @torch.no_grad()
@@ -70,7 +72,9 @@ class Validator:
     def summary(self, step: int, val: dict[str, float]) -> str:
         """The console line of an evaluation."""
         K = self.cfg.elr.max_loops
-        line = f"validation at step {step}: " + " | ".join(f"k={k} {val[f'val/loss_k{k}']:.4f}" for k in range(1, K + 1))
+        line = f"validation at step {step}: " + " | ".join(
+            f"k={k} {val[f'val/loss_k{k}']:.4f}" for k in range(1, K + 1)
+        )
         if self.task is not None:
             line += " | accuracy " + " ".join(f"k{k} {val[f'val/acc_k{k}']:.3f}" for k in range(1, K + 1))
         return line

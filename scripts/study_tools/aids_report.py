@@ -20,10 +20,16 @@ def aids_section(results: dict, members: list[str], title: str, claim: str) -> l
     if base is None:
         return []
     b1 = per_seed(base, 1)
-    lines = [f"## {title}", "", f"{claim} Paired relative differences by seed (mean ± sd, seeds below zero); "
-             f"the untied 2/8/2 row is what depth buys at this budget.", "",
-             "| run | seeds | k = 1 vs matched baseline | best k | best k vs matched baseline "
-             "| loop gain: best k vs own k = 1 | best k vs the recipe's best k |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## {title}",
+        "",
+        f"{claim} Paired relative differences by seed (mean ± sd, seeds below zero); "
+        f"the untied 2/8/2 row is what depth buys at this budget.",
+        "",
+        "| run | seeds | k = 1 vs matched baseline | best k | best k vs matched baseline "
+        "| loop gain: best k vs own k = 1 | best k vs the recipe's best k |",
+        "|---|---|---|---|---|---|---|",
+    ]
     if YARDSTICK in results:
         r = results[YARDSTICK]
         depth = paired(relative(per_seed(r, 1), b1), dict.fromkeys(r["seeds"], 0.0))
@@ -38,8 +44,9 @@ def aids_section(results: dict, members: list[str], title: str, claim: str) -> l
         one = paired(relative(per_seed(r, 1), b1), zero)
         best = paired(relative(per_seed(r, k), b1), zero)
         gain = paired(relative(per_seed(r, k), per_seed(r, 1)), zero)
-        vs_recipe = (paired(relative(per_seed(r, k), per_seed(recipe, best_k(recipe))), zero)
-                     if recipe and v != RECIPE else None)
+        vs_recipe = (
+            paired(relative(per_seed(r, k), per_seed(recipe, best_k(recipe))), zero) if recipe and v != RECIPE else None
+        )
         cells = [fmt_paired(one), str(k), fmt_paired(best), fmt_paired(gain), fmt_paired(vs_recipe)]
         lines.append(f"| {r['label']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")
     return lines + [""]

@@ -30,8 +30,14 @@ def byte_level_copy(src: Path, out: Path, src_tokenizer: Path) -> None:
         raise UserError(f"study: {src} was not tokenized with {src_tokenizer}")
     tokenizer = build_tokenizer(str(src_tokenizer))
     out.mkdir(parents=True, exist_ok=True)
-    new_meta = {**meta, "vocab_size": 257, "eot_id": 256, "tokenizer": BYTES_TOKENIZER.name,
-                "tokenizer_sha256": file_sha256(BYTES_TOKENIZER), "sources": [str(src)]}
+    new_meta = {
+        **meta,
+        "vocab_size": 257,
+        "eot_id": 256,
+        "tokenizer": BYTES_TOKENIZER.name,
+        "tokenizer_sha256": file_sha256(BYTES_TOKENIZER),
+        "sources": [str(src)],
+    }
     for split, info in meta["splits"].items():
         tokens = np.fromfile(src / info["file"], dtype=np.dtype(meta["dtype"]))
         ends = np.flatnonzero(tokens == meta["eot_id"])
@@ -56,15 +62,24 @@ def bundled_prose_as_bytes(folder: Path) -> Path:
 
 
 # Parts of the standard library that are tests, vendored code or GUI demos rather than library source.
-SKIPPED_STDLIB_PARTS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "tkinter",
-                        "__pycache__", "ensurepip", "distutils"}
+SKIPPED_STDLIB_PARTS = {
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "lib2to3",
+    "turtledemo",
+    "tkinter",
+    "__pycache__",
+    "ensurepip",
+    "distutils",
+}
 
 
 def stdlib_sources() -> list[Path]:
     """The interpreter's standard-library .py files (about 10 MB on CPython 3.11), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [f for f in sorted(root.rglob("*.py"))
-            if not SKIPPED_STDLIB_PARTS.intersection(f.relative_to(root).parts)]
+    return [f for f in sorted(root.rglob("*.py")) if not SKIPPED_STDLIB_PARTS.intersection(f.relative_to(root).parts)]
 
 
 def python_source_as_bytes(folder: Path) -> Path:

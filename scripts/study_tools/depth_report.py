@@ -46,14 +46,23 @@ def collect(runs: list[Run], variants: dict, steps: int, difficulties: int, extr
             continue
         K = sum(1 for key in finished[0][1] if key.startswith("val/loss_k"))
         per_seed = {r.seed: [accuracy_of(rec, k, difficulties) for k in range(1, K + 1)] for r, rec in finished}
-        mean = [[statistics.fmean(acc[k][d] for acc in per_seed.values()) for d in range(difficulties)]
-                for k in range(K)]
-        entry = {"label": spec["label"], "groups": spec["groups"], "seeds": sorted(per_seed), "K": K,
-                 "per_seed": per_seed, "accuracy": mean}
+        mean = [
+            [statistics.fmean(acc[k][d] for acc in per_seed.values()) for d in range(difficulties)] for k in range(K)
+        ]
+        entry = {
+            "label": spec["label"],
+            "groups": spec["groups"],
+            "seeds": sorted(per_seed),
+            "K": K,
+            "per_seed": per_seed,
+            "accuracy": mean,
+        }
         if K > 1 and spec.get("extrapolate") and extrapolation_examples:
             beyond = {r.seed: extrapolate(r.folder, 2, extrapolation_examples) for r, _ in finished}
-            entry["beyond"] = {k: [statistics.fmean(b[k][d] for b in beyond.values()) for d in range(difficulties)]
-                               for k in next(iter(beyond.values()))}
+            entry["beyond"] = {
+                k: [statistics.fmean(b[k][d] for b in beyond.values()) for d in range(difficulties)]
+                for k in next(iter(beyond.values()))
+            }
         results[variant] = entry
     return results
 
@@ -72,13 +81,14 @@ def verdicts(results: dict) -> list[str]:
     """The yardstick's checks for every ELR variant, each line saying what was measured."""
     h = hardest_separating(results)
     if h is None:
-        return ["No difficulty separates the depth-K control (>= 90%) from the matched baseline (<= 50%): "
-                "the task does not measure depth at this budget."]
+        return [
+            "No difficulty separates the depth-K control (>= 90%) from the matched baseline (<= 50%): "
+            "the task does not measure depth at this budget."
+        ]
     deep = results[UNTIED_K]["accuracy"][0][h - 1]
     base_acc = results[MATCHED]["accuracy"][0]
-    lines = [f"h* = {h}: the untied depth-K control reaches {deep:.1%}, the matched baseline "
-             f"{base_acc[h - 1]:.1%}."]
-    for variant, r in results.items():
+    lines = [f"h* = {h}: the untied depth-K control reaches {deep:.1%}, the matched baseline {base_acc[h - 1]:.1%}."]
+    for r in results.values():
         if r["K"] < 2:
             continue
         K = r["K"]
@@ -88,41 +98,79 @@ def verdicts(results: dict) -> list[str]:
         means = [statistics.fmean(row) for row in r["accuracy"]]
         monotone = all(b >= a for a, b in zip(means, means[1:]))
         checks = [
-            (all(deep - a <= 0.10 for a in at_k), f"k={K} at h*: {', '.join(f'{a:.1%}' for a in at_k)} "
-             f"(wanted: within 10 points of {deep:.1%} on every seed)"),
-            (all(g >= 0.30 for g in gains), f"k={K} - k=1 at h*: {', '.join(f'{g:+.1%}' for g in gains)} (wanted: >= +30 points on each seed)"),
-            (one_gap <= 0.03, f"k=1 vs matched baseline: largest gap {one_gap:.1%} over difficulties (wanted: <= 3 points)"),
-            (monotone, f"mean accuracy by k: {' / '.join(f'{m:.1%}' for m in means)} (wanted: never falls from k to k + 1)"),
+            (
+                all(deep - a <= 0.10 for a in at_k),
+                f"k={K} at h*: {', '.join(f'{a:.1%}' for a in at_k)} "
+                f"(wanted: within 10 points of {deep:.1%} on every seed)",
+            ),
+            (
+                all(g >= 0.30 for g in gains),
+                f"k={K} - k=1 at h*: {', '.join(f'{g:+.1%}' for g in gains)} (wanted: >= +30 points on each seed)",
+            ),
+            (
+                one_gap <= 0.03,
+                f"k=1 vs matched baseline: largest gap {one_gap:.1%} over difficulties (wanted: <= 3 points)",
+            ),
+            (
+                monotone,
+                f"mean accuracy by k: {' / '.join(f'{m:.1%}' for m in means)} (wanted: never falls from k to k + 1)",
+            ),
         ]
         lines.append(f"{r['label']}: " + "; ".join(f"{'met' if ok else 'NOT met'}: {text}" for ok, text in checks))
     return lines
 
 
-def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], task: str,
-                   carried: list[str] = ()) -> None:
+def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], task: str, carried: list[str] = ()) -> None:
     difficulties = len(next(iter(results.values()))["accuracy"][0])
-    lines = [f"# Depth suite ({task}; seeds {', '.join(map(str, seeds))}; {steps} updates each)", "",
-             "Answer accuracy on held-out examples at each difficulty d (hops or binding depth) and loop count k, "
-             "mean over the finished seeds. Made by `python scripts/study.py --suite depth`.", ""]
+    lines = [
+        f"# Depth suite ({task}; seeds {', '.join(map(str, seeds))}; {steps} updates each)",
+        "",
+        "Answer accuracy on held-out examples at each difficulty d (hops or binding depth) and loop count k, "
+        "mean over the finished seeds. Made by `python scripts/study.py --suite depth`.",
+        "",
+    ]
     lines += carried_note(carried)
-    lines += ["## Verdict", ""] + [f"- {line}" for line in verdicts(results)] + ["", "## Accuracy", "",
-             "| variant | seeds | k | " + " | ".join(f"d={d}" for d in range(1, difficulties + 1)) + " | mean |",
-             "|" + "---|" * (difficulties + 4)]
+    lines += (
+        ["## Verdict", ""]
+        + [f"- {line}" for line in verdicts(results)]
+        + [
+            "",
+            "## Accuracy",
+            "",
+            "| variant | seeds | k | " + " | ".join(f"d={d}" for d in range(1, difficulties + 1)) + " | mean |",
+            "|" + "---|" * (difficulties + 4),
+        ]
+    )
     for r in results.values():
         for k, row in enumerate(r["accuracy"], 1):
-            lines.append(f"| {r['label']} | {len(r['seeds'])} | {k} | " + " | ".join(f"{a:.2f}" for a in row)
-                         + f" | {statistics.fmean(row):.3f} |")
+            lines.append(
+                f"| {r['label']} | {len(r['seeds'])} | {k} | "
+                + " | ".join(f"{a:.2f}" for a in row)
+                + f" | {statistics.fmean(row):.3f} |"
+            )
     beyond = {v: r for v, r in results.items() if "beyond" in r}
     if beyond:
-        lines += ["", "## Past the trained depth (unconditioned, not tested by the paper)", "",
-                  "| variant | k | " + " | ".join(f"d={d}" for d in range(1, difficulties + 1)) + " | mean |",
-                  "|" + "---|" * (difficulties + 3)]
+        lines += [
+            "",
+            "## Past the trained depth (unconditioned, not tested by the paper)",
+            "",
+            "| variant | k | " + " | ".join(f"d={d}" for d in range(1, difficulties + 1)) + " | mean |",
+            "|" + "---|" * (difficulties + 3),
+        ]
         for r in beyond.values():
             for k, row in r["beyond"].items():
-                lines.append(f"| {r['label']} | {k}{' (past K)' if int(k) > r['K'] else ''} | "
-                             + " | ".join(f"{a:.2f}" for a in row) + f" | {statistics.fmean(row):.3f} |")
-    seeds_section = ["", "## Per seed at k = K", "", "| variant | seed | " +
-                     " | ".join(f"d={d}" for d in range(1, difficulties + 1)) + " |", "|" + "---|" * (difficulties + 2)]
+                lines.append(
+                    f"| {r['label']} | {k}{' (past K)' if int(k) > r['K'] else ''} | "
+                    + " | ".join(f"{a:.2f}" for a in row)
+                    + f" | {statistics.fmean(row):.3f} |"
+                )
+    seeds_section = [
+        "",
+        "## Per seed at k = K",
+        "",
+        "| variant | seed | " + " | ".join(f"d={d}" for d in range(1, difficulties + 1)) + " |",
+        "|" + "---|" * (difficulties + 2),
+    ]
     for r in results.values():
         for seed, acc in r["per_seed"].items():
             seeds_section.append(f"| {r['label']} | {seed} | " + " | ".join(f"{a:.2f}" for a in acc[-1]) + " |")
@@ -132,17 +180,24 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], task:
 def plot(results: dict, out: Path) -> Path:
     """Accuracy against difficulty: one panel per ELR variant with a line per k, the baselines dashed."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     elr = {v: r for v, r in results.items() if r["K"] > 1}
     controls = {v: r for v, r in results.items() if r["K"] == 1}
     fig, axes = plt.subplots(1, max(1, len(elr)), figsize=(4.2 * max(1, len(elr)), 3.6), squeeze=False)
-    for ax, (variant, r) in zip(axes[0], elr.items() or [(None, None)]):
+    for ax, (_, r) in zip(axes[0], elr.items() or [(None, None)]):
         for v, c in controls.items():
             ds = range(1, len(c["accuracy"][0]) + 1)
-            ax.plot(ds, c["accuracy"][0], linestyle="--", color="gray" if v == MATCHED else "black",
-                    alpha=0.5 + 0.5 * (v == UNTIED_K), label=c["label"])
+            ax.plot(
+                ds,
+                c["accuracy"][0],
+                linestyle="--",
+                color="gray" if v == MATCHED else "black",
+                alpha=0.5 + 0.5 * (v == UNTIED_K),
+                label=c["label"],
+            )
         if r is not None:
             for k, row in enumerate(r["accuracy"], 1):
                 ax.plot(range(1, len(row) + 1), row, marker="o", label=f"k={k}")

@@ -41,7 +41,7 @@ class Suite:
     steps: int  # the base run's training.steps
 
     @classmethod
-    def load(cls, name: str) -> "Suite":
+    def load(cls, name: str) -> Suite:
         if name not in SUITES:
             raise ValueError(f"unknown study suite {name!r}; use one of {', '.join(SUITES)}")
         config = CONFIGS / f"{name}.toml"
@@ -73,8 +73,16 @@ def cli_value(value) -> str:
 
 
 def train_command(run: Run, config: Path, data: Path | None, steps: int | None, val_steps: int | None) -> list[str]:
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(config),
-           "--job.dump_folder", str(run.folder), "--training.seed", str(run.seed)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--config",
+        str(config),
+        "--job.dump_folder",
+        str(run.folder),
+        "--training.seed",
+        str(run.seed),
+    ]
     if data is not None:
         cmd += ["--data.path", str(data)]
     if steps is not None:
@@ -114,8 +122,9 @@ def latest_checkpoint(folder: Path) -> Path:
     return folder / "checkpoint" / f"step-{step}"
 
 
-def train_all(runs: list[Run], config: Path, data: Path | None, steps: int, jobs: int,
-              val_steps: int | None = None) -> list[Run]:
+def train_all(
+    runs: list[Run], config: Path, data: Path | None, steps: int, jobs: int, val_steps: int | None = None
+) -> list[Run]:
     """Train every unfinished run, `jobs` at a time with one thread each; returns the runs that failed."""
     todo = [r for r in runs if final_record(r.folder, steps) is None]
     log(f"{len(runs) - len(todo)} of {len(runs)} runs already finished; training {len(todo)}, {jobs} at a time")
@@ -128,8 +137,13 @@ def train_all(runs: list[Run], config: Path, data: Path | None, steps: int, jobs
             run = todo.pop(0)
             run.folder.mkdir(parents=True, exist_ok=True)
             with open(run.folder / "train.log", "a") as out:
-                proc = subprocess.Popen(train_command(run, config, data, steps, val_steps), cwd=ROOT, env=env,
-                                        stdout=out, stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(
+                    train_command(run, config, data, steps, val_steps),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
             running.append((run, proc, time.monotonic()))
         time.sleep(1.0)
         for item in list(running):
@@ -143,11 +157,16 @@ def train_all(runs: list[Run], config: Path, data: Path | None, steps: int, jobs
                 failed.append(run)
                 log(f"FAILED {run.name} (exit {proc.returncode}); see {run.folder / 'train.log'}")
                 continue
-            summary = " ".join(f"{key.split('/')[-1]} {value:.4f}" for key, value in record.items()
-                               if key.startswith(("val/loss_k", "val/acc_k")) and "_d" not in key)
+            summary = " ".join(
+                f"{key.split('/')[-1]} {value:.4f}"
+                for key, value in record.items()
+                if key.startswith(("val/loss_k", "val/acc_k")) and "_d" not in key
+            )
             total, elapsed = done + len(todo) + len(running), time.monotonic() - began
-            log(f"[{done}/{total}] {run.name}: {time.monotonic() - start:.0f} s, {summary} | {duration(elapsed)}, "
-                f"eta {duration(elapsed / done * (total - done))}")
+            log(
+                f"[{done}/{total}] {run.name}: {time.monotonic() - start:.0f} s, {summary} | {duration(elapsed)}, "
+                f"eta {duration(elapsed / done * (total - done))}"
+            )
     return failed
 
 
@@ -159,8 +178,10 @@ def earlier_rows(report: Path, suite: str, steps: int) -> dict[str, dict]:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--carry {report}: not a readable results.json ({e})") from e
     if (earlier.get("suite"), earlier.get("steps")) != (suite, steps):
-        raise ValueError(f"--carry {report}: a {earlier.get('suite')} report at {earlier.get('steps')} updates, "
-                         f"not {suite} at {steps}")
+        raise ValueError(
+            f"--carry {report}: a {earlier.get('suite')} report at {earlier.get('steps')} updates, "
+            f"not {suite} at {steps}"
+        )
     return earlier.get("results", {})
 
 
@@ -168,5 +189,8 @@ def carried_note(carried: Sequence[str]) -> list[str]:
     """The report's lines naming the rows that came from an earlier report rather than runs kept here."""
     if not carried:
         return []
-    return [f"Rows carried from an earlier report of the same suite and length (`--carry`; their runs are not "
-            f"kept here): {', '.join(f'`{v}`' for v in carried)}.", ""]
+    return [
+        f"Rows carried from an earlier report of the same suite and length (`--carry`; their runs are not "
+        f"kept here): {', '.join(f'`{v}`' for v in carried)}.",
+        "",
+    ]

@@ -28,8 +28,10 @@ def wait_figures(model, cfg: dict) -> dict:
     sampler = LoopSampler(e["max_loops"], e["sampling"], e["one_loop_override"], e["loop_weights"])
     ranks = e.get("emulated_ranks", 1)
     n_micro = t["global_batch_size"] // t["local_batch_size"] // ranks
-    return {f"{ranks}x{n_micro}": list(expected_wait(sampler, ranks, n_micro, fixed)),
-            f"{CLUSTER[0]}x{CLUSTER[1]}": list(expected_wait(sampler, *CLUSTER, fixed))}
+    return {
+        f"{ranks}x{n_micro}": list(expected_wait(sampler, ranks, n_micro, fixed)),
+        f"{CLUSTER[0]}x{CLUSTER[1]}": list(expected_wait(sampler, *CLUSTER, fixed)),
+    }
 
 
 def within_spread(a: dict, b: dict) -> list[bool]:
@@ -47,24 +49,43 @@ def sampling_section(results: dict, title: str, claim: str) -> list[str]:
         return []
     K = max(len(r["loss"]) for r in rows.values())
     layouts = list(next(iter(rows.values())).get("wait", {}))
-    lines = [f"## {title}", "", claim, "",
-             "Validation loss (nats per byte, mean ± sd over seeds) at each k; the wait factor is the sampler's "
-             "expected step time over the same work without waiting (each microbatch costs its slowest rank's k), "
-             "for the layout the run drew (ranks x microbatches) and for koi4b's 8 GPUs.", "",
-             "| sampling | seeds | " + " | ".join(f"k={k}" for k in range(1, K + 1)) + " | "
-             + " | ".join(f"wait x, {lay}" for lay in layouts) + " | depths per update |",
-             "|" + "---|" * (K + 3 + len(layouts))]
+    lines = [
+        f"## {title}",
+        "",
+        claim,
+        "",
+        "Validation loss (nats per byte, mean ± sd over seeds) at each k; the wait factor is the sampler's "
+        "expected step time over the same work without waiting (each microbatch costs its slowest rank's k), "
+        "for the layout the run drew (ranks x microbatches) and for koi4b's 8 GPUs.",
+        "",
+        "| sampling | seeds | "
+        + " | ".join(f"k={k}" for k in range(1, K + 1))
+        + " | "
+        + " | ".join(f"wait x, {lay}" for lay in layouts)
+        + " | depths per update |",
+        "|" + "---|" * (K + 3 + len(layouts)),
+    ]
     for mode, r in rows.items():
         cells = [f"{m:.4f} ± {s:.4f}" if len(r["seeds"]) > 1 else f"{m:.4f}" for m, s in zip(r["loss"], r["std"])]
         waits = r.get("wait", {})
-        lines.append(f"| {mode} | {len(r['seeds'])} | " + " | ".join(cells) + " | "
-                     + " | ".join(f"{waits[lay][0]:.2f}" for lay in layouts) + " | "
-                     + (" / ".join(f"{waits[lay][1]:.1f}" for lay in layouts) or "–") + " |")
+        lines.append(
+            f"| {mode} | {len(r['seeds'])} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{waits[lay][0]:.2f}" for lay in layouts)
+            + " | "
+            + (" / ".join(f"{waits[lay][1]:.1f}" for lay in layouts) or "–")
+            + " |"
+        )
     first, *others = rows
-    lines += ["", f"Paired per seed ({first} − other, nats per byte: mean ± sd, seeds lower); 'within spread' when "
-              "the mean difference is no larger than the other mode's seed sd at that k.", "",
-              "| comparison | " + " | ".join(f"k={k}" for k in range(1, K + 1)) + " | within spread at every k |",
-              "|" + "---|" * (K + 2)]
+    lines += [
+        "",
+        f"Paired per seed ({first} − other, nats per byte: mean ± sd, seeds lower); 'within spread' when "
+        "the mean difference is no larger than the other mode's seed sd at that k.",
+        "",
+        "| comparison | " + " | ".join(f"k={k}" for k in range(1, K + 1)) + " | within spread at every k |",
+        "|" + "---|" * (K + 2),
+    ]
     for other in others:
         a, b = rows[first], rows[other]
         cells = []

@@ -7,12 +7,13 @@ import statistics
 from pathlib import Path
 
 from elr.tools.route_diagnostics import route_drift
+
 from .aids_report import aids_section
-from .paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS
-from .paper import paper_difference, paper_rows
+from .paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS, paper_difference, paper_rows
 from .runs import Run, carried_note, final_validation, latest_checkpoint
 from .sampling_report import sampling_section, wait_figures
 from .stats import best_k, fmt_paired, paired, per_seed, relative, summarise, verdict
+
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
@@ -70,8 +71,7 @@ def mean_per_key(dicts: list[dict]) -> dict:
     return statistics.fmean(dicts)
 
 
-def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batches: int,
-            val_steps: int | None) -> dict:
+def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batches: int, val_steps: int | None) -> dict:
     results = {}
     for variant, spec in variants.items():
         # every finished seed counts: a grid cut short reports each variant over the seeds it has
@@ -82,8 +82,14 @@ def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batch
         mine, losses = [r for r, _ in finished], [run_losses for _, run_losses in finished]
         K = len(losses[0])
         per_k = [summarise([run_losses[k] for run_losses in losses]) for k in range(K)]
-        entry = {"label": spec["label"], "groups": spec["groups"], "seeds": [r.seed for r in mine],
-                 "loss": [m for m, _ in per_k], "std": [s for _, s in per_k], "per_seed": losses}
+        entry = {
+            "label": spec["label"],
+            "groups": spec["groups"],
+            "seeds": [r.seed for r in mine],
+            "loss": [m for m, _ in per_k],
+            "std": [s for _, s in per_k],
+            "per_seed": losses,
+        }
         replay_check = "table_1" in spec["groups"] and not spec["overrides"].get("moe.route_replay")
         if K > 1:  # one load of each run's final weights for every measurement below
             from elr.infer.load import load_model
@@ -97,7 +103,8 @@ def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batch
                 if replay_check:
                     m["route_drift"] = route_drift(model, val_windows(data, cfg, stats_batches))
                     m["loss_replay_at_inference"] = replay_at_inference_loss(
-                        model, val_windows(data, cfg, val_steps or cfg["validation"]["steps"]))
+                        model, val_windows(data, cfg, val_steps or cfg["validation"]["steps"])
+                    )
                 measured.append(m)
             entry.update(mean_per_key(measured))
         results[variant] = entry
@@ -115,11 +122,15 @@ def rank_of(values: dict[str, float]) -> dict[str, int]:
 def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carried: list[str] = ()) -> None:
     K = max(len(r["loss"]) for r in results.values())
     base = results.get("baseline_matched") or results.get("baseline")
-    lines = [f"# ELR study results (seeds {', '.join(map(str, seeds))}; {steps} updates each)", "",
-             "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over the finished "
-             "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, "
-             "GPT-0.5B, K = 5 "
-             f"(its baseline {PAPER_BASELINE}); its k = 1..{K} are shown. Made by `python scripts/study.py`.", ""]
+    lines = [
+        f"# ELR study results (seeds {', '.join(map(str, seeds))}; {steps} updates each)",
+        "",
+        "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over the finished "
+        "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, "
+        "GPT-0.5B, K = 5 "
+        f"(its baseline {PAPER_BASELINE}); its k = 1..{K} are shown. Made by `python scripts/study.py`.",
+        "",
+    ]
     lines += carried_note(carried)
     for group, (title, claim) in GROUPS.items():
         members = [v for v, r in results.items() if group in r["groups"]]
@@ -141,8 +152,11 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
             continue
         paper = paper_rows(PAPER.get(group, {}), members)
         lines += [f"## {title}", "", f"Paper: {claim}", ""]
-        header = ("| variant | seeds | " + " | ".join(f"k={k}" for k in range(1, K + 1))
-                  + " | Δ k=1 / best k vs matched baseline |")
+        header = (
+            "| variant | seeds | "
+            + " | ".join(f"k={k}" for k in range(1, K + 1))
+            + " | Δ k=1 / best k vs matched baseline |"
+        )
         if paper:
             header += " paper k=1..K | paper rank k=1 / k=K | our rank k=1 / k=K |"
         lines += [header, "|" + "---|" * (header.count("|") - 1)]
@@ -153,14 +167,20 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
         for v in members:
             r = results[v]
             cells = [fmt(m, s, len(r["seeds"])) for m, s in zip(r["loss"], r["std"])] + ["–"] * (K - len(r["loss"]))
-            delta = (f"{100 * (r['loss'][0] / base['loss'][0] - 1):+.2f}% / "
-                     f"{100 * (min(r['loss']) / base['loss'][0] - 1):+.2f}%" if base else "–")
+            delta = (
+                f"{100 * (r['loss'][0] / base['loss'][0] - 1):+.2f}% / "
+                f"{100 * (min(r['loss']) / base['loss'][0] - 1):+.2f}%"
+                if base
+                else "–"
+            )
             row = f"| {r['label']} | {len(r['seeds'])} | " + " | ".join(cells) + f" | {delta} |"
             if paper:
                 if v in paper:
-                    row += (f" {' / '.join(f'{x:.4f}' for x in paper[v][:len(r['loss'])])} |"
-                            f" {rank_of(paper_1)[v]} / {rank_of(paper_k)[v]} |"
-                            f" {rank_of(ours_1)[v]} / {rank_of(ours_k)[v]} |")
+                    row += (
+                        f" {' / '.join(f'{x:.4f}' for x in paper[v][: len(r['loss'])])} |"
+                        f" {rank_of(paper_1)[v]} / {rank_of(paper_k)[v]} |"
+                        f" {rank_of(ours_1)[v]} / {rank_of(ours_k)[v]} |"
+                    )
                 else:
                     row += " – | – | – |"
             lines.append(row)
@@ -168,20 +188,23 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
     lines += claims_section(results) + readings_section(results)
     elr = {v: r for v, r in results.items() if "loop_stats" in r}
     if elr:
-        lines += ["## Later loops at work", "",
-                  "Relative update norm ||s_i − s_{i−1}|| / ||s_{i−1}|| per loop i at k = K (loop 1 starts from "
-                  "the "
-                  "embeddings, so its norm is large); FiLM gate mean 1 + g (1 = unconditioned).", "",
-                  "| variant | " + " | ".join(f"norm loop {i}" for i in range(2, K + 1)) + " | gate mean, loops 1..K |",
-                  "|" + "---|" * (K + 1)]
-        for v, r in elr.items():
+        lines += [
+            "## Later loops at work",
+            "",
+            "Relative update norm ||s_i − s_{i−1}|| / ||s_{i−1}|| per loop i at k = K (loop 1 starts from "
+            "the "
+            "embeddings, so its norm is large); FiLM gate mean 1 + g (1 = unconditioned).",
+            "",
+            "| variant | " + " | ".join(f"norm loop {i}" for i in range(2, K + 1)) + " | gate mean, loops 1..K |",
+            "|" + "---|" * (K + 1),
+        ]
+        for r in elr.values():
             norms = " | ".join(f"{x:.3f}" for x in r["loop_stats"]["update_norm"][1:])
             gates = r["loop_stats"].get("film_gate_mean")
             gate_means = " / ".join("–" if g is None else f"{g:.2f}" for g in gates) if gates else "–"
             lines.append(f"| {r['label']} | {norms} | {gate_means} |")
         lines.append("")
     (out / "results.md").write_text("\n".join(lines))
-
 
 
 def claim_verdict(words: list[str]) -> str:
@@ -214,19 +237,27 @@ def claims_section(results: dict) -> list[str]:
             continue
         cells, words = paired_by_k(a, b, at, sign)
         if words:
-            rows.append(f"| {claim} | {'lower' if sign < 0 else 'higher'} | {paper_difference(variant, reference)} | "
-                        f"{'; '.join(cells)} | {claim_verdict(words)} |")
+            rows.append(
+                f"| {claim} | {'lower' if sign < 0 else 'higher'} | {paper_difference(variant, reference)} | "
+                f"{'; '.join(cells)} | {claim_verdict(words)} |"
+            )
     if not rows:
         return []
-    return ["## The paper's comparisons, seed by seed", "",
-            "Variants that share a seed share initialisation, data order and loop draws, so each comparison is "
-            "the per-seed difference (variant − reference, nats per byte): mean ± sd, and how many seeds have the "
-            "paper's sign. Rule (scripts/study_tools/stats.py): *reproduced* when every seed has the paper's sign (or, "
-            "with more than three seeds, a paired t above 2 that way), *contradicted* when every seed has the "
-            "opposite sign, otherwise *inconclusive*; a claim made at every k needs the same word at each k.", "",
-            "| claim | paper: variant is | paper's difference k=1 / k=K | ours, paired per k (seeds with the paper's "
-            "sign) | verdict |",
-            "|---|---|---|---|---|", *rows, ""]
+    return [
+        "## The paper's comparisons, seed by seed",
+        "",
+        "Variants that share a seed share initialisation, data order and loop draws, so each comparison is "
+        "the per-seed difference (variant − reference, nats per byte): mean ± sd, and how many seeds have the "
+        "paper's sign. Rule (scripts/study_tools/stats.py): *reproduced* when every seed has the paper's sign (or, "
+        "with more than three seeds, a paired t above 2 that way), *contradicted* when every seed has the "
+        "opposite sign, otherwise *inconclusive*; a claim made at every k needs the same word at each k.",
+        "",
+        "| claim | paper: variant is | paper's difference k=1 / k=K | ours, paired per k (seeds with the paper's "
+        "sign) | verdict |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def readings_section(results: dict) -> list[str]:
@@ -243,25 +274,39 @@ def readings_section(results: dict) -> list[str]:
             rows.append(f"| {reading} | `{variant}` − `{reference}` | {'; '.join(cells)} | {result} |")
     if not rows:
         return []
-    return ["## Readings the paper leaves open, seed by seed", "",
-            "Each option against its alternative on shared seeds (nats per byte; in brackets the seeds where the "
-            "option is lower), worded by the same rule with 'lower' as the claim.", "",
-            "| reading | option − alternative | paired per k (seeds lower) | result |", "|---|---|---|---|",
-            *rows, ""]
+    return [
+        "## Readings the paper leaves open, seed by seed",
+        "",
+        "Each option against its alternative on shared seeds (nats per byte; in brackets the seeds where the "
+        "option is lower), worded by the same rule with 'lower' as the claim.",
+        "",
+        "| reading | option − alternative | paired per k (seeds lower) | result |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def controls_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
     """Untied depth against the matched baseline, seed by seed: does depth help at this budget?"""
     base = results.get("baseline_matched")
-    lines = [f"## {title}", "", f"{claim} Paired relative difference to the matched baseline (mean ± sd over "
-             "seeds); 'helps' needs the mean below zero by more than three paired sd.", "",
-             "| variant | seeds | loss | vs matched baseline | helps |", "|---|---|---|---|---|"]
+    lines = [
+        f"## {title}",
+        "",
+        f"{claim} Paired relative difference to the matched baseline (mean ± sd over "
+        "seeds); 'helps' needs the mean below zero by more than three paired sd.",
+        "",
+        "| variant | seeds | loss | vs matched baseline | helps |",
+        "|---|---|---|---|---|",
+    ]
     for v in members:
         r = results[v]
         p = paired(relative(per_seed(r, 1), per_seed(base, 1)), {s: 0.0 for s in r["seeds"]}) if base else None
         helps = "–" if p is None or p["n"] < 2 else ("yes" if p["mean"] < 0 and -p["mean"] > 3 * p["sd"] else "no")
-        lines.append(f"| {r['label']} | {len(r['seeds'])} | {fmt(r['loss'][0], r['std'][0], len(r['seeds']))} | "
-                     f"{fmt_paired(p)} | {helps} |")
+        lines.append(
+            f"| {r['label']} | {len(r['seeds'])} | {fmt(r['loss'][0], r['std'][0], len(r['seeds']))} | "
+            f"{fmt_paired(p)} | {helps} |"
+        )
     return lines + [""]
 
 
@@ -269,13 +314,18 @@ def remedies_section(results: dict, members: list[str], title: str, claim: str) 
     """Both properties at once, seed by seed: k = 1 against the matched baseline, and the best k
     against the run's own k = 1, with the later loops' update norms."""
     base = results.get("baseline_matched")
-    lines = [f"## {title}", "", f"Wanted: {claim.split('wanted: ')[-1]} Paired relative differences (mean ± sd "
-             "over seeds). Targets: k = 1 no worse than the matched baseline by more than its seed spread; best k "
-             "at least 1% below the run's own k = 1 and by more than three paired sd; every later loop's update "
-             "norm above 0.05.", "",
-             "| variant | seeds | k = 1 vs matched baseline | best k | best k vs own k = 1 | later-loop update norms "
-             "| targets |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## {title}",
+        "",
+        f"Wanted: {claim.split('wanted: ')[-1]} Paired relative differences (mean ± sd "
+        "over seeds). Targets: k = 1 no worse than the matched baseline by more than its seed spread; best k "
+        "at least 1% below the run's own k = 1 and by more than three paired sd; every later loop's update "
+        "norm above 0.05.",
+        "",
+        "| variant | seeds | k = 1 vs matched baseline | best k | best k vs own k = 1 | later-loop update norms "
+        "| targets |",
+        "|---|---|---|---|---|---|---|",
+    ]
     spread = base["std"][0] / base["loss"][0] if base else None
     for v in members:
         r = results[v]
@@ -286,12 +336,17 @@ def remedies_section(results: dict, members: list[str], title: str, claim: str) 
         best = best_k(r)
         gain = paired(relative(per_seed(r, best), per_seed(r, 1)), {s: 0.0 for s in r["seeds"]})
         norms = r.get("loop_stats", {}).get("update_norm", [])[1:]
-        met = [one is not None and one["mean"] <= spread, gain["mean"] <= -0.01 and -gain["mean"] > 3 * gain["sd"],
-               bool(norms) and min(norms) > 0.05]
+        met = [
+            one is not None and one["mean"] <= spread,
+            gain["mean"] <= -0.01 and -gain["mean"] > 3 * gain["sd"],
+            bool(norms) and min(norms) > 0.05,
+        ]
         missed = [name for name, ok in zip(("parity", "loop gain", "norms"), met) if not ok]
-        lines.append(f"| {r['label']} | {len(r['seeds'])} | {fmt_paired(one)} | {best} | {fmt_paired(gain)} | "
-                     f"{' / '.join(f'{n:.3f}' for n in norms) or '–'} | "
-                     f"{', '.join(missed) + ' not met' if missed else 'all met'} |")
+        lines.append(
+            f"| {r['label']} | {len(r['seeds'])} | {fmt_paired(one)} | {best} | {fmt_paired(gain)} | "
+            f"{' / '.join(f'{n:.3f}' for n in norms) or '–'} | "
+            f"{', '.join(missed) + ' not met' if missed else 'all met'} |"
+        )
     if spread is not None:
         lines += ["", f"Matched baseline's seed spread at k = 1: {100 * spread:.2f}% (sd / mean)."]
     return lines + [""]
@@ -315,30 +370,45 @@ def tradeoff_points(results: dict) -> dict[str, tuple[dict, dict]]:
 
 
 def replay_section(results: dict, members: list[str], title: str, claim: str) -> list[str]:
-    lines = [f"## {title}", "", f"Paper: {claim}", "", "| routing | val loss k=K | Δ vs dynamic | paper Δ |",
-             "|---|---|---|---|"]
+    lines = [
+        f"## {title}",
+        "",
+        f"Paper: {claim}",
+        "",
+        "| routing | val loss k=K | Δ vs dynamic | paper Δ |",
+        "|---|---|---|---|",
+    ]
     dynamic = next((results[v] for v in members if "loss_replay_at_inference" in results[v]), None)
     trained = [results[v] for v in members if results[v] is not dynamic]
     if dynamic:
         d = dynamic["loss"][-1]
-        lines += [f"| dynamic | {d:.4f} | – | – |",
-                  f"| replay at inference only | {dynamic['loss_replay_at_inference']:.4f} | "
-                  f"{dynamic['loss_replay_at_inference'] - d:+.4f} | +0.0055 |"]
+        lines += [
+            f"| dynamic | {d:.4f} | – | – |",
+            f"| replay at inference only | {dynamic['loss_replay_at_inference']:.4f} | "
+            f"{dynamic['loss_replay_at_inference'] - d:+.4f} | +0.0055 |",
+        ]
         lines += [f"| replay in training | {r['loss'][-1]:.4f} | {r['loss'][-1] - d:+.4f} | +0.0038 |" for r in trained]
-        lines += ["", "Route drift of the dynamic run (scripts/route_diagnostics.py), per loop i against loop 1; "
-                  "paper at loop 4: kept 0.53, count cosine 0.978, routed cosine 0.767 (shifted 0.227), "
-                  "full cosine 0.918 (shifted 0.718).", "",
-                  "| loop i | kept | count cosine | routed cosine (shifted) | full cosine (shifted) |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Route drift of the dynamic run (scripts/route_diagnostics.py), per loop i against loop 1; "
+            "paper at loop 4: kept 0.53, count cosine 0.978, routed cosine 0.767 (shifted 0.227), "
+            "full cosine 0.918 (shifted 0.718).",
+            "",
+            "| loop i | kept | count cosine | routed cosine (shifted) | full cosine (shifted) |",
+            "|---|---|---|---|---|",
+        ]
         for i, m in dynamic["route_drift"].items():
-            lines.append(f"| {i} | {m['kept']:.3f} | {m['count_cosine']:.3f} | {m['routed_cosine']:.3f} "
-                         f"({m['routed_cosine_shifted']:.3f}) | {m['full_cosine']:.3f} "
-                         f"({m['full_cosine_shifted']:.3f}) |")
+            lines.append(
+                f"| {i} | {m['kept']:.3f} | {m['count_cosine']:.3f} | {m['routed_cosine']:.3f} "
+                f"({m['routed_cosine_shifted']:.3f}) | {m['full_cosine']:.3f} "
+                f"({m['full_cosine_shifted']:.3f}) |"
+            )
     return lines + [""]
 
 
 def plot(results: dict, out: Path) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -371,8 +441,11 @@ def plot(results: dict, out: Path) -> list[Path]:
             ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.axvline(0, color="black", linestyle="--", linewidth=0.8)
         ax.axhline(-1, color="gray", linestyle=":", linewidth=0.8)
-        ax.set(title="One-loop parity against loop gain (wanted: left of the dashed line, below the dotted)",
-               xlabel="k = 1 vs matched baseline (%, paired)", ylabel="best k vs own k = 1 (%, paired)")
+        ax.set(
+            title="One-loop parity against loop gain (wanted: left of the dashed line, below the dotted)",
+            xlabel="k = 1 vs matched baseline (%, paired)",
+            ylabel="best k vs own k = 1 (%, paired)",
+        )
         ax.title.set_fontsize(8)
         fig.tight_layout()
         path = out / "tradeoff.png"
@@ -382,7 +455,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     elr = {v: r for v, r in results.items() if "loop_stats" in r}
     if elr:
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
-        for v, r in elr.items():
+        for r in elr.values():
             norms = r["loop_stats"]["update_norm"]
             ax.plot(range(2, len(norms) + 1), norms[1:], marker="o", label=r["label"])
         ax.set(title="Update norm per loop at k = K", xlabel="loop i", ylabel="||s_i - s_(i-1)|| / ||s_(i-1)||")

@@ -30,8 +30,10 @@ def full_snapshot(model, opt):
     """Unsharded copies of model weights and flattened optimizer state (a collective)."""
     return {
         "model": {k: full(v).clone() for k, v in ModelState(model).state_dict().items()},
-        "optimizer": {k: full(v).clone() if isinstance(v, torch.Tensor) else v
-                      for k, v in OptimizerState(model, opt).state_dict().items()},
+        "optimizer": {
+            k: full(v).clone() if isinstance(v, torch.Tensor) else v
+            for k, v in OptimizerState(model, opt).state_dict().items()
+        },
     }
 
 
@@ -63,8 +65,9 @@ def main():
     model, opt = sharded(seed=0)
     train(model, opt, steps=3, seed=10 + rank)
     ckpt = CheckpointManager(work / "from2", interval=1)
-    ckpt.save(3, {"model": ModelState(model), "optimizer": OptimizerState(model, opt),
-                  "train_state": {"step": 3, "world": 2}})
+    ckpt.save(
+        3, {"model": ModelState(model), "optimizer": OptimizerState(model, opt), "train_state": {"step": 3, "world": 2}}
+    )
     ref = full_snapshot(model, opt)
     if rank == 0:
         torch.save(ref, work / "from2_ref.pt")
@@ -77,8 +80,9 @@ def main():
     dist.barrier()
     fresh, fresh_opt = sharded(seed=1)
     train_state = {"step": 0, "world": 0}
-    got = ckpt.load({"model": ModelState(fresh), "optimizer": OptimizerState(fresh, fresh_opt),
-                     "train_state": train_state})
+    got = ckpt.load(
+        {"model": ModelState(fresh), "optimizer": OptimizerState(fresh, fresh_opt), "train_state": train_state}
+    )
     assert got == 3 and train_state == {"step": 3, "world": 2}, (got, train_state)
     assert_same(full_snapshot(fresh, fresh_opt)["model"], ref["model"], "fallback model")
     assert_same(full_snapshot(fresh, fresh_opt)["optimizer"], ref["optimizer"], "fallback optim")
@@ -89,7 +93,8 @@ def main():
     # (b) 1 -> 2: the test process saved `from1` from a plain module in one process.
     model, opt = sharded(seed=2)
     loaded = CheckpointManager(work / "from1", interval=1).load(
-        {"model": ModelState(model), "optimizer": OptimizerState(model, opt)})
+        {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
+    )
     assert loaded == 5, loaded
     want = torch.load(work / "from1_ref.pt")
     got = full_snapshot(model, opt)
@@ -108,8 +113,7 @@ def main():
     ckpt.wait()
     assert sorted(os.listdir(work / "async2")) == ["step-1", "step-2"], os.listdir(work / "async2")
     fresh, fresh_opt = sharded(seed=3)
-    assert ckpt.load({"model": ModelState(fresh), "optimizer": OptimizerState(fresh, fresh_opt)},
-                     step=1) == 1
+    assert ckpt.load({"model": ModelState(fresh), "optimizer": OptimizerState(fresh, fresh_opt)}, step=1) == 1
     assert_same(full_snapshot(fresh, fresh_opt)["model"], before["model"], "async model")
     assert_same(full_snapshot(fresh, fresh_opt)["optimizer"], before["optimizer"], "async optim")
 

@@ -25,7 +25,8 @@ from elr.models.args import flavors  # noqa: E402
 from elr.parallel.context_parallel import enable_context_parallel, shard_sequence  # noqa: E402
 
 ARGS = dataclasses.replace(flavors["debug"], gdp_impl="chunk", cond_dim=16).with_recurrence(
-    max_loops=3, update="adaptive_delta", conditioning=True)
+    max_loops=3, update="adaptive_delta", conditioning=True
+)
 
 
 def main(backend: str = "inductor"):

@@ -24,23 +24,27 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from elr.config import load_config  # noqa: E402
 from elr.models import build_model  # noqa: E402
-from elr.models.from_config import model_args_from_config  # noqa: E402
-from elr.train.loss import summed_loss  # noqa: E402
 from elr.models.args import flavors  # noqa: E402
 from elr.models.attention import Attention  # noqa: E402
+from elr.models.from_config import model_args_from_config  # noqa: E402
 from elr.models.gdp import GatedDeltaProduct  # noqa: E402
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from elr.parallel.context_parallel import (  # noqa: E402
+    ContextParallel,
+    context_parallel_gated_delta_product,
+    enable_context_parallel,
+    shard_sequence,
+)
 from elr.parallel.parallelize import SequenceShards  # noqa: E402
 from elr.tools.activation_memory import live_activation_bytes  # noqa: E402
-from elr.parallel.context_parallel import (  # noqa: E402
-    ContextParallel, context_parallel_gated_delta_product, enable_context_parallel, shard_sequence,
-)
+from elr.train.loss import summed_loss  # noqa: E402
 from elr_kernels.gated_delta_product import gated_delta_product  # noqa: E402
 
 SHARD = 37
 TOLERANCE = 1e-5  # max |CP - one process| relative to max |one process|, per tensor
 ARGS = dataclasses.replace(flavors["debug"], gdp_impl="chunk", cond_dim=16).with_recurrence(
-    max_loops=3, update="adaptive_delta", conditioning=True)
+    max_loops=3, update="adaptive_delta", conditioning=True
+)
 
 
 WORST: dict[str, float] = {}  # the largest error of each check group, over tensors and ranks
@@ -93,7 +97,7 @@ def main():
 
     def run_attention(module, h, cp):
         start = rank * h.shape[1] if cp else 0
-        return module(h, rope[:, start:start + h.shape[1]])
+        return module(h, rope[:, start : start + h.shape[1]])
 
     check_module("attention", attention, run_attention, [x], mesh)
 
@@ -114,17 +118,18 @@ def main():
         want, _ = gated_delta_product(*inputs, num_householder=n_h, initial_state=state, impl="chunk")
         local = []
         for x_full, per_token in zip(inputs, (1, n_h, n_h, 1, n_h)):  # k, v, beta hold n_h rows per token
-            local.append(x_full.detach()[:, rank * SHARD * per_token:(rank + 1) * SHARD * per_token].requires_grad_())
+            local.append(x_full.detach()[:, rank * SHARD * per_token : (rank + 1) * SHARD * per_token].requires_grad_())
         state_cp = state.detach().clone().requires_grad_() if with_state else None
-        got = context_parallel_gated_delta_product(*local, num_householder=n_h, group=group,
-                                                   initial_state=state_cp, impl="chunk")
+        got = context_parallel_gated_delta_product(
+            *local, num_householder=n_h, group=group, initial_state=state_cp, impl="chunk"
+        )
         upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(3))
         (want * upstream).sum().backward()
         (got * shard_sequence(upstream, rank, cp)).sum().backward()
         name = f"gdp op {'with' if with_state else 'without'} initial state"
         check(f"{name} output", got, shard_sequence(want, rank, cp))
         for label, x_full, x_local, per_token in zip("q k v g beta".split(), inputs, local, (1, n_h, n_h, 1, n_h)):
-            piece = x_full.grad[:, rank * SHARD * per_token:(rank + 1) * SHARD * per_token]
+            piece = x_full.grad[:, rank * SHARD * per_token : (rank + 1) * SHARD * per_token]
             check(f"{name} d{label}", x_local.grad, piece)
         if with_state:
             check(f"{name} d initial_state", summed(state_cp.grad, group), state.grad)
@@ -140,14 +145,17 @@ def main():
     for loops, ac in ((1, "none"), (3, "none"), (3, "full"), (3, "selective")):
         reference, sharded = copy.deepcopy(model), copy.deepcopy(model)
         enable_context_parallel(sharded, mesh)
-        sharded.set_sequence_shards(SequenceShards(group))  # as parallelize() does: routes counted over the whole sequence
+        sharded.set_sequence_shards(
+            SequenceShards(group)
+        )  # as parallelize() does: routes counted over the whole sequence
         apply_activation_checkpointing(sharded, ac)  # the recomputed forward gathers again in backward
         want = reference(inputs, loops=loops)
         got = sharded(shard_sequence(inputs, rank, cp), loops=loops)
         want_aux, got_aux = reference.moe_aux_loss(), sharded.moe_aux_loss()  # got: this rank's share
         (F.cross_entropy(want.flatten(0, 1), labels.flatten(), reduction="sum") + want_aux).backward()
-        (F.cross_entropy(got.flatten(0, 1), shard_sequence(labels, rank, cp).flatten(), reduction="sum")
-         + got_aux).backward()
+        (
+            F.cross_entropy(got.flatten(0, 1), shard_sequence(labels, rank, cp).flatten(), reduction="sum") + got_aux
+        ).backward()
         check(f"model k={loops} AC {ac} logits", got, shard_sequence(want, rank, cp))
         check(f"model k={loops} AC {ac} balance loss", summed(got_aux.detach(), group), want_aux.detach())
         for (name, p), p_cp in zip(reference.named_parameters(), sharded.parameters()):

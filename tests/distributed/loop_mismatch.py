@@ -59,8 +59,9 @@ def check(config: str, mesh, failures: list) -> None:
             want = ref_params[name].grad
             want = torch.zeros_like(got) if want is None else want
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
-                failures.append(f"{config} update {update + 1}: grad of {name} differs by "
-                                f"{(got - want).abs().max().item():.2e}")
+                failures.append(
+                    f"{config} update {update + 1}: grad of {name} differs by {(got - want).abs().max().item():.2e}"
+                )
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad(set_to_none=True)

@@ -33,10 +33,15 @@ class Toy(nn.Module):
 
 
 def train(model: Toy, steps: int = 3) -> None:
-    opt = MuonAdamW([
-        {"params": [model.hidden.weight, model.experts], "muon": True, "momentum": 0.9},
-        {"params": [model.hidden.bias], "muon": False},
-    ], lr=0.05, weight_decay=0.1, foreach=True)
+    opt = MuonAdamW(
+        [
+            {"params": [model.hidden.weight, model.experts], "muon": True, "momentum": 0.9},
+            {"params": [model.hidden.bias], "muon": False},
+        ],
+        lr=0.05,
+        weight_decay=0.1,
+        foreach=True,
+    )
     data = torch.Generator().manual_seed(1)
     for _ in range(steps):
         model(torch.randn(4, 8, generator=data)).backward()

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 from torchao.float8.float8_linear import Float8Linear
-
 from tp_harness import ARGS, full, plain_name, run_checks, tokens_for, tp_copy
+
 from elr.models import build_model
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.parallel.parallelize import convert_to_float8
@@ -68,8 +68,9 @@ def check(args, mesh, failures: list, compile: bool) -> None:
             apply_activation_checkpointing(model, "full")  # float8 casts and their all-reduces recomputed
 
     # float8 before TP, as parallelize() does
-    model = tp_copy(ref, args, mesh, before_tp=lambda m: convert_to_float8(m, emulate=True, tp_mesh=mesh),
-                    after_tp=compile_or_ac)
+    model = tp_copy(
+        ref, args, mesh, before_tp=lambda m: convert_to_float8(m, emulate=True, tp_mesh=mesh), after_tp=compile_or_ac
+    )
     ref_params = dict(ref.named_parameters())
     what = f"compile={compile}"
     if float8_names(model) != float8_names(ref) or not float8_names(ref):
@@ -95,8 +96,10 @@ def check(args, mesh, failures: list, compile: bool) -> None:
             continue  # e.g. loop embeddings no microbatch here reaches
         ok, tp_err, float8_err = closer_than_float8(g, r, r32)
         if not ok:
-            failures.append(f"{what}: grad of {name}: TP vs float8 {tp_err:.1e}, float8 vs fp32 {float8_err:.1e} "
-                            f"(bound {RATIO} x float8's)")
+            failures.append(
+                f"{what}: grad of {name}: TP vs float8 {tp_err:.1e}, float8 vs fp32 {float8_err:.1e} "
+                f"(bound {RATIO} x float8's)"
+            )
 
 
 if __name__ == "__main__":

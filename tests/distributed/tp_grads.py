@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import loss_parallel
-
 from tp_harness import ARGS, ROOT, full, plain_name, run_checks, tokens_for, tp_copy
+
 from elr.config import load_config
 from elr.models import build_model
 from elr.models.from_config import model_args_from_config
@@ -75,14 +75,18 @@ def check(args, ac: str, mesh, failures: list, compile: bool = False) -> None:
         g, r = full(p.grad), ref_params[plain_name(name)].grad
         # atol scales with the gradient's largest entry past 1 (the input adapter's sums every loop's tokens)
         if not torch.allclose(g, r, rtol=1e-5, atol=1e-6 * max(1.0, r.abs().max().item())):
-            failures.append(f"{what}: grad of {name} differs by {(g - r).abs().max().item():.2e} "
-                            f"(largest {r.abs().max().item():.2e})")
+            failures.append(
+                f"{what}: grad of {name} differs by {(g - r).abs().max().item():.2e} "
+                f"(largest {r.abs().max().item():.2e})"
+            )
 
 
 def check_planned_activations(mesh, failures: list) -> None:
     """The memory plan's count of a TP rank's activations (traced on the meta device) equals what the
     real TP forward keeps for backward on this rank, within 10%."""
-    cfg = load_config(ROOT / "train_configs" / "debug.toml", ["--training.seq_len", "64", "--training.local_batch_size", "2"])
+    cfg = load_config(
+        ROOT / "train_configs" / "debug.toml", ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+    )
     args = model_args_from_config(cfg, 257)
     torch.manual_seed(0)
     with torch.device("meta"):

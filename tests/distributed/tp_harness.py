@@ -20,7 +20,8 @@ from elr.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 # Every layer kind, a vocabulary TP 2 does not divide, every ELR path and route replay.
 ARGS = dataclasses.replace(flavors["debug"], vocab_size=257, max_seq_len=128, moe_route_replay=True).with_recurrence(
-    max_loops=3, update="adaptive_delta", conditioning=True)
+    max_loops=3, update="adaptive_delta", conditioning=True
+)
 
 
 def full(t):

@@ -7,8 +7,8 @@ ignored (-100) and loop counts 1 and 3 accumulated. Prints one line per failure;
 
 import torch
 import torch.nn.functional as F
-
 from tp_harness import ARGS, full, run_checks, tokens_for, tp_copy
+
 from elr.models import build_model
 from elr.parallel.tensor_parallel import reduce_partial_grads
 from elr.train.loss import vocab_parallel_chunked_cross_entropy
@@ -26,8 +26,9 @@ def check(args, chunk: int, mesh, failures: list) -> None:
     for loops in (1, 3):  # the second loop count accumulates onto the first's gradients, as microbatches do
         want = F.cross_entropy(ref(tokens, loops=loops).flatten(0, 1), labels.flatten(), reduction="sum")
         (want + ref.moe_aux_loss()).backward()
-        got = vocab_parallel_chunked_cross_entropy(model(tokens, loops=loops, head=False), model.output.weight,
-                                                   labels, chunk)
+        got = vocab_parallel_chunked_cross_entropy(
+            model(tokens, loops=loops, head=False), model.output.weight, labels, chunk
+        )
         (0.5 * got + 0.5 * got + model.moe_aux_loss()).backward()  # a non-unit upstream gradient on the loss
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
             failures.append(f"chunk={chunk} loops={loops}: loss {got.item()} != {want.item()}")
@@ -35,8 +36,10 @@ def check(args, chunk: int, mesh, failures: list) -> None:
     for name, p in model.named_parameters():
         g, r = full(p.grad), ref_params[name].grad
         if (g is None) != (r is None) or (r is not None and not torch.allclose(g, r, rtol=1e-5, atol=1e-6)):
-            failures.append(f"chunk={chunk}: grad of {name} differs"
-                            + (f" by {(g - r).abs().max().item():.2e}" if g is not None and r is not None else ""))
+            failures.append(
+                f"chunk={chunk}: grad of {name} differs"
+                + (f" by {(g - r).abs().max().item():.2e}" if g is not None and r is not None else "")
+            )
 
 
 def checks(mesh, failures: list) -> None:

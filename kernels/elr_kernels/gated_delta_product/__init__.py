@@ -39,15 +39,26 @@ def _resolve(impl, q):
     if impl == "auto":
         impl = "triton" if q.is_cuda else "chunk"
     if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown gated_delta_product impl {impl!r}; "
-                         f"expected one of {list(IMPL_CHOICES)}")
+        raise ValueError(f"unknown gated_delta_product impl {impl!r}; expected one of {list(IMPL_CHOICES)}")
     if impl == "triton" and triton_gated_delta_product is None:
         raise ImportError(f"impl='triton' needs triton: {_TRITON_IMPORT_ERROR}")
     return impl
 
 
-def gated_delta_product(q, k, v, g, beta, *, num_householder, scale=None, initial_state=None,
-                        output_final_state=False, use_qk_l2norm=False, impl="chunk"):
+def gated_delta_product(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    num_householder,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm=False,
+    impl="chunk",
+):
     """Run the gated DeltaProduct recurrence over a batch of sequences.
 
     q: [B, T, H, K]; k: [B, T*n_h, H, K]; v: [B, T*n_h, H, V]; beta: [B, T*n_h, H];
@@ -64,19 +75,21 @@ def gated_delta_product(q, k, v, g, beta, *, num_householder, scale=None, initia
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if impl == "triton":
-        o, final_state = triton_gated_delta_product(q, k, v, g, beta, num_householder, scale,
-                                                    initial_state, output_final_state,
-                                                    qk_l2norm=use_qk_l2norm)
+        o, final_state = triton_gated_delta_product(
+            q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, qk_l2norm=use_qk_l2norm
+        )
     else:
         if use_qk_l2norm:
             q, k = l2_normalize(q), l2_normalize(k)
-        o, final_state = IMPLEMENTATIONS[impl](q, k, v, g, beta, num_householder, scale,
-                                               initial_state, output_final_state)
+        o, final_state = IMPLEMENTATIONS[impl](
+            q, k, v, g, beta, num_householder, scale, initial_state, output_final_state
+        )
     return o.to(q.dtype), final_state
 
 
-def gated_delta_product_step(q, k, v, g, beta, state=None, *, num_householder, scale=None,
-                             use_qk_l2norm=False, impl="auto"):
+def gated_delta_product_step(
+    q, k, v, g, beta, state=None, *, num_householder, scale=None, use_qk_l2norm=False, impl="auto"
+):
     """One decoding step: the op over a single token (T = 1) from `state`, shapes as in
     `gated_delta_product`. Returns (o [B, 1, H, V], new state [B, H, K, V] in fp32).
     impl, any of IMPL_CHOICES: "triton" (the one-token kernel), "naive" or "chunk" (for one token
@@ -89,8 +102,7 @@ def gated_delta_product_step(q, k, v, g, beta, state=None, *, num_householder, s
     if impl == "chunk":
         impl = "naive"
     if q.shape[1] != 1:
-        raise ValueError(f"gated_delta_product_step takes one token, got q of shape "
-                         f"{tuple(q.shape)}")
+        raise ValueError(f"gated_delta_product_step takes one token, got q of shape {tuple(q.shape)}")
     _check_shapes(q, k, v, g, beta, num_householder, state)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -98,8 +110,7 @@ def gated_delta_product_step(q, k, v, g, beta, state=None, *, num_householder, s
         state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], dtype=torch.float32)
     if impl == "triton":
         _resolve("triton", q)
-        return triton_gated_delta_product_step(q, k, v, g, beta, state, num_householder, scale,
-                                               qk_l2norm=use_qk_l2norm)
+        return triton_gated_delta_product_step(q, k, v, g, beta, state, num_householder, scale, qk_l2norm=use_qk_l2norm)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     o, new_state = naive_gated_delta_product(q, k, v, g, beta, num_householder, scale, state, True)
@@ -107,8 +118,7 @@ def gated_delta_product_step(q, k, v, g, beta, state=None, *, num_householder, s
 
 
 def _check_shapes(q, k, v, g, beta, num_householder, initial_state):
-    if isinstance(num_householder, bool) or not isinstance(num_householder, int) \
-            or num_householder < 1:
+    if isinstance(num_householder, bool) or not isinstance(num_householder, int) or num_householder < 1:
         raise ValueError(f"num_householder must be a positive int, got {num_householder!r}")
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -129,6 +139,8 @@ def _check_shapes(q, k, v, g, beta, num_householder, initial_state):
         expected["initial_state"] = (initial_state, (B, H, K, V))
     for name, (tensor, shape) in expected.items():
         if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} "
-                             f"(B={B}, T={T}, H={H}, K={K}, V={V}, "
-                             f"num_householder={num_householder})")
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, expected {shape} "
+                f"(B={B}, T={T}, H={H}, K={K}, V={V}, "
+                f"num_householder={num_householder})"
+            )

@@ -27,8 +27,9 @@ def _expand(q, g, n_h):
     return q.reshape(B, T * n_h, H, K), g.reshape(B, T * n_h, H)
 
 
-def chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale, initial_state=None,
-                              output_final_state=False, chunk_size=CHUNK_SIZE):
+def chunk_gated_delta_product(
+    q, k, v, g, beta, num_householder, scale, initial_state=None, output_final_state=False, chunk_size=CHUNK_SIZE
+):
     """Shapes as in `gated_delta_product`; arguments are assumed already validated."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -51,8 +52,9 @@ def chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale, initial_
     # Strictly lower part of the system; solve_triangular supplies the unit diagonal.
     A = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
     rhs = torch.cat([beta[..., None] * v, (beta * G.exp())[..., None] * k], dim=-1)
-    u_from_v, u_from_state = torch.linalg.solve_triangular(
-        A, rhs, upper=False, unitriangular=True).split([V, K], dim=-1)
+    u_from_v, u_from_state = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split(
+        [V, K], dim=-1
+    )
 
     qk = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * G.exp()[..., None]

@@ -7,8 +7,7 @@ Householder sub-step) but easy to check by eye.
 import torch
 
 
-def naive_gated_delta_product(q, k, v, g, beta, num_householder, scale, initial_state=None,
-                              output_final_state=False):
+def naive_gated_delta_product(q, k, v, g, beta, num_householder, scale, initial_state=None, output_final_state=False):
     """Shapes as in `gated_delta_product`; arguments are assumed already validated."""
     B, T, H, K = q.shape
     V = v.shape[-1]

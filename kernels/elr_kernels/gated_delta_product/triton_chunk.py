@@ -58,8 +58,7 @@ def _inverse_norm(x):
 @triton.jit
 def _store_rows(ptr, x, row, mask, H, h, D: tl.constexpr):
     cols = tl.arange(0, D)
-    tl.store(ptr + (row[:, None] * H + h) * D + cols[None, :], x.to(ptr.dtype.element_ty),
-             mask=mask[:, None])
+    tl.store(ptr + (row[:, None] * H + h) * D + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask[:, None])
 
 
 @triton.jit
@@ -113,9 +112,24 @@ def _state_ptrs(ptr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, v_block
 
 
 @triton.jit
-def _prepare_kernel(k, v, g, beta, G_out, W_out, U_out, Tinv_out, T, H, n_h,
-                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, STORE_INVERSE: tl.constexpr,
-                    NORM: tl.constexpr):
+def _prepare_kernel(
+    k,
+    v,
+    g,
+    beta,
+    G_out,
+    W_out,
+    U_out,
+    Tinv_out,
+    T,
+    H,
+    n_h,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    STORE_INVERSE: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Per chunk: cumulative decay G, the inverse Tinv, W = Tinv (beta exp(G) k) and
     U = Tinv (beta v)."""
     chunk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: large offsets
@@ -143,9 +157,26 @@ def _prepare_kernel(k, v, g, beta, G_out, W_out, U_out, Tinv_out, T, H, n_h,
 
 
 @triton.jit
-def _state_kernel(k, G_buf, W_buf, U_buf, initial, h_out, u_out, final_out, T, H, n_h, N,
-                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                  HAS_INITIAL: tl.constexpr, NORM: tl.constexpr):
+def _state_kernel(
+    k,
+    G_buf,
+    W_buf,
+    U_buf,
+    initial,
+    h_out,
+    u_out,
+    final_out,
+    T,
+    H,
+    n_h,
+    N,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_INITIAL: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Walk the chunks in order for one (batch, head, value block): store each chunk-start state
     h[n] and the effective values u = U - W S, and the final state."""
     v_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -173,9 +204,23 @@ def _state_kernel(k, G_buf, W_buf, U_buf, initial, h_out, u_out, final_out, T, H
 
 
 @triton.jit
-def _output_kernel(q, k, G_buf, h_buf, u_buf, o, scale, T, H, n_h,
-                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                   NORM: tl.constexpr):
+def _output_kernel(
+    q,
+    k,
+    G_buf,
+    h_buf,
+    u_buf,
+    o,
+    scale,
+    T,
+    H,
+    n_h,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """o = (q exp(G)) S + ((q k^T) * D) u for one chunk and value block; only each token's last
     sub-step is an output row."""
     chunk, bh, v_block = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
@@ -201,9 +246,28 @@ def _output_kernel(q, k, G_buf, h_buf, u_buf, o, scale, T, H, n_h,
 
 
 @triton.jit
-def _state_grad_kernel(q, k, do, G_buf, W_buf, d_final, dh_out, du_out, d_initial, scale,
-                       T, H, n_h, N, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                       BV: tl.constexpr, HAS_D_FINAL: tl.constexpr, NORM: tl.constexpr):
+def _state_grad_kernel(
+    q,
+    k,
+    do,
+    G_buf,
+    W_buf,
+    d_final,
+    dh_out,
+    du_out,
+    d_initial,
+    scale,
+    T,
+    H,
+    n_h,
+    N,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_D_FINAL: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Walk the chunks in reverse for one (batch, head, value block): dh[n] is the gradient of
     the state at chunk n's end, du the gradient of the effective values u, and what remains at
     the start is the gradient of the initial state."""
@@ -222,24 +286,48 @@ def _state_grad_kernel(q, k, do, G_buf, W_buf, d_final, dh_out, du_out, d_initia
         row = bh * N * C + n * C + i
         q_c = _load_rows(q, b * T + token, last, H, h, K, NORM) * scale
         k_c = _load_rows(k, b * T * n_h + pos, valid, H, h, K, NORM)
-        do_c = tl.load(do + ((b * T + token[:, None]) * H + h) * V + cols_v[None, :],
-                       mask=last[:, None], other=0.0).to(tl.float32)
+        do_c = tl.load(do + ((b * T + token[:, None]) * H + h) * V + cols_v[None, :], mask=last[:, None], other=0.0).to(
+            tl.float32
+        )
         G = tl.load(G_buf + row)
         W = tl.load(W_buf + row[:, None] * K + tl.arange(0, K)[None, :])
         G_end = _last(G, C)
         P = tl.dot(q_c, tl.trans(k_c)) * _decay_matrix(G, C)
         du = tl.dot(tl.trans(P), do_c) + tl.dot(k_c * tl.exp(G_end - G)[:, None], dS)
         tl.store(du_out + row[:, None] * V + cols_v[None, :], du)
-        dS = dS * tl.exp(G_end) + tl.dot(tl.trans(q_c * tl.exp(G)[:, None]), do_c) \
-            - tl.dot(tl.trans(W), du)
+        dS = dS * tl.exp(G_end) + tl.dot(tl.trans(q_c * tl.exp(G)[:, None]), do_c) - tl.dot(tl.trans(W), du)
     tl.store(_state_ptrs(d_initial + bh * K * V, K, V, BV, v_block), dS)
 
 
 @triton.jit
-def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, dh_buf, du_buf,
-                       dq, dk, dv, dbeta, dg, scale, T, H, n_h,
-                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                       NORM: tl.constexpr):
+def _chunk_grad_kernel(
+    q,
+    k,
+    v,
+    beta,
+    do,
+    G_buf,
+    W_buf,
+    Tinv_buf,
+    h_buf,
+    u_buf,
+    dh_buf,
+    du_buf,
+    dq,
+    dk,
+    dv,
+    dbeta,
+    dg,
+    scale,
+    T,
+    H,
+    n_h,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Gradients of one chunk's inputs, given its state h, its end-state gradient dh and du.
 
     Value-sized terms are summed over blocks of BV columns so only [C, K] and [C, C] tiles stay
@@ -269,19 +357,21 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
     kk = tl.dot(k_c, tl.trans(k_c))
     qk = tl.dot(q_c, tl.trans(k_c))
 
-    dW = tl.zeros([C, K], dtype=tl.float32)        # from u = U - W S
+    dW = tl.zeros([C, K], dtype=tl.float32)  # from u = U - W S
     dq_decayed = tl.zeros([C, K], dtype=tl.float32)  # of q exp(G), from o
-    dk_to_end = tl.zeros([C, K], dtype=tl.float32)   # of k exp(G_end - G), from S_next
-    dP = tl.zeros([C, C], dtype=tl.float32)          # of (q k^T) * D, from o
-    dA = tl.zeros([C, C], dtype=tl.float32)          # of the system's strict lower part (negated)
+    dk_to_end = tl.zeros([C, K], dtype=tl.float32)  # of k exp(G_end - G), from S_next
+    dP = tl.zeros([C, C], dtype=tl.float32)  # of (q k^T) * D, from o
+    dA = tl.zeros([C, C], dtype=tl.float32)  # of the system's strict lower part (negated)
     dbeta_c = tl.zeros([C], dtype=tl.float32)
-    dG_end_rows = tl.zeros([K], dtype=tl.float32)   # of G_end, from exp(G_end) S, per key row
+    dG_end_rows = tl.zeros([K], dtype=tl.float32)  # of G_end, from exp(G_end) S, per key row
     for v_block in range(V // BV):
         cols_v = v_block * BV + tl.arange(0, BV)
-        v_c = tl.load(v + ((b * L + pos[:, None]) * H + h) * V + cols_v[None, :],
-                      mask=valid[:, None], other=0.0).to(tl.float32)
-        do_c = tl.load(do + ((b * T + token[:, None]) * H + h) * V + cols_v[None, :],
-                       mask=last[:, None], other=0.0).to(tl.float32)
+        v_c = tl.load(v + ((b * L + pos[:, None]) * H + h) * V + cols_v[None, :], mask=valid[:, None], other=0.0).to(
+            tl.float32
+        )
+        do_c = tl.load(do + ((b * T + token[:, None]) * H + h) * V + cols_v[None, :], mask=last[:, None], other=0.0).to(
+            tl.float32
+        )
         u = tl.load(u_buf + row[:, None] * V + cols_v[None, :])
         du = tl.load(du_buf + row[:, None] * V + cols_v[None, :])
         S = tl.load(_state_ptrs(h_buf + (bh * N + chunk) * K * V, K, V, BV, v_block))
@@ -290,13 +380,16 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
         dq_decayed += tl.dot(do_c, tl.trans(S))
         dk_to_end += tl.dot(u, tl.trans(dS_next))
         dP += tl.dot(do_c, tl.trans(u))
-        d_beta_v = tl.dot(tl.trans(Tinv), du)         # U = Tinv (beta v)
+        d_beta_v = tl.dot(tl.trans(Tinv), du)  # U = Tinv (beta v)
         dA += tl.dot(d_beta_v, tl.trans(tl.dot(Tinv, v_c * beta_c[:, None])))
         dbeta_c += tl.sum(d_beta_v * v_c, 1)
-        tl.store(dv + ((b * L + pos[:, None]) * H + h) * V + cols_v[None, :],
-                 (d_beta_v * beta_c[:, None]).to(dv.dtype.element_ty), mask=valid[:, None])
+        tl.store(
+            dv + ((b * L + pos[:, None]) * H + h) * V + cols_v[None, :],
+            (d_beta_v * beta_c[:, None]).to(dv.dtype.element_ty),
+            mask=valid[:, None],
+        )
         dG_end_rows += tl.sum(dS_next * S, 1)
-    d_beta_gk = tl.dot(tl.trans(Tinv), dW)           # W = Tinv (beta exp(G) k)
+    d_beta_gk = tl.dot(tl.trans(Tinv), dW)  # W = Tinv (beta exp(G) k)
     dA += tl.dot(d_beta_gk, tl.trans(W))
     # d(I + A)^-1 = -Tinv^T (.) Tinv^T, folded into the two products above; A's strict part only.
     dA = tl.where(strict, -dA, 0.0)
@@ -310,13 +403,21 @@ def _chunk_grad_kernel(q, k, v, beta, do, G_buf, W_buf, Tinv_buf, h_buf, u_buf, 
     dDD = (dA * beta_c[:, None] * kk + dP * qk) * D  # D's gradient times D: reaches G below
 
     dq_c = tl.dot(dqk, k_c) + dq_decayed * eG[:, None]
-    dk_c = tl.dot(dkk + tl.trans(dkk), k_c) + tl.dot(tl.trans(dqk), q_c) \
-        + dk_to_end * e_to_end[:, None] + d_beta_gk * (beta_c * eG)[:, None]
+    dk_c = (
+        tl.dot(dkk + tl.trans(dkk), k_c)
+        + tl.dot(tl.trans(dqk), q_c)
+        + dk_to_end * e_to_end[:, None]
+        + d_beta_gk * (beta_c * eG)[:, None]
+    )
 
-    dG = tl.sum(dq_decayed * q_c, 1) * eG - tl.sum(dk_to_end * k_c, 1) * e_to_end \
-        + tl.sum(d_beta_gk * k_c, 1) * beta_c * eG + tl.sum(dDD, 1) - tl.sum(dDD, 0)
-    dG_end = tl.sum(dG_end_rows, 0) * tl.exp(G_end) \
-        + tl.sum(tl.sum(dk_to_end * k_c, 1) * e_to_end, 0)
+    dG = (
+        tl.sum(dq_decayed * q_c, 1) * eG
+        - tl.sum(dk_to_end * k_c, 1) * e_to_end
+        + tl.sum(d_beta_gk * k_c, 1) * beta_c * eG
+        + tl.sum(dDD, 1)
+        - tl.sum(dDD, 0)
+    )
+    dG_end = tl.sum(dG_end_rows, 0) * tl.exp(G_end) + tl.sum(tl.sum(dk_to_end * k_c, 1) * e_to_end, 0)
     dG += tl.where(i == C - 1, dG_end, 0.0)
     # G = cumsum(g) within the chunk, so dg_i = sum_{m >= i} dG_m.
     dg_c = tl.sum(tl.where(i[None, :] >= i[:, None], dG[None, :], 0.0), 1)
@@ -345,12 +446,10 @@ NUM_WARPS = 8
 
 def _check_dims(K, V, chunk_size):
     if chunk_size not in (16, 32, 64):
-        raise ValueError(f"triton gated_delta_product needs chunk_size 16, 32 or 64, "
-                         f"got {chunk_size}")
+        raise ValueError(f"triton gated_delta_product needs chunk_size 16, 32 or 64, got {chunk_size}")
     for name, d in (("head dim K", K), ("head dim V", V)):
         if d < 16 or d & (d - 1):
-            raise ValueError(f"triton gated_delta_product needs {name} a power of two >= 16, "
-                             f"got {d}")
+            raise ValueError(f"triton gated_delta_product needs {name} a power of two >= 16, got {d}")
 
 
 def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse, norm):
@@ -362,9 +461,25 @@ def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse, norm):
     W = torch.empty(B * H, N * C, K, **f32)
     U = torch.empty(B * H, N * C, V, **f32)
     Tinv = torch.empty(B * H, N * C, C, **f32) if store_inverse else G
-    _prepare_kernel[(N, B * H)](k, v, g, beta, G, W, U, Tinv, T, H, n_h, K=K, V=V, C=C,
-                                STORE_INVERSE=store_inverse, NORM=norm,
-                                num_warps=NUM_WARPS)
+    _prepare_kernel[(N, B * H)](
+        k,
+        v,
+        g,
+        beta,
+        G,
+        W,
+        U,
+        Tinv,
+        T,
+        H,
+        n_h,
+        K=K,
+        V=V,
+        C=C,
+        STORE_INVERSE=store_inverse,
+        NORM=norm,
+        num_warps=NUM_WARPS,
+    )
     return G, W, U, Tinv
 
 
@@ -377,10 +492,27 @@ def _states(k, G, W, U, initial_state, T, n_h, chunk_size, norm):
     u = torch.empty_like(U)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32)
     has_initial = initial_state is not None
-    _state_kernel[(V // BV, B * H)](k, G, W, U, initial_state if has_initial else final, h, u,
-                                    final, T, H, n_h, N, K=K, V=V, C=C, BV=BV,
-                                    HAS_INITIAL=has_initial, NORM=norm,
-                                    num_warps=NUM_WARPS)
+    _state_kernel[(V // BV, B * H)](
+        k,
+        G,
+        W,
+        U,
+        initial_state if has_initial else final,
+        h,
+        u,
+        final,
+        T,
+        H,
+        n_h,
+        N,
+        K=K,
+        V=V,
+        C=C,
+        BV=BV,
+        HAS_INITIAL=has_initial,
+        NORM=norm,
+        num_warps=NUM_WARPS,
+    )
     return h, u, final
 
 
@@ -394,18 +526,17 @@ def chunk_forward(q, k, v, g, beta, initial_state, n_h, scale, chunk_size, qk_l2
     h, u, final = _states(k, G, W, U, initial_state, T, n_h, chunk_size, qk_l2norm)
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
     BV = min(V, BLOCK_V)
-    _output_kernel[(h.shape[1], B * H, V // BV)](q, k, G, h, u, o, scale, T, H, n_h,
-                                                 K=K, V=V, C=chunk_size, BV=BV, NORM=qk_l2norm,
-                                                 num_warps=NUM_WARPS)
+    _output_kernel[(h.shape[1], B * H, V // BV)](
+        q, k, G, h, u, o, scale, T, H, n_h, K=K, V=V, C=chunk_size, BV=BV, NORM=qk_l2norm, num_warps=NUM_WARPS
+    )
     return o, final
 
 
-def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chunk_size,
-                   qk_l2norm):
+def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chunk_size, qk_l2norm):
     """Gradients (dq, dk, dv, dg, dbeta, d_initial_state) from those of o and the final state.
     The chunk states are recomputed, as the forward keeps none."""
     B, T, H, K = q.shape
-    L, V, C = k.shape[1], v.shape[-1], chunk_size
+    V, C = v.shape[-1], chunk_size
     G, W, U, Tinv = _prepare(k, v, g, beta, T, n_h, C, True, qk_l2norm)
     h, u, _ = _states(k, G, W, U, initial_state, T, n_h, C, qk_l2norm)
     N = h.shape[1]
@@ -413,14 +544,59 @@ def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chu
     d_initial = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
     BV = min(V, BLOCK_V)
     has_d_final = d_final is not None
-    _state_grad_kernel[(V // BV, B * H)](q, k, do, G, W, d_final if has_d_final else d_initial,
-                                         dh, du, d_initial, scale, T, H, n_h, N, K=K, V=V, C=C,
-                                         BV=BV, HAS_D_FINAL=has_d_final, NORM=qk_l2norm,
-                                         num_warps=NUM_WARPS)
+    _state_grad_kernel[(V // BV, B * H)](
+        q,
+        k,
+        do,
+        G,
+        W,
+        d_final if has_d_final else d_initial,
+        dh,
+        du,
+        d_initial,
+        scale,
+        T,
+        H,
+        n_h,
+        N,
+        K=K,
+        V=V,
+        C=C,
+        BV=BV,
+        HAS_D_FINAL=has_d_final,
+        NORM=qk_l2norm,
+        num_warps=NUM_WARPS,
+    )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
-    _chunk_grad_kernel[(N, B * H)](q, k, v, beta, do, G, W, Tinv, h, u, dh, du,
-                                   dq, dk, dv, dbeta, dg, scale, T, H, n_h,
-                                   K=K, V=V, C=C, BV=min(V, GRAD_BLOCK_V), NORM=qk_l2norm,
-                                   num_warps=NUM_WARPS, num_stages=1)  # 1: spare shared memory
+    _chunk_grad_kernel[(N, B * H)](
+        q,
+        k,
+        v,
+        beta,
+        do,
+        G,
+        W,
+        Tinv,
+        h,
+        u,
+        dh,
+        du,
+        dq,
+        dk,
+        dv,
+        dbeta,
+        dg,
+        scale,
+        T,
+        H,
+        n_h,
+        K=K,
+        V=V,
+        C=C,
+        BV=min(V, GRAD_BLOCK_V),
+        NORM=qk_l2norm,
+        num_warps=NUM_WARPS,
+        num_stages=1,
+    )  # 1: spare shared memory
     return dq, dk, dv, dg, dbeta, d_initial

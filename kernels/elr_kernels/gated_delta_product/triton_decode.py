@@ -11,8 +11,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_kernel(q, k, v, g, beta, state, new_state, o, scale, H, n_h,
-                   K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr):
+def _decode_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    new_state,
+    o,
+    scale,
+    H,
+    n_h,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    NORM: tl.constexpr,
+):
     v_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     rows_k = tl.arange(0, K)
@@ -37,8 +52,7 @@ def _decode_kernel(q, k, v, g, beta, state, new_state, o, scale, H, n_h,
     tl.store(new_state + state_ptrs, S)
 
 
-def triton_gated_delta_product_step(q, k, v, g, beta, state, num_householder, scale,
-                                    qk_l2norm=False):
+def triton_gated_delta_product_step(q, k, v, g, beta, state, num_householder, scale, qk_l2norm=False):
     """q [B, 1, H, K], k [B, n_h, H, K], v [B, n_h, H, V], g [B, 1, H], beta [B, n_h, H],
     state [B, H, K, V]. Returns (o [B, 1, H, V] in q's dtype, new state [B, H, K, V] in fp32)."""
     B, _, H, K = q.shape
@@ -50,6 +64,7 @@ def triton_gated_delta_product_step(q, k, v, g, beta, state, num_householder, sc
     o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
     new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
     BV = min(V, 32)
-    _decode_kernel[(triton.cdiv(V, BV), B * H)](q, k, v, g, beta, state, new_state, o, scale, H,
-                                                num_householder, K=K, V=V, BV=BV, NORM=qk_l2norm)
+    _decode_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, g, beta, state, new_state, o, scale, H, num_householder, K=K, V=V, BV=BV, NORM=qk_l2norm
+    )
     return o, new_state

@@ -6,8 +6,6 @@ checkpointing can name `torch.ops.elr.gated_delta_product.default` among the ops
 saves. The forward keeps only its inputs for the backward, which recomputes the chunk states.
 """
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -17,15 +15,23 @@ CHUNK_SIZE = 64
 
 
 @torch.library.custom_op("elr::gated_delta_product", mutates_args=())
-def gated_delta_product_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                           initial_state: Optional[Tensor], num_householder: int, scale: float,
-                           chunk_size: int, qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+def gated_delta_product_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    num_householder: int,
+    scale: float,
+    chunk_size: int,
+    qk_l2norm: bool,
+) -> tuple[Tensor, Tensor]:
     """(o in q's dtype, final state in fp32); shapes as in `gated_delta_product`."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return chunk_forward(q, k, v, g, beta, initial_state, num_householder, scale, chunk_size,
-                         qk_l2norm)
+    return chunk_forward(q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm)
 
 
 @gated_delta_product_op.register_fake
@@ -37,9 +43,19 @@ def _(q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2
 
 @torch.library.custom_op("elr::gated_delta_product_backward", mutates_args=())
 def gated_delta_product_backward_op(
-        do: Tensor, d_final: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor,
-        beta: Tensor, initial_state: Optional[Tensor], num_householder: int, scale: float,
-        chunk_size: int, qk_l2norm: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    do: Tensor,
+    d_final: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    num_householder: int,
+    scale: float,
+    chunk_size: int,
+    qk_l2norm: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dbeta, d_initial_state in fp32) from the gradients of o and the final
     state; d_final None means the final state was not used."""
     do, q, k, v, g, beta = (x.contiguous() for x in (do, q, k, v, g, beta))
@@ -47,8 +63,7 @@ def gated_delta_product_backward_op(
         d_final = d_final.contiguous()
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return chunk_backward(do, d_final, q, k, v, g, beta, initial_state, num_householder, scale,
-                          chunk_size, qk_l2norm)
+    return chunk_backward(do, d_final, q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm)
 
 
 @gated_delta_product_backward_op.register_fake
@@ -56,8 +71,14 @@ def _(do, d_final, q, k, v, g, beta, initial_state, num_householder, scale, chun
     B, T, H, K = q.shape
     V = v.shape[-1]
     # contiguous, as the real op returns them whatever the inputs' strides
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
-            beta.new_empty(beta.shape), q.new_empty(B, H, K, V, dtype=torch.float32))
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        g.new_empty(g.shape),
+        beta.new_empty(beta.shape),
+        q.new_empty(B, H, K, V, dtype=torch.float32),
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -71,7 +92,8 @@ def _backward(ctx, do, d_final):
     if do is None:  # only the final state was used
         do = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
     dq, dk, dv, dg, dbeta, d_initial = gated_delta_product_backward_op(
-        do, d_final, q, k, v, g, beta, initial_state, *ctx.options)
+        do, d_final, q, k, v, g, beta, initial_state, *ctx.options
+    )
     if initial_state is not None:
         d_initial = d_initial.to(initial_state.dtype)
     else:
@@ -82,10 +104,22 @@ def _backward(ctx, do, d_final):
 gated_delta_product_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def triton_gated_delta_product(q, k, v, g, beta, num_householder, scale, initial_state=None,
-                               output_final_state=False, chunk_size=CHUNK_SIZE, qk_l2norm=False):
+def triton_gated_delta_product(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    num_householder,
+    scale,
+    initial_state=None,
+    output_final_state=False,
+    chunk_size=CHUNK_SIZE,
+    qk_l2norm=False,
+):
     """Same arguments and results as chunk_gated_delta_product; chunk_size a power of two >= 16
     (tests lower it to keep the interpreter fast)."""
-    o, final = torch.ops.elr.gated_delta_product(q, k, v, g, beta, initial_state, num_householder,
-                                                 float(scale), chunk_size, qk_l2norm)
+    o, final = torch.ops.elr.gated_delta_product(
+        q, k, v, g, beta, initial_state, num_householder, float(scale), chunk_size, qk_l2norm
+    )
     return o, (final if output_final_state else None)
