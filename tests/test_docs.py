@@ -10,14 +10,16 @@ import io
 import re
 
 import pytest
+from trainer_utils import ROOT
 
 from elr.config import JobConfig
 from elr.config.reference import config_keys, key_docs, markdown_table
-from trainer_utils import ROOT
 
 
 def all_keys():
-    return {f"{s.name}.{f.name}" for s in dataclasses.fields(JobConfig) for f in dataclasses.fields(s.default_factory())}
+    return {
+        f"{s.name}.{f.name}" for s in dataclasses.fields(JobConfig) for f in dataclasses.fields(s.default_factory())
+    }
 
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "study" / "README.md"]
@@ -31,8 +33,9 @@ def test_the_readme_is_short_begins_with_the_two_commands_and_links_every_page()
     assert len(lines) <= 250, len(lines)
     top = "\n".join(lines[:30])
     setup = 'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev,hf]"'
-    assert f"{setup} && python train.py" in top and f'{setup} && python -m pytest -q -m "not slow" tests' in top
-    assert 'python -m pytest -q -m "not slow" tests' in (ROOT / ".ci" / "run").read_text()
+    tests = 'ruff check . && ruff format --check . && python -m pytest -q -m "not slow" tests'
+    assert f"{setup} && python train.py" in top and f"{setup} && {tests}" in top
+    assert tests in " ".join((ROOT / ".ci" / "run").read_text().split())  # the same command, line breaks aside
     linked = set(re.findall(r"\]\(docs/([\w/.-]+\.md)", readme))
     pages = {p.relative_to(ROOT / "docs").as_posix() for p in PAGES[1:]}
     assert pages <= linked, sorted(pages - linked)
@@ -80,7 +83,8 @@ def test_every_command_a_page_shows_names_a_script_and_flags_it_has(monkeypatch)
             continue
         for script, rest in re.findall(r"python (train\.py|scripts/\w+\.py)((?: +[^\s`|#&;]+)*)", page.read_text()):
             shown.setdefault(script, set()).update(  # --section.key overrides are the config's, checked above
-                flag for flag in re.findall(r"(?<![\w-])(--[a-z][\w.-]*)", rest) if "." not in flag)
+                flag for flag in re.findall(r"(?<![\w-])(--[a-z][\w.-]*)", rest) if "." not in flag
+            )
     assert "train.py" in shown and "scripts/rehearse.py" in shown
     unknown = []
     for script, flags in sorted(shown.items()):
@@ -96,7 +100,7 @@ def test_every_command_a_page_shows_names_a_script_and_flags_it_has(monkeypatch)
 
 def test_the_configuration_page_documents_every_config_key():
     page = CONFIGURATION.read_text()
-    reference = page[page.index("| key | default | meaning |"):]
+    reference = page[page.index("| key | default | meaning |") :]
     reference = reference.split("\n\n")[0]
     documented, section = set(), None
     for line in reference.splitlines():
@@ -115,7 +119,8 @@ def test_every_key_has_its_doc_line_and_the_configuration_page_holds_the_generat
         assert list(docs) == names, (s.name, names, list(docs))  # every field, in order, nothing else
         assert all(docs.values()), s.name
     assert markdown_table() in CONFIGURATION.read_text(), (
-        "docs/configuration.md's table is stale: paste `python -m elr.config.reference --markdown`")
+        "docs/configuration.md's table is stale: paste `python -m elr.config.reference --markdown`"
+    )
 
 
 def test_help_lists_every_key_with_type_default_and_doc():
