@@ -64,6 +64,7 @@ def test_tokenizer_sha256_is_a_hex_digest_or_empty():
         ('[elr]\nupdate = "gated"\n', [], "elr.update"),  # the recurrence's options check themselves
         ('[elr]\nrecurrent_input = "input"\n', [], "elr.recurrent_input"),
         ('[elr]\nstep_input = "both"\n', [], "elr.step_input"),
+        ('[model]\ngdp_impl = "cuda"\n', [], "model.gdp_impl"),  # a choice: checked with the config, not the model
         ("[elr]\nswitch_at = 0.5\n", [], "checkpoint.enable"),  # the switch goes through a checkpoint
         ('[elr]\nswitch_conditioning = "never"\n', [], "elr.switch_conditioning"),
         ("[elr]\nstop_at_switch = true\n", [], "elr.stop_at_switch"),  # no switch to stop at
@@ -119,7 +120,7 @@ def test_bad_input_names_the_key(tmp_path, toml, overrides, key):
     [
         ("[elr]\npartition = [2, 2, 2]\n", "elr.partition"),  # 6 != 8 layers of debug
         ('[model]\nflavor = "gpt5"\n', "model.flavor"),
-        ('[model]\ngdp_impl = "cuda"\n', "model.gdp_impl"),
+        ("[parallelism]\ntensor_parallel_degree = 8\n", "parallelism.tensor_parallel_degree"),  # debug: 4 heads
     ],
 )
 def test_bad_model_settings_name_the_key(tmp_path, toml, key):

@@ -173,6 +173,8 @@ def _is(value, want) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if want is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typing.get_origin(want) is typing.Literal:  # a choice option: one of its values
+        return value in typing.get_args(want)
     return isinstance(value, want)
 
 
