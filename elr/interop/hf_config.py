@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 
 from elr.config.recurrence import RecurrenceOptions
-from elr.errors import CheckpointError
+from elr.errors import CheckpointError, ConfigError
 from elr.models.args import ModelArgs
 
 CONFIG = "config.json"
@@ -131,7 +131,7 @@ def model_args(fields, where: str | Path = CONFIG) -> ModelArgs:
                 "recurrence": RecurrenceOptions(**fields["recurrence"]),
             }
         )
-    except ValueError as e:
+    except (ValueError, ConfigError) as e:  # ModelArgs refuses what the job config would (elr/models/args.py)
         raise CheckpointError(f"{where}: elr_model: {e}") from None
 
 

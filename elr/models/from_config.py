@@ -13,7 +13,7 @@ import dataclasses
 from elr.config import JobConfig
 from elr.config.keys import require
 from elr.config.recurrence import RecurrenceOptions
-from elr.models.args import ModelArgs, flavors
+from elr.models.args import ModelArgs, check_partition, flavors
 from elr.models.layers import check_tensor_parallel
 
 
@@ -36,14 +36,8 @@ def check_model_config(cfg: JobConfig) -> None:
             ep,
         )
     check_tensor_parallel(flavor, cfg.parallelism.tensor_parallel_degree)
-    n_layers = len(flavor.layer_pattern)
     if e.partition:
-        require(
-            sum(e.partition) == n_layers,
-            "elr.partition",
-            f"must add up to the {n_layers} layers of flavor {cfg.model.flavor}",
-            e.partition,
-        )
+        check_partition(e.partition, flavor.n_layers, f"flavor {cfg.model.flavor}")
 
 
 def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = True) -> ModelArgs:
