@@ -91,29 +91,16 @@ class RecurrenceOptions:
         return cls(**{name: getattr(section, name) for name in names()})
 
     def check(self) -> None:
-        """Reject options no recurrence can be built from; one ConfigError naming the key. The one check of
-        these options: the job's [elr] section runs it (`ELR.check`), and so does the recurrent block built from
-        ModelArgs directly (elr/models/recurrence.py)."""
-        check_fields(self, "elr")  # the choices of `update`, `recurrent_input`, `step_input`; finite numbers
-        require(1 <= self.max_loops <= MAX_LOOPS, "elr.max_loops", f"must lie in 1..{MAX_LOOPS}", self.max_loops)
-        require(
-            0 <= self.backprop_loops <= self.max_loops,
-            "elr.backprop_loops",
-            f"must lie in 0..max_loops = {self.max_loops} (0: every loop)",
-            self.backprop_loops,
-        )
+        """Reject options a run should not train with; one ConfigError naming the key. The job's [elr] section
+        runs it (`ELR.check`): what any recurrence needs (`check_buildable`), then the combinations that build
+        but train badly or leave an option without effect."""
+        self.check_buildable()
         require(
             not self.backprop_loops or self.recurrent_input != "state",
             "elr.backprop_loops",
             "needs elr.recurrent_input = state_plus_input or state_plus_adapted_input: with the state alone the "
             "detached state cuts the input block and embeddings off from every microbatch of k > backprop_loops",
             self.backprop_loops,
-        )
-        require(
-            self.initial_state_noise >= 0,
-            "elr.initial_state_noise",
-            "must be >= 0 (0: off)",
-            self.initial_state_noise,
         )
         loops_conditioned = self.conditioning_first_loop or self.conditioning_later_loops
         require(
@@ -128,6 +115,22 @@ class RecurrenceOptions:
             "elr.conditioning_exit",
             "needs elr.conditioning = true",
             self.conditioning_exit,
+        )
+
+    def check_buildable(self) -> None:
+        """What every recurrence needs to be built as asked: a choice among the known ones, a loop count in range.
+        ModelArgs run this on themselves (elr/models/args.py), so a model built without a job config (a test of
+        an option the config refuses) still gets these, from the same lines."""
+        check_fields(self, "elr")  # the choices of `update`, `recurrent_input`, `step_input`; finite numbers
+        require(1 <= self.max_loops <= MAX_LOOPS, "elr.max_loops", f"must lie in 1..{MAX_LOOPS}", self.max_loops)
+        require(
+            0 <= self.backprop_loops <= self.max_loops,
+            "elr.backprop_loops",
+            f"must lie in 0..max_loops = {self.max_loops} (0: every loop)",
+            self.backprop_loops,
+        )
+        require(
+            self.initial_state_noise >= 0, "elr.initial_state_noise", "must be >= 0 (0: off)", self.initial_state_noise
         )
 
     @property

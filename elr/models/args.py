@@ -52,10 +52,10 @@ class ModelArgs:
     cond_dim: int = 256  # width of the loop conditioning's embeddings
 
     def __post_init__(self):
-        """A model's shape guards itself with the job config's own checks, so one built without a config (a test,
-        an export's config.json) is refused with the line the config would give."""
+        """A model's shape guards itself with the job config's own checks of what can be built, so one built
+        without a config (a test, an export's config.json) is refused with the line the config would give."""
         check_partition(self.partition, self.n_layers)
-        self.recurrence.check()  # the options' one check (elr/config/recurrence.py)
+        self.recurrence.check_buildable()  # what the job config checks too (elr/config/recurrence.py)
 
     def with_recurrence(self, **options) -> ModelArgs:
         """These shapes with the given recurrence options changed (`args.with_recurrence(max_loops=3)`)."""

@@ -205,7 +205,7 @@ class RecurrentBlock(nn.Module):
     def __init__(self, args: ModelArgs, layers: list[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        o = args.recurrence  # checked as ModelArgs was built (RecurrenceOptions.check)
+        o = args.recurrence  # checked as ModelArgs were built (RecurrenceOptions.check_buildable)
         self.max_loops, self.update, self.recurrent_input = o.max_loops, o.update, o.recurrent_input
         self.step_size = AdaptiveStep(args.dim, args.norm_eps, o.step_input) if o.update == "adaptive_delta" else None
         self.conditioning = (
