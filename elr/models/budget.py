@@ -36,7 +36,9 @@ def as_loop_budget(loops: int | Sequence[int] | torch.Tensor, rows: int, device=
 
 
 def budget_range(loops: LoopBudget) -> tuple[int, int]:
-    """(the fewest, the most) loops a row runs under `loops` (reads a per-row budget to the host)."""
+    """(the fewest, the most) loops a row runs under `loops` (a per-row budget is read to the host in one
+    transfer)."""
     if torch.is_tensor(loops):
-        return int(loops.min()), int(loops.max())
+        least, most = torch.stack(torch.aminmax(loops)).tolist()
+        return least, most
     return loops, loops
