@@ -37,8 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     rank = int(os.environ.get("RANK", 0))
+    level = os.environ.get("ELR_LOG_LEVEL", "").upper()  # DEBUG adds e.g. the resolved tensor-parallel plan
+    if level not in ("", "DEBUG", "INFO", "WARNING", "ERROR"):
+        print(f"error: ELR_LOG_LEVEL={level.lower()}: use debug, info, warning or error", file=sys.stderr)
+        return 2
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=level or (logging.INFO if rank == 0 else logging.WARNING),
         format=f"%(asctime)s [rank {rank}] %(message)s" if "WORLD_SIZE" in os.environ else "%(asctime)s %(message)s",
         datefmt="%H:%M:%S",
     )

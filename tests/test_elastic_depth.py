@@ -36,6 +36,25 @@ def test_mixed_budgets_full_forward_equal_each_row_alone(overrides):
 
 
 @torch.no_grad()
+def test_a_loop_budget_is_one_int_or_one_count_per_row():
+    """What `loops` may be (elr/models/budget.py): an int (numpy's too) is the plain forward; a list of
+    counts is the LongTensor [B] it stands for; anything else is refused in one line."""
+    model = small_model()
+    tokens = torch.tensor([[5, 9, 2, 33], [8, 8, 60, 2], [19, 3, 27, 50]])
+    assert torch.equal(model(tokens, np.int64(2)), model(tokens, 2))
+    assert torch.equal(model(tokens, [1, 3, 2]), model(tokens, torch.tensor([1, 3, 2])))
+    assert torch.equal(model(tokens, torch.tensor([1, 3, 2], dtype=torch.int32)), model(tokens, [1, 3, 2]))
+    with pytest.raises(ValueError, match="2 loop counts for a batch of 3"):
+        model(tokens, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"\(3, 1\) loop counts for a batch of 3"):
+        model(tokens, torch.tensor([[1], [2], [3]]))
+    with pytest.raises(ValueError, match="whole loop counts, not torch.float32"):
+        model(tokens, torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(TypeError):
+        model(tokens, 2.0)
+
+
+@torch.no_grad()
 def decode_with_budgets(model, rows, prompt_lens, budgets, mode):
     """incremental_logits with one loop count per row."""
     n_decode = len(rows[0]) - prompt_lens[0]
@@ -72,7 +91,7 @@ def test_generate_takes_a_budget_per_prompt(mode):
     for prompt, k, out in zip(prompts, budgets, batch):
         assert out == generate(model, [prompt], k, max_new_tokens=8, eot_id=63, kv_mode=mode)[0]
     assert len({tuple(o) for o in generate(model, prompts[:1] * 3, budgets, 8, 63, mode)}) > 1  # k changes the text
-    with pytest.raises(ValueError, match="2 loop counts for 3 prompts"):
+    with pytest.raises(ValueError, match="2 loop counts for a batch of 3"):
         generate(model, prompts, [1, 2], max_new_tokens=2, eot_id=63)
     with pytest.raises(ValueError, match="outside 1..3"):
         generate(model, prompts, [1, 2, 4], max_new_tokens=2, eot_id=63)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from elr.infer.evaluate import load_task, mc_requests, parse_item, score_multipl
 from elr.infer.generate import Sampling, generate, left_pad, sample
 from elr.infer.memory import inference_state_bytes
 from elr.models import ELRModel, flavors
+from elr.models.cache import Cache
+from elr.models.early_exit import ExitRule
 from elr.text.tokenizer import build_tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "elr8k.tiktoken"
@@ -71,6 +74,49 @@ def test_per_loop_decoding_equals_full_forward(loops, overrides):
         for row, logits in zip(rows, got):
             want = model(torch.tensor([row]), loops)[0]
             torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+class OnlyTheProtocol:
+    """An InferenceCache seen through elr/models/cache.py's Cache: asked anything the Protocol does not
+    declare, it fails, naming it."""
+
+    MEMBERS = set(Cache.__annotations__) | {n for n, v in vars(Cache).items() if callable(v) and not n.startswith("_")}
+
+    def __init__(self, cache: InferenceCache):
+        self.cache = cache
+
+    def __getattr__(self, name):
+        if name not in self.MEMBERS:
+            raise AttributeError(f"the model asked a cache for {name!r}, which elr.models.cache.Cache does not declare")
+        return getattr(self.cache, name)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
+def test_the_model_asks_a_cache_only_what_the_cache_protocol_declares(mode):
+    """InferenceCache has every member of the models' Cache Protocol, each method with the Protocol's
+    parameters; and prefill plus decoding (one k, a budget per row, an exit rule) through a cache that
+    answers only the Protocol, its entries reading it too, gives the plain cache's logits bit for bit."""
+    model = small_model(conditioning_exit=True)
+    assert OnlyTheProtocol.MEMBERS >= {"begin", "entry", "set_rows", "advance", "rows", "valid", "attn_mask"}
+    for name in OnlyTheProtocol.MEMBERS:
+        if callable(getattr(Cache, name, None)):
+            got, want = inspect.signature(getattr(InferenceCache, name)), inspect.signature(getattr(Cache, name))
+            assert list(got.parameters) == list(want.parameters), name
+    rows, prompt_lens = ROWS_PROMPTS
+    prompts = torch.tensor([r[:5] for r in rows])
+    for loops, rule in [(3, None), (torch.tensor([3, 1, 2]), None), (3, ExitRule("state", 0.45))]:
+        logits = []
+        for narrow in (False, True):
+            cache = InferenceCache(model, 3, 8, 3, mode)
+            assert isinstance(cache, Cache)
+            seen = OnlyTheProtocol(cache) if narrow else cache
+            for entry in cache.entries.values():
+                entry.cache = seen
+            out = [model(prompts, loops if rule is None else 3, seen)]
+            out += [model(prompts[:, t : t + 1], loops, seen, exit_rule=rule) for t in range(3)]
+            logits.append(torch.cat(out, 1))
+        assert torch.equal(*logits)
 
 
 def test_last_loop_equals_per_loop_at_one_loop_and_keeps_one_loop_kv_memory():

@@ -3,7 +3,8 @@
 The model runs its usual forward code; `ELRModel.forward(tokens, loops, cache)` asks this cache for
 each row's positions, and every layer that keeps state asks it for its entry at loop i: the object its
 kind registers (`LayerKind.inference_state`, elr/models/layers.py: keys and values for attention, the
-recurrent and short-conv state for GDP). Two modes:
+recurrent and short-conv state for GDP). What the model may ask is the Protocol `Cache` in
+elr/models/cache.py, which `InferenceCache` implements. Three modes:
 
 - `per_loop`: every (recurrent layer, loop) pair keeps its own entry, so a decoded token sees
   exactly what the full-sequence forward would show it. The exact reference.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from elr.models.budget import LoopBudget, as_loop_budget, budget_range
 from elr.models.layers import LAYER_KINDS
 
 # mode -> the kinds of state (InferenceState.name) a recurrent layer keeps once per loop (None: all)
@@ -50,11 +52,13 @@ def keeps_per_loop(mode: str, state_name: str) -> bool:
 
 
 class InferenceCache:
-    """Everything one batch of requests keeps between forward calls, for one loop count k.
+    """Everything one batch of requests keeps between forward calls, for one loop count k. It implements
+    the model's cache interface (elr/models/cache.py's Cache Protocol; tests/test_infer.py checks it),
+    and adds the rewinds of self-speculative decoding and the rows a server moves (below).
 
     pad: [B] left-padding columns per row (None: no padding); capacity: the most tokens a row will
-    hold (prompt columns plus generated tokens); loops: k, or the most any forward will run (per-row
-    budgets); dtype: KV and state storage (default: the model's).
+    hold (prompt columns plus generated tokens); max_loops: k, or the most any forward through it will
+    run (per-row budgets, exits, drafts); dtype: KV and state storage (default: the model's).
     """
 
     def __init__(
@@ -62,7 +66,7 @@ class InferenceCache:
         model,
         batch: int,
         capacity: int,
-        loops: int,
+        max_loops: int,
         mode: str = "per_loop",
         pad: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
@@ -75,7 +79,7 @@ class InferenceCache:
             )
         weight = model.output.weight
         dtype, device = dtype or weight.dtype, weight.device
-        self.batch, self.capacity, self.loops, self.mode = batch, capacity, loops, mode
+        self.batch, self.capacity, self.max_loops, self.mode = batch, capacity, max_loops, mode
         self.pad = torch.zeros(batch, dtype=torch.long, device=device) if pad is None else pad.to(device)
         self.length = 0  # columns already cached
         self.chunk = 0  # columns in the forward now running
@@ -87,7 +91,7 @@ class InferenceCache:
             state = LAYER_KINDS[layer.kind].inference_state
             if state is None:
                 continue
-            copies = loops if layer in recurrent and keeps_per_loop(mode, state.name) else 1
+            copies = max_loops if layer in recurrent and keeps_per_loop(mode, state.name) else 1
             for loop in range(1, copies + 1):
                 self.entries[layer, loop] = state.new(layer.sublayer, self, dtype, device)
 
@@ -98,14 +102,12 @@ class InferenceCache:
             return None
         return self.entries[layer, loop if (layer, loop) in self.entries else 1]
 
-    def begin(self, chunk: int, loops) -> torch.Tensor:
+    def begin(self, chunk: int, loops: LoopBudget) -> torch.Tensor:
         """Start a forward over `chunk` new columns at `loops` (k or per-row budgets [B]); returns each
         row's positions [B, chunk]."""
-        most = int(loops.max()) if torch.is_tensor(loops) else loops
-        if most > self.loops:
-            raise ValueError(f"this cache was built for at most k={self.loops}, not k={most}")
-        if torch.is_tensor(loops) and loops.shape != (self.batch,):
-            raise ValueError(f"per-row loop counts need shape ({self.batch},), not {tuple(loops.shape)}")
+        most = budget_range(as_loop_budget(loops, self.batch))[1]
+        if most > self.max_loops:
+            raise ValueError(f"this cache was built for at most k={self.max_loops}, not k={most}")
         if self.length + chunk > self.capacity:
             raise ValueError(f"{self.length + chunk} columns exceed the cache capacity {self.capacity}")
         device = self.pad.device
@@ -132,7 +134,7 @@ class InferenceCache:
         its columns from the loop before, so they hold its own last loop's keys and values, what later
         tokens running those loops then read (GDP states at those loops are left as they were: the
         token is skipped there)."""
-        short = self.row_loops < self.loops
+        short = self.row_loops < self.max_loops
         if not bool(short.any()):
             return
         columns = slice(self.length, self.length + self.chunk)
@@ -179,7 +181,8 @@ class InferenceCache:
         the same model, mode and loop count) into row `row`, right-aligned to end at this cache's
         current column: its positions, keys, values and states are then what they were in `source`,
         and it decodes here as it would have there."""
-        if (source.loops, source.mode) != (self.loops, self.mode) or source.entries.keys() != self.entries.keys():
+        same = (source.max_loops, source.mode) == (self.max_loops, self.mode)
+        if not same or source.entries.keys() != self.entries.keys():
             raise ValueError("a row moves only between caches of one model, KV mode and loop count")
         n = source.length - int(source.pad[source_row])
         if n > self.length:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from elr.infer.cache import InferenceCache
+from elr.models.budget import LoopBudget, as_loop_budget, budget_range
 from elr.models.early_exit import ExitRule
 
 
@@ -98,20 +99,11 @@ class AdaptiveDepth:
         return self.loops / self.tokens if self.tokens else float("nan")
 
 
-def row_budgets(loops: int | list[int], batch: int, device) -> int | torch.Tensor:
-    """k for every row (an int), or one k per prompt (a list) as the model's per-row LongTensor [B]."""
-    if isinstance(loops, int):
-        return loops
-    if len(loops) != batch:
-        raise ValueError(f"{len(loops)} loop counts for {batch} prompts; give one per prompt or one for all")
-    return torch.tensor(loops, dtype=torch.long, device=device)
-
-
 @torch.no_grad()
 def generate(
     model,
     prompts: list[list[int]],
-    loops: int | list[int],
+    loops: LoopBudget | list[int],
     max_new_tokens: int,
     eot_id: int,
     kv_mode: str = "per_loop",
@@ -123,8 +115,8 @@ def generate(
     all_done: Callable[[bool], bool] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
-    (without the end-of-text token). `loops`: k for all, or one k per prompt (mixed budgets in one
-    batch, each row decoded as it would be alone). `stop`, given the new tokens so far, says which
+    (without the end-of-text token). `loops`: k for all, or one k per prompt, a list or a LongTensor
+    (mixed budgets in one batch, each row decoded as it would be alone). `stop`, given the new tokens so far, says which
     rows are done (e.g. a stop string was generated); their tokens so far are kept. `adaptive`: the
     prompt is read at k = loops, every new token decides its own depth by the exit rule, capped at k
     (it counts the loops of the tokens kept). `uniforms(t)`: the rows' draws for new token t (see `sample`).
@@ -134,9 +126,8 @@ def generate(
         raise ValueError("adaptive depth caps every row at one k: give one loop count")
     device = model.output.weight.device
     tokens, pad = left_pad(prompts, eot_id, device)
-    loops = row_budgets(loops, len(prompts), device)
-    most = int(loops.max()) if torch.is_tensor(loops) else loops
-    cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, most, kv_mode, pad)
+    loops = as_loop_budget(loops, len(prompts), device)
+    cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, budget_range(loops)[1], kv_mode, pad)
     logits = model(tokens, loops, cache)[:, -1]
     out = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)

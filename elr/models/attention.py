@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
+from elr.models.cache import Cache
 from elr.models.kinds import Rows, TensorSplit
 
 
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         nn.init.trunc_normal_(self.wo.weight, std=out_std)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
-        """`cache` (inference only, elr/infer/cache.py) stores this chunk's keys and values and
+        """`cache` (inference only: this layer's AttentionKV entry, below) stores this chunk's keys and values and
         hands back every cached one with the mask that hides padding and the future."""
         B, T, _ = x.shape  # heads counted from the projections: under TP each rank has its own share
         q = apply_partial_rope(self.wq(x).view(B, T, -1, self.head_dim), rope).transpose(1, 2)
@@ -96,10 +97,10 @@ def attention_split(a: ModelArgs, tp: int) -> TensorSplit:
 
 
 class AttentionKV:
-    """One attention layer's inference cache entry (at one loop, elr/infer/cache.py): preallocated keys
+    """One attention layer's inference cache entry (at one loop of a Cache, elr/models/cache.py): preallocated keys
     and values [B, n_kv_heads, capacity, head_dim], following the columns and mask of `cache`."""
 
-    def __init__(self, attention: Attention, cache, dtype, device):
+    def __init__(self, attention: Attention, cache: Cache, dtype, device):
         self.cache = cache
         shape = (cache.batch, attention.n_kv_heads, cache.capacity, attention.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elr.models.args import ModelArgs
+from elr.models.cache import Cache
 from elr.models.kinds import TensorSplit, WeightLayout
 from elr_kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
@@ -87,7 +88,7 @@ class GatedDeltaProduct(nn.Module):
         self.o_norm.reset_parameters()
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        """`cache` (inference only, elr/infer/cache.py) carries the recurrent and short-conv state
+        """`cache` (inference only: this layer's GDPState entry, below) carries the recurrent and short-conv state
         from the previous chunk in and this chunk's out; padding positions leave both untouched."""
         B, T, _ = x.shape
         D, n_h = self.head_dim, self.n_householder
@@ -152,10 +153,10 @@ def gdp_split(a: ModelArgs, tp: int) -> TensorSplit:
 
 
 class GDPState:
-    """One GDP layer's inference cache entry (at one loop, elr/infer/cache.py): the recurrent state
+    """One GDP layer's inference cache entry (at one loop of a Cache, elr/models/cache.py): the recurrent state
     [B, H, K, V] and the short convolutions' input tails."""
 
-    def __init__(self, mixer: GatedDeltaProduct, cache, dtype, device):
+    def __init__(self, mixer: GatedDeltaProduct, cache: Cache, dtype, device):
         self.cache = cache
         B, H, D = cache.batch, mixer.n_heads, mixer.head_dim
         self.state = torch.zeros(B, H, D, D, dtype=dtype, device=device)

@@ -58,7 +58,8 @@ class TensorSplit:
 class InferenceState:
     """What a layer of the kind keeps between decoding calls (elr/infer/cache.py, elr/infer/memory.py).
 
-    new(sublayer, cache, dtype, device): one entry, the object the sublayer's forward takes as `cache`
+    new(sublayer, cache, dtype, device): one entry of `cache` (elr/models/cache.py's Cache, whose
+    geometry, masks and `rows` the entry reads), the object the sublayer's forward takes as `cache`
     (it has `tensors()` and `commit()`, called when the forward ends). bytes(args, context_len,
     element_size): one entry's bytes for one request, the formula the measured entries must match.
     """

@@ -11,6 +11,9 @@ from torch import nn
 
 from elr.models.args import ModelArgs
 from elr.models.attention import rope_table
+from elr.models.budget import LoopBudget, as_loop_budget
+from elr.models.cache import Cache
+from elr.models.early_exit import ExitRule
 from elr.models.ffn import MoE
 from elr.models.gdp import ShortConv
 from elr.models.layers import LAYER_KINDS, Layer
@@ -77,62 +80,74 @@ class ELRModel(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        loops: int | torch.Tensor = 1,
-        cache=None,
+        loops: LoopBudget = 1,
+        cache: Cache | None = None,
         head: bool = True,
         every_loop: bool = False,
-        exit_rule=None,
+        exit_rule: ExitRule | None = None,
     ) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times: an int,
-        or a LongTensor [B] of per-row budgets (each row gets what it gets alone, RecurrentBlock).
+        or a LongTensor [B] of per-row budgets (elr/models/budget.py; each row gets what it gets alone).
 
         head=False returns the normed final hidden state [B, T, dim] instead, for a loss that applies
         `self.output` itself a chunk of tokens at a time (elr/train/loss.py). every_loop=True (training,
         a prefix-consistent block) runs the output block on the state after each loop i = 1..k, one
         batch of k x B rows: [k, B, T, ...], the model at every budget up to k in one forward.
 
-        With `cache` (inference, elr/infer/cache.py) `tokens` continue the cached sequences: each
-        row's positions come from the cache, and the cache keeps this chunk's keys, values and states.
-        Under context parallelism (`context_parallel`) `tokens` are this rank's slice of each sequence.
+        With `cache` (inference; the interface is elr/models/cache.py's Cache, elr/infer/cache.py builds
+        one) `tokens` continue the cached sequences: each row's positions come from the cache, and the
+        cache keeps this chunk's keys, values and states. Under context parallelism
+        (`context_parallel`) `tokens` are this rank's slice of each sequence.
 
         `exit_rule` (inference; elr/models/early_exit.py): adaptive depth, `loops` its cap; the loops
         each token ran are then `loops_used()`.
         """
-        if torch.is_tensor(loops) and loops.shape != tokens.shape[:1]:
-            raise ValueError(f"per-row loop counts need shape ({tokens.shape[0]},), not {tuple(loops.shape)}")
-        if cache is None:
-            T, start = tokens.shape[1], 0
-            if self.context_parallel is not None:
-                start, T = self.context_parallel.positions(T)
-            if T > self.args.max_seq_len:
-                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.args.max_seq_len}")
-            rope = self.rope[:, start : start + tokens.shape[1]]
-        elif self.context_parallel is not None:
-            raise ValueError("inference caches do not run under context parallelism; generate without a CP group")
-        else:
-            rope = self.rope[:, cache.begin(tokens.shape[1], loops)]  # [2, B, T, rope_dim // 2]
+        loops = as_loop_budget(loops, tokens.shape[0], tokens.device)
+        rope = self.positions(tokens, loops, cache)
         for moe in self.moe_layers():
             moe.aux_loss = None
-        entry = (lambda layer: cache.entry(layer, 1)) if cache is not None else (lambda layer: None)
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
-            h = layer(h, rope, cache=entry(layer))
-
-        def readout(h, exit_films, head=True):  # the output block, norm and head (the KL exit rule reads every loop)
-            for layer, film in zip(self.output_layers, exit_films or [None] * len(self.output_layers)):
-                h = layer(h, rope, film=film, cache=entry(layer))
-            h = self.norm(h)
-            return self.output(h) if head else h
-
+            h = layer(h, rope, cache=cache.entry(layer, 1) if cache is not None else None)
         h, exit_films = self.recurrent(
-            h, rope, loops, cache, every_loop=every_loop, exit_rule=exit_rule, readout=readout
+            h, rope, loops, cache, every_loop=every_loop, exit_rule=exit_rule, readout=self.readout
         )
         if every_loop:
             h = torch.cat(h)
-        h = readout(h, exit_films, head)
+        h = self.readout(h, rope, cache, exit_films, head)
         if cache is not None:
             cache.advance()
         return h.unflatten(0, (loops, tokens.shape[0])) if every_loop else h
+
+    def positions(self, tokens: torch.Tensor, loops: LoopBudget, cache: Cache | None) -> torch.Tensor:
+        """The RoPE table at the tokens' positions: [2, T, rope_dim // 2] from 0 (or from this rank's
+        slice under context parallelism), or [2, B, T, rope_dim // 2] continuing each cached row."""
+        if cache is not None:
+            if self.context_parallel is not None:
+                raise ValueError("inference caches do not run under context parallelism; generate without a CP group")
+            return self.rope[:, cache.begin(tokens.shape[1], loops)]
+        T, start = tokens.shape[1], 0
+        if self.context_parallel is not None:
+            start, T = self.context_parallel.positions(T)
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.args.max_seq_len}")
+        return self.rope[:, start : start + tokens.shape[1]]
+
+    def readout(
+        self,
+        h: torch.Tensor,
+        rope: torch.Tensor,
+        cache: Cache | None = None,
+        exit_films: list | None = None,
+        head: bool = True,
+    ) -> torch.Tensor:
+        """The output block, norm and head on a recurrent state (with the exit FiLM of its budget, where
+        the model has exit heads): logits, or with head=False the normed hidden state. Exit rules that
+        compare loops read every loop's state through it (RecurrentBlock.elastic_forward)."""
+        for layer, film in zip(self.output_layers, exit_films or [None] * len(self.output_layers)):
+            h = layer(h, rope, film=film, cache=cache.entry(layer, 1) if cache is not None else None)
+        h = self.norm(h)
+        return self.output(h) if head else h
 
     def loops_used(self) -> torch.Tensor | None:
         """[B, T]: the loops each token ran in the last forward with an exit rule (None otherwise)."""

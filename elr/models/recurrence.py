@@ -26,6 +26,12 @@ changes only the initial weights (elr/models/model.py). `identity_loops` makes e
 identity at init (zero gates, conditioning offsets from index 1 that start at zero), so a model grown from a
 one-loop phase at a late switch computes at every k what it computed at k = 1.
 
+The training forward (`RecurrentBlock.forward`) runs the loop above and nothing else. Elastic depth,
+the inference concerns (a budget per row, a cache, an exit rule: `RecurrentBlock.elastic_forward`),
+wraps the same loop body, `step`, from outside, holding in place the rows or tokens that stop early.
+What every loop of a forward reads besides the state (h_in, W h_in, RoPE, MoE routes, the budget, the
+cache) is one `LoopContext`, built once per forward.
+
 The block and its loop are one module, so FSDP can make it one unit that is called exactly once
 per microbatch whatever k is (a unit called a different number of times on different ranks
 desynchronises the collectives). At initialisation every ELR-specific path is an identity: the
@@ -35,13 +41,18 @@ adaptive step is exactly 1 and the FiLM heads are exactly zero, so k=1 equals th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from elr.config.recurrence import RecurrenceOptions
 from elr.models.args import ModelArgs
-from elr.models.elastic import elastic_forward
+from elr.models.budget import LoopBudget, budget_range
+from elr.models.cache import Cache
+from elr.models.early_exit import ExitRule
 from elr.models.ffn import Route
 
 # The option strings of `update`, `recurrent_input` and `step_input` are the `Literal`s of their fields,
@@ -198,6 +209,25 @@ class LoopConditioning(nn.Module):
         return [tuple(t[:, None] for t in film) for film in films] if per_row and c.ndim == 2 else films
 
 
+@dataclass(frozen=True)
+class LoopContext:
+    """What every loop of one forward reads besides the state, built once per forward
+    (RecurrentBlock.loop_context) and handed to each `step`."""
+
+    h_in: torch.Tensor  # the input block's output: s_0 (before any noise) and the re-injected input
+    injected: torch.Tensor | None  # W h_in (state_plus_adapted_input), computed once
+    rope: torch.Tensor
+    routes: list[Route | None]  # per layer: the MoE routes loop 1 records and later loops replay (route_replay)
+    loops: LoopBudget  # k, or one k per row: what the conditioning reads
+    most: int  # the loops this forward runs (the largest budget)
+    cache: Cache | None = None  # inference: each layer's entry at loop i
+
+
+# The output block, norm and head on a state: readout(s, rope, cache, exit_films) -> logits
+# (ELRModel.readout). Exit rules that compare loops' next-token distributions read every loop through it.
+Readout = Callable[[torch.Tensor, torch.Tensor, Cache | None, list | None], torch.Tensor]
+
+
 class RecurrentBlock(nn.Module):
     """The recurrent layers and their k-loop. With max_loops = 1, update = replace and no
     conditioning (ModelArgs' defaults) it is the middle of the non-recurrent baseline."""
@@ -253,41 +283,108 @@ class RecurrentBlock(nn.Module):
         self,
         h_in: torch.Tensor,
         rope: torch.Tensor,
-        loops,
-        cache=None,
+        loops: LoopBudget,
+        cache: Cache | None = None,
         every_loop: bool = False,
-        exit_rule=None,
-        readout=None,
+        exit_rule: ExitRule | None = None,
+        readout: Readout | None = None,
     ) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
         """s_0 = h_in; s_i = update(s_{i-1}, L(cond(s~_{i-1}, i, k))) for i = 1..k. Returns (s_k, the
         output block's FiLM for budget k or None without exit heads); with `every_loop`, ([s_1, ..., s_k],
         each exit's FiLM) (needs a prefix-consistent block).
 
         A budget per row (`loops` a LongTensor [B]), a cache, or an exit rule is elastic depth
-        (elr/models/elastic.py): the same loop body, with rows that stop early held in place."""
+        (`elastic_forward`): the same loop body, with rows that stop early held in place."""
         if torch.is_tensor(loops) or cache is not None or exit_rule is not None:
-            return elastic_forward(self, h_in, rope, loops, cache, every_loop, exit_rule, readout)
+            return self.elastic_forward(h_in, rope, loops, cache, every_loop, exit_rule, readout)
         self.check_loops(loops, loops, every_loop, per_row=False)
         self._recorded, self.loops_used = [], None
-        routes = self.new_routes()
+        ctx = self.loop_context(h_in, rope, loops, loops)
         s, states = self.initial_state(h_in, loops), []
-        injected = self.input_adapter(h_in) if self.input_adapter is not None else None
         for i in range(1, loops + 1):
-            s = self.step(s, i, loops, loops, h_in, injected, rope, routes)
+            s = self.step(s, i, ctx)
             states.append(s)
         return (states if every_loop else s), self.exit_films(loops, h_in.shape[0] if every_loop else 0)
 
-    def step(self, s, i: int, loops, most: int, h_in, injected, rope, routes, cache=None, running=None):
-        """Loop i of a `most`-loop forward for budget(s) `loops`: s~ = the loop's input from s, r = the
-        layers on s~ conditioned on (i, k), s_i = the update of s by r with the learned step. `running`
-        (elastic depth): the rows or tokens still looping; the others keep their state."""
+    def elastic_forward(
+        self,
+        h_in: torch.Tensor,
+        rope: torch.Tensor,
+        loops: LoopBudget,
+        cache: Cache | None = None,
+        every_loop: bool = False,
+        exit_rule: ExitRule | None = None,
+        readout: Readout | None = None,
+    ) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
+        """Elastic depth: the loop with rows or tokens that stop early, `forward`'s result for three uses
+        (never the plain training forward), each wrapping the same `step`:
+        - a budget per row (`loops` a LongTensor [B], mixed budgets in one batch): the forward runs the
+          largest; a row whose budget is spent passes the later loops unchanged (its state kept, the cache
+          told not to store its results), so it gets exactly what it gets alone, FiLM and exit FiLM of its
+          own budget included;
+        - a cache (inference): each layer gets its cache entry for loop i (keys and values, or a state);
+        - an exit rule (adaptive depth, elr/models/early_exit.py; `loops` is then the cap): each token stops
+          after the loop the rule lets it go and passes the later loops unchanged in the same way; rules
+          that compare logits read each loop's state through `readout` (the model's output block and
+          head, ELRModel.readout). The loops each token ran are left in `loops_used` [B, T]. Through a
+          cache it runs one token at a time."""
+        least, most = budget_range(loops)
+        per_row = torch.is_tensor(loops)
+        self.check_loops(least, most, every_loop, per_row=per_row)
+        exited = logp = self.loops_used = None
+        if exit_rule is not None:
+            if per_row or every_loop or (cache is not None and h_in.shape[1] != 1):
+                raise ValueError(
+                    "an exit rule takes one loop count (its cap), and decodes one token at a time "
+                    "through a cache (prefill at a fixed k)"
+                )
+            exited = torch.zeros(h_in.shape[:2], dtype=torch.bool, device=h_in.device)
+            self.loops_used = torch.full_like(exited, most, dtype=torch.long)
+        self._recorded = []
+        ctx = self.loop_context(h_in, rope, loops, most, cache)
+        s, states = self.initial_state(h_in, most), []
+        for i in range(1, most + 1):
+            running = loops >= i if per_row and i > least else None  # rows still looping (None: all)
+            if exited is not None and i > 1:
+                running = ~exited  # tokens still looping
+            if cache is not None:
+                cache.set_rows(running if running is None or running.ndim == 1 else running[:, 0], loop=i)
+            kept = s  # a row or token that has stopped keeps its state as it left its last loop
+            s = self.step(s, i, ctx, running)
+            if exited is not None and i < most:
+                logp_next = None
+                if exit_rule.needs_logits:
+                    logp_next = readout(s, rope, cache, self.exit_films(i)).float().log_softmax(-1)
+                stop = exit_rule.exits(kept, s, logp, logp_next) & ~exited
+                self.loops_used.masked_fill_(stop, i)
+                exited, logp = exited | stop, logp_next
+            states.append(s)
+            if exited is not None and bool(exited.all()):
+                break
+        if cache is not None:
+            cache.set_rows(None)
+        budget = self.loops_used if exited is not None else loops
+        return (states if every_loop else s), self.exit_films(budget, h_in.shape[0] if every_loop else 0)
+
+    def loop_context(
+        self, h_in: torch.Tensor, rope: torch.Tensor, loops: LoopBudget, most: int, cache: Cache | None = None
+    ) -> LoopContext:
+        """What every loop of a forward that runs `most` loops at budget `loops` reads besides the state."""
+        injected = self.input_adapter(h_in) if self.input_adapter is not None else None
+        return LoopContext(h_in, injected, rope, self.new_routes(), loops, most, cache)
+
+    def step(self, s: torch.Tensor, i: int, ctx: LoopContext, running: torch.Tensor | None = None) -> torch.Tensor:
+        """Loop i: s~ = the loop's input from s, r = the layers on s~ conditioned on (i, k), s_i = the
+        update of s by r with the learned step. `running` (elastic depth): the rows or tokens still
+        looping; the others keep their state."""
         kept = s
-        s = self._between_loops(s, i, most)
-        s_in = self._loop_input(s, h_in, injected, i)
-        films = self.conditioning(i, loops) if self.conditioning is not None else [None] * len(self.layers)
+        s = self._between_loops(s, i, ctx.most)
+        s_in = self._loop_input(s, ctx, i)
+        films = self.conditioning(i, ctx.loops) if self.conditioning is not None else [None] * len(self.layers)
         r = s_in
-        for layer, film, route in zip(self.layers, films, routes):
-            r = layer(r, rope, film=film, route=route, cache=cache.entry(layer, i) if cache is not None else None)
+        for layer, film, route in zip(self.layers, films, ctx.routes):
+            entry = ctx.cache.entry(layer, i) if ctx.cache is not None else None
+            r = layer(r, ctx.rope, film=film, route=route, cache=entry)
         a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
         s_next = self._update(s, r, a)
         if self.loop_gates is not None and i > 1:
@@ -343,13 +440,13 @@ class RecurrentBlock(nn.Module):
             s = s.detach()
         return self.state_norm(s) if self.state_norm is not None else s
 
-    def _loop_input(self, s, h_in, injected, i) -> torch.Tensor:
+    def _loop_input(self, s: torch.Tensor, ctx: LoopContext, i: int) -> torch.Tensor:
         """s~_i, what loop i's layers read: the state, plus h_in from loop 2 on (state_plus_input) or
-        plus W h_in on every loop (state_plus_adapted_input; `injected` = W h_in, computed once)."""
-        if injected is not None:
-            return s + injected
+        plus W h_in on every loop (state_plus_adapted_input; `ctx.injected` = W h_in, computed once)."""
+        if ctx.injected is not None:
+            return s + ctx.injected
         if self.recurrent_input == "state_plus_input" and i > 1:
-            return s + h_in
+            return s + ctx.h_in
         return s
 
     def _update(self, s, r, a):

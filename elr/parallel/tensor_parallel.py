@@ -31,6 +31,7 @@ tokens get partial gradients; `reduce_partial_grads` (or FSDP) sums them over th
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import torch
@@ -49,6 +50,10 @@ from torch.distributed.tensor.parallel import (
 from elr.models.kinds import Rows, TensorSplit
 from elr.models.layers import LAYER_KINDS, check_tensor_parallel
 from elr.models.model import ELRModel
+
+logger = logging.getLogger("elr")
+# The recurrent block's token-wise modules (each optional): replicated, run on the rank's sequence slice.
+RECURRENT_TOKEN_WISE = ("step_size", "conditioning", "input_adapter", "state_norm", "loop_gates")
 
 
 def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -138,36 +143,74 @@ def sublayer_plan(split: TensorSplit, experts_elsewhere: bool = False) -> dict[s
     raise ValueError(f"unknown tensor split {split.how!r}; use heads, hidden or tokens")
 
 
-def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: bool = False) -> None:
-    """Split every layer over the TP mesh (in place, on the meta device or not). experts_elsewhere:
-    expert parallelism places the MoE expert stacks on its own mesh; TP leaves them plain."""
-    args, tp = model.args, mesh.size()
+def tensor_parallel_plan(model: ELRModel, tp: int, experts_elsewhere: bool = False) -> dict[str, dict]:
+    """The whole plan, resolved from the layer kinds' registry: {scope: {module: style}}, with scopes
+    "model" (embedding, final norm, head), "layer <kind>" (one per kind in the pattern: every layer of a
+    kind gets the same plan) and "recurrent" (the block's token-wise modules). Checked first: one line
+    naming the key if TP cannot split the model evenly."""
+    args = model.args
     check_tensor_parallel(args, tp)  # the config's check (elr/models/from_config.py), on the model it splits
-    parallelize_module(
-        model,
-        mesh,
-        {
+    plan = {
+        "model": {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(use_local_output=True),
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
+        }
+    }
+    for layer in model.layers():
+        if f"layer {layer.kind}" not in plan:
+            split = LAYER_KINDS[layer.kind].tensor_split(args, tp)
+            styles = {"norm": SequenceParallel(use_local_output=True)}
+            for name, style in sublayer_plan(split, experts_elsewhere).items():
+                styles[f"sublayer.{name}" if name else "sublayer"] = style
+            plan[f"layer {layer.kind}"] = styles
+    recurrent = {name: LocalCompute(gather=False) for name in RECURRENT_TOKEN_WISE if getattr(model.recurrent, name)}
+    if recurrent:
+        plan["recurrent"] = recurrent
+    return plan
+
+
+def describe_style(style: ParallelStyle) -> str:
+    """One line for a style: its class and the layouts or placements that make it what it is."""
+    if isinstance(style, LocalCompute):
+        placed = ", ".join(f"{name} {placement}" for name, placement in sorted(style.placements.items()))
+        parts = ["gathers the sequence" if style.gather else "on the local slice"]
+        parts += [placed] if placed else []
+        parts += [f"leaves {', '.join(sorted(style.leave))}"] if style.leave else []
+        return f"LocalCompute({'; '.join(parts)})"
+    layouts = []
+    for attr in ("input_layouts", "output_layouts", "desired_input_layouts", "sequence_sharding"):
+        value = getattr(style, attr, None)
+        if value is not None:
+            layouts.append(f"{attr}={value}")
+    if getattr(style, "use_local_output", None) is False:
+        layouts.append("use_local_output=False")
+    return f"{type(style).__name__}({', '.join(layouts)})"
+
+
+def describe_plan(plan: dict[str, dict]) -> list[str]:
+    """The plan as lines `scope  module: style`, in a stable order (printed at debug level, pinned by
+    tests/test_parallel_plan.py)."""
+    return [
+        f"{scope:<10} {name}: {describe_style(style)}"
+        for scope, styles in plan.items()
+        for name, style in styles.items()
+    ]
+
+
+def apply_tensor_parallel(model: ELRModel, mesh: DeviceMesh, experts_elsewhere: bool = False) -> None:
+    """Split every layer over the TP mesh (in place, on the meta device or not). experts_elsewhere:
+    expert parallelism places the MoE expert stacks on its own mesh; TP leaves them plain."""
+    plan = tensor_parallel_plan(model, mesh.size(), experts_elsewhere)
+    logger.debug("tensor-parallel plan (tp = %d):\n  %s", mesh.size(), "\n  ".join(describe_plan(plan)))
+    parallelize_module(model, mesh, plan["model"])
     # The embedding's reduce-scatter hands back an AsyncCollectiveTensor; a compiled first layer takes
     # it as a plain input and its backward is lost (measured), so materialise it: one copy of a slice.
     model.tok_embeddings.register_forward_hook(lambda module, args, output: output.clone())
     for layer in model.layers():
-        split = LAYER_KINDS[layer.kind].tensor_split(args, tp)
-        plan = {"norm": SequenceParallel(use_local_output=True)}
-        plan.update(
-            {
-                f"sublayer.{name}" if name else "sublayer": style
-                for name, style in sublayer_plan(split, experts_elsewhere).items()
-            }
-        )
-        parallelize_module(layer, mesh, plan)
-    for name in ("step_size", "conditioning", "input_adapter", "state_norm", "loop_gates"):
-        if getattr(model.recurrent, name) is not None:
-            parallelize_module(model.recurrent, mesh, {name: LocalCompute(gather=False)})
+        parallelize_module(layer, mesh, plan[f"layer {layer.kind}"])
+    for name, style in plan.get("recurrent", {}).items():
+        parallelize_module(model.recurrent, mesh, {name: style})
 
 
 def reduce_partial_grads(model: nn.Module) -> None:

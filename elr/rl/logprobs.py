@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from elr.models.budget import LoopBudget
+
 
 def right_padded(rows: list[list[int]], pad_id: int, device) -> torch.Tensor:
     width = max(len(r) for r in rows)
@@ -41,7 +43,7 @@ def _head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 
 def token_logprobs(
-    model, tokens: torch.Tensor, loops, chunk_tokens: int = 0, every_loop: bool = False
+    model, tokens: torch.Tensor, loops: LoopBudget, chunk_tokens: int = 0, every_loop: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p of tokens[:, 1:] given what precedes each, the distribution's entropy there), both [B, T - 1];
     with every_loop [k, B, T - 1]: at the exit of each loop 1..k (the model at each budget up to k)."""

@@ -218,7 +218,7 @@ def chat_request(body: ChatBody, served: Served) -> Request:
 
 def sequence_loops(request: Request, sequence: Sequence) -> float | None:
     if sequence.fed:
-        return sequence.loops / sequence.fed
+        return sequence.loops_run / sequence.fed
     return float(request.loops) if request.loops != AUTO else None
 
 

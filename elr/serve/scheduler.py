@@ -263,7 +263,7 @@ class Engine:
         self.stats.max_rows = max(self.stats.max_rows, len(busy))
         self.stats.max_budgets = max(self.stats.max_budgets, len({int(loops[row]) for row, _ in busy}))
         for row, (request, sequence) in busy:
-            sequence.loops += int(loops[row])
+            sequence.loops_run += int(loops[row])
             sequence.fed += 1
             if not request.finished:
                 self._guarded(request, self._next_token, request, sequence, logits[row], pool)
@@ -304,7 +304,7 @@ class Engine:
             rows = [(request, i) for request in requests for i in range(len(request.prompts))]
             logits, cache = pool.prefill(
                 [request.prompts[i] for request, i in rows],
-                [request.loops if request.loops != AUTO else pool.loops for request, _ in rows],
+                [request.loops if request.loops != AUTO else pool.max_loops for request, _ in rows],
             )
         except Exception as e:
             if len(requests) > 1:  # find the one that fails: each alone
@@ -388,7 +388,7 @@ class Engine:
         if gained is None:  # it ended at an end-of-text
             self._add(request, sequence, [], None, ended=True, logprobs=[])
         else:
-            sequence.loops += request.loops * len(gained)
+            sequence.loops_run += request.loops * len(gained)
             sequence.fed += len(gained)
             self._add(request, sequence, gained, None, ended=False, logprobs=[])
         if request.finished:

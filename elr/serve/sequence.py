@@ -63,7 +63,7 @@ class Sequence:
     text: str = ""  # released to the client
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of its tokens, when the request asks
-    loops: int = 0  # loops run by the tokens it fed the model, summed (the mean k per token)
+    loops_run: int = 0  # loops run by the tokens it fed the model, summed (the mean k per token: / fed)
     fed: int = 0
     row: int | None = None  # its row in a slot pool while it decodes there
 
@@ -147,4 +147,4 @@ class Request:
     def mean_loops(self) -> float | None:
         """Loops per fed token over every choice (k for a fixed budget; the exit rule's mean for AUTO)."""
         fed = sum(seq.fed for seq in self.sequences)
-        return sum(seq.loops for seq in self.sequences) / fed if fed else None
+        return sum(seq.loops_run for seq in self.sequences) / fed if fed else None

@@ -4,7 +4,7 @@ Requests join and leave between steps (iteration-level batching, as Orca and vLL
 request's prompts are prefilled in a cache of their own, left-padded into one batch, and each choice's
 row is copied into a free slot (`InferenceCache.load_row`), ending at the column every row shares; a
 finished choice frees its slot. One forward per step decodes every slot: a budget pool passes each
-row's own k (rows of different k in one forward, elr/models/elastic.py), an adaptive pool the cap K
+row's own k (rows of different k in one forward, a per-row LoopBudget), an adaptive pool the cap K
 and its exit rule (which takes one loop count, so "auto" requests have a pool of their own). Free
 slots ride along as rows of padding: on a CPU a batch costs about what one row does; an engine for
 accelerators would pack the busy rows. When the shared column reaches the capacity, every row's
@@ -20,13 +20,15 @@ import torch
 
 from elr.infer.cache import InferenceCache
 from elr.infer.generate import left_pad
+from elr.models.budget import LoopBudget, as_loop_budget
 from elr.models.early_exit import ExitRule
 
 
 class SlotPool:
-    def __init__(self, model, rows: int, loops: int, kv_mode: str, exit_rule: ExitRule | None = None):
-        self.model, self.loops, self.kv_mode, self.exit_rule = model, loops, kv_mode, exit_rule
-        self.cache = InferenceCache(model, rows, model.args.max_seq_len, loops, kv_mode)
+    def __init__(self, model, rows: int, max_loops: int, kv_mode: str, exit_rule: ExitRule | None = None):
+        """`max_loops`: the cap K, the most loops any row runs (an adaptive pool runs every row at it)."""
+        self.model, self.max_loops, self.kv_mode, self.exit_rule = model, max_loops, kv_mode, exit_rule
+        self.cache = InferenceCache(model, rows, model.args.max_seq_len, max_loops, kv_mode)
         for row in range(rows):
             self.cache.release_row(row)
         self.free = list(range(rows))
@@ -41,8 +43,8 @@ class SlotPool:
         logits [len(prompts), vocab], that cache, whose rows `join` copies into slots)."""
         device = self.cache.pad.device
         tokens, pad = left_pad(prompts, 0, device)
-        cache = InferenceCache(self.model, len(prompts), tokens.shape[1], self.loops, self.kv_mode, pad)
-        loops = self.loops if self.exit_rule is not None else torch.tensor(budgets, device=device)
+        cache = InferenceCache(self.model, len(prompts), tokens.shape[1], self.max_loops, self.kv_mode, pad)
+        loops = self.max_loops if self.exit_rule is not None else as_loop_budget(budgets, len(prompts), device)
         return self.model(tokens, loops, cache)[:, -1], cache
 
     def join(self, prefill: InferenceCache, prefill_row: int, request, sequence) -> None:
@@ -77,16 +79,13 @@ class SlotPool:
             self.cache.move_columns(-self.shared_padding())
         device = self.cache.pad.device
         tokens = torch.zeros(self.rows, 1, dtype=torch.long, device=device)
-        budgets = torch.full(
-            (self.rows,),
-            max(request.loops if self.exit_rule is None else self.loops for request, _ in self.busy.values()),
-            device=device,
-        )
-        for row, (request, sequence) in self.busy.items():
+        for row, (_, sequence) in self.busy.items():
             tokens[row, 0] = sequence.tokens[-1]
-            if self.exit_rule is None:
-                budgets[row] = request.loops
         if self.exit_rule is not None:
-            logits = self.model(tokens, self.loops, self.cache, exit_rule=self.exit_rule)[:, -1]
+            logits = self.model(tokens, self.max_loops, self.cache, exit_rule=self.exit_rule)[:, -1]
             return logits, self.model.loops_used()[:, 0]
+        per_row = [max(request.loops for request, _ in self.busy.values())] * self.rows  # free rows: no extra loop
+        for row, (request, _) in self.busy.items():
+            per_row[row] = request.loops
+        budgets: LoopBudget = as_loop_budget(per_row, self.rows, device)
         return self.model(tokens, budgets, self.cache)[:, -1], budgets
