@@ -4,7 +4,7 @@ A token's path: data loader -> Trainer.train_step -> model(inputs, loops=k) -> c
 Each (data-parallel rank, microbatch) slot runs its own loop count k; the loss of an update is
 the mean over all of its tokens, whatever depth produced them. The trainer puts the components
 together: the loop counts and phases (elr/train/loop_sampler.py), validation (validate.py), the
-gradient reductions across ranks (elr/parallel/gradients.py), checkpoints (checkpoint.py).
+gradient reductions across ranks (elr/parallel/gradients.py), checkpoints (checkpointer.py).
 
 Past 450 lines because a run's whole life sits here, in the order it happens (claim the folders,
 build and resume, the loop, the switch, save and export); what each step does is in train_step,
@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor.parallel import loss_parallel
 
 from elr.checkpoint import dcp_note
-from elr.checkpoint.manager import CheckpointManager
 from elr.config import JobConfig
 from elr.errors import CheckpointError, ConfigError, RunWriteFailed
 from elr.interop import check_fits, differences, is_export, read_export
@@ -38,6 +37,7 @@ from elr.parallel.gradients import clip_gradients, reduce_gradients
 from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
 from elr.text.tokenizer import build_tokenizer
+from elr.train.checkpointer import CheckpointManager
 from elr.train.data import build_task_loader, build_train_loader, job_task, microbatches
 from elr.train.loop_sampler import DepthSchedule, wait_factor
 from elr.train.loss import IGNORE_INDEX, model_loss
