@@ -67,11 +67,11 @@ logger = logging.getLogger("elr")
 
 class Trainer:
     """The pretraining (and SFT) trainer. A training stage subclasses it through its public hooks, each named
-    "Hook" in its docstring, in the order a run calls them: build_data, build_model, build_optimizer
-    (optimizer_updates), after_load, log_setup; per step batches and forward_backward_step (inside
-    train_step), step_tokens, validate; build_reporter once before the first step; states, state_dict and
-    load_state_dict at saves and loads. The underscored methods are not extension points (a test holds
-    every subclass in elr/ to that); docs/extending.md shows a stage in a dozen lines."""
+    "Hook" in its docstring; in the order a run calls them: build_data, build_model, build_optimizer (and
+    optimizer_updates), after_load, log_setup; build_reporter as train() starts; per step train_step (its
+    batches, then forward_backward_step per microbatch), step_tokens, validate; states, state_dict and
+    load_state_dict at saves and loads. The underscored methods are not extension points (a test holds every
+    subclass in elr/ to that); docs/extending.md shows a stage in a dozen lines."""
 
     def __init__(self, cfg: JobConfig):
         check_model_config(cfg)  # the config checks that need the model code, before any work
