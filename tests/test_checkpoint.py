@@ -22,8 +22,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # also imported by tests/distributed/ckpt_reshard.py
 from elr.checkpoint import MARKER, Stored, load_model_export, verify  # noqa: E402
-from elr.checkpoint.manager import CheckpointManager  # noqa: E402
 from elr.errors import CheckpointError  # noqa: E402
+from elr.train.checkpointer import CheckpointManager  # noqa: E402
 from elr.train.train_state import ModelState, OptimizerState  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -179,7 +179,7 @@ KILLED_SAVER = r"""
 import sys, time, torch
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from pathlib import Path
-from elr.checkpoint.manager import CheckpointManager
+from elr.train.checkpointer import CheckpointManager
 from elr.train.train_state import ModelState
 
 folder, sentinel = Path(sys.argv[1]), Path(sys.argv[2])
@@ -262,7 +262,7 @@ def test_corrupt_latest_falls_back_with_one_line(tmp_path, caplog, damage):
     with caplog.at_level(logging.WARNING):
         assert ckpt.load(states(layer, train_state=train_state)) == 2
     assert train_state == {"step": 2} and torch.equal(layer.weight, filled(2).weight)
-    ours = [r.getMessage() for r in caplog.records if r.name == "elr.checkpoint.manager"]
+    ours = [r.getMessage() for r in caplog.records if r.name == "elr.train.checkpointer"]
     assert len(ours) == 1 and str(newest) in ours[0] and "\n" not in ours[0], ours
     with pytest.raises(CheckpointError, match="step-3"):
         ckpt.load(states(layer, train_state=train_state), step=3)

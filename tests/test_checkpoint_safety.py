@@ -32,10 +32,10 @@ from safetensors.torch import load_file, save_file
 from trainer_utils import DEBUG_TOML, ROOT, overrides, run
 
 from elr.checkpoint import MARKER
-from elr.checkpoint.manager import CheckpointManager
 from elr.config import load_config
 from elr.errors import CheckpointError, ConfigError, FolderInUse, UserError
 from elr.infer.load import load_model, load_tokenizer
+from elr.train.checkpointer import CheckpointManager
 from elr.train.nonfinite import NonFiniteLossError
 from elr.train.run_lock import RunLock
 from elr.train.train_state import ModelState
@@ -407,7 +407,7 @@ def test_saves_delete_only_what_the_project_wrote_and_report_the_rest_once(tmp_p
     ]
     kept = {p: data for p, data in before.items() if "step-4.tmp" not in str(p) and "step-3.tmp" not in str(p)}
     assert {p: data for p, data in snapshot(tmp_path).items() if p in kept} == kept  # nothing else touched
-    lines = [r.getMessage() for r in caplog.records if r.name == "elr.checkpoint.manager"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "elr.train.checkpointer"]
     assert len(lines) == 1, lines
     assert all(
         name in lines[0]
@@ -709,7 +709,7 @@ def test_a_run_with_nan_weights_saves_no_checkpoint(tmp_path):
 
 
 def test_a_full_disk_is_named_with_the_bytes_needed(tmp_path, monkeypatch):
-    import elr.checkpoint.manager as checkpoint
+    import elr.train.checkpointer as checkpoint
 
     ckpt = CheckpointManager(tmp_path / "ckpt", interval=1)
     layer = torch.nn.Linear(64, 64)

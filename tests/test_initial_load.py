@@ -29,8 +29,9 @@ def test_a_run_started_from_another_runs_checkpoint_has_its_weights_at_step_0(tm
     assert any(not torch.equal(trained[k], initial[k]) for k in trained), "training should move the weights"
 
     source = tmp_path / "first" / "checkpoint"
-    for path in (source, source / "step-2"):  # a checkpoint folder (its newest step), or one step
-        second = trainer(tmp_path / "second", 3, *CKPT, "--checkpoint.initial_load_path", str(path))
+    for i, path in enumerate((source, source / "step-2")):  # a checkpoint folder (its newest step), or one step
+        # a folder each: a built trainer leaves a run there that another job may not overwrite
+        second = trainer(tmp_path / f"second{i}", 3, *CKPT, "--checkpoint.initial_load_path", str(path))
         got = weights(second)
         assert got.keys() == trained.keys()
         for name, value in trained.items():

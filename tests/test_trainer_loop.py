@@ -5,8 +5,8 @@ import logging
 
 import torch
 
-from elr.checkpoint.manager import CheckpointManager
 from elr.config import load_config
+from elr.train.checkpointer import CheckpointManager
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.train_state import ModelState
 

@@ -1,11 +1,12 @@
-"""Checkpoint folders, below both training and inference (both load models; neither imports the other).
+"""The checkpoint format on disk, below training, inference and the export format (all three read it).
 
 `format` says what a committed folder holds (commit.json with sizes and SHA-256 of every file, the job's
 config.json) and checks it before anything in it is parsed; `storage` writes and reads the tensors
 (safetensors) and the other items (JSON): no pickle anywhere; `ownership` decides what a save may remove
-or set aside. The trainer's CheckpointManager (`manager`: async saves, pruning, the model export at the
-end) writes folders; elr/infer/load.py reads them. It imports the models' state, the export format
-(elr.interop, beside it), config and elr.errors; training and inference import it, never the reverse.
+or set aside. The trainer's CheckpointManager (elr/train/checkpointer.py: async saves, pruning, the model
+export at the end) writes folders through it; elr/infer/load.py and elr/interop read them. It imports
+the models' layer kinds, the tokenizer's file hash and elr.errors; checkpoint code that needs anything
+above (the export format, the trainer) lives above it.
 """
 
 from elr.checkpoint.format import (

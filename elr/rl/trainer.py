@@ -10,7 +10,7 @@ A step, on every data-parallel rank for its share of the batch:
    the training forward at each row's k, the clipped surrogate (and KL), summed over tokens and divided
    by the batch's denominator (GRPO: its completion tokens; Dr. GRPO: completions x max_new_tokens).
 Everything else (checkpoints and exact resume, the console, metrics, signals, the run folder) is the
-pretraining Trainer's.
+pretraining Trainer's; this class changes it only through the Trainer's public hooks.
 """
 
 from __future__ import annotations
@@ -25,17 +25,15 @@ import torch.distributed as dist
 
 from elr.errors import ConfigError
 from elr.infer.generate import Sampling, generate
-from elr.models import build_model
 from elr.parallel.gradients import clip_gradients, reduce_gradients
-from elr.parallel.parallelize import parallelize
 from elr.rl.logprobs import right_padded, scored_positions, token_logprobs
 from elr.rl.objective import clipped_surrogate, group_advantages, k3_kl
 from elr.rl.prompts import Prompt, drawn, load_prompts, split
 from elr.rl.report import RLEvaluator, RLReporter
 from elr.rl.rewards import load_reward, score
 from elr.text.tokenizer import build_tokenizer
-from elr.train.loop_sampler import _mix
-from elr.train.metrics import log_setup
+from elr.train.loop_sampler import mix_seed
+from elr.train.metrics import log_run_setup
 from elr.train.step_report import StepStats
 from elr.train.trainer import Trainer
 
@@ -70,7 +68,7 @@ class RLTrainer(Trainer):
 
     # ---- setup -------------------------------------------------------------------------------
 
-    def _build_data(self) -> None:
+    def build_data(self) -> None:
         """The tokenizer, the prompts (training and held out), the reward; checked before any work."""
         cfg, r = self.cfg, self.cfg.rl
         if not cfg.tokenizer.path:
@@ -104,19 +102,16 @@ class RLTrainer(Trainer):
             )
         self.validator = RLEvaluator(self)
 
-    def _optimizer_updates(self) -> int:
+    def optimizer_updates(self) -> int:
+        """`rl.updates_per_batch` updates per step."""
         return self.cfg.training.steps * self.cfg.rl.updates_per_batch
 
-    def _build_and_resume(self) -> None:
-        super()._build_and_resume()
+    def after_load(self) -> None:
+        """With a KL term: the stage's initial model, frozen (built after the trained one is loaded)."""
         self.reference = None
-        if self.cfg.rl.kl_coeff > 0:  # the stage's initial model, frozen
-            with torch.device("meta"):
-                reference = build_model(self.model_args)
-            parallelize(reference, self.dims, self.cfg, self.device.type)
-            reference.to_empty(device=self.device)
-            reference.init_weights()
-            self._load_initial(self.cfg.checkpoint.initial_load_path, reference)
+        if self.cfg.rl.kl_coeff > 0:
+            reference = self.build_model()
+            self.load_initial_weights(self.cfg.checkpoint.initial_load_path, reference)
             self.reference = reference.eval().requires_grad_(False)
 
     def state_dict(self) -> dict:  # prompts and draws follow the step: no data position
@@ -126,8 +121,8 @@ class RLTrainer(Trainer):
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         torch.set_rng_state(state["rng"])
 
-    def _log_setup(self) -> None:
-        log_setup(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch)
+    def log_setup(self) -> None:
+        log_run_setup(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch)
         r, e = self.cfg.rl, self.cfg.elr
         logger.info(
             f"RLVR: {len(self.prompts)} training prompts, {len(self.eval_prompts)} held out | "
@@ -137,10 +132,11 @@ class RLTrainer(Trainer):
             f"per batch, reward {r.reward}"
         )
 
-    def _reporter(self) -> RLReporter:
+    def build_reporter(self) -> RLReporter:
         return RLReporter(self.cfg, self.metrics, self.world_size, self.device)
 
-    def _tokens(self, stats: StepStats) -> int:
+    def step_tokens(self, stats: StepStats) -> int:
+        """Prompt and completion tokens of the batch: rows vary in length."""
         return int(stats.scalars["rl/tokens"])
 
     # ---- a step ------------------------------------------------------------------------------
@@ -155,7 +151,7 @@ class RLTrainer(Trainer):
         seed = self.cfg.training.seed
 
         def draw(t: int) -> torch.Tensor:
-            gen = torch.Generator().manual_seed(_mix(seed + 0x5EED, step * 65_536 + t))
+            gen = torch.Generator().manual_seed(mix_seed(seed + 0x5EED, step * 65_536 + t))
             return torch.rand(self.global_batch, generator=gen, dtype=torch.float64)[rows.start : rows.stop].to(
                 self.device
             )

@@ -50,8 +50,9 @@ from elr.errors import ConfigError
 SAMPLING = choices(ELR, "sampling")  # the field's Literal: the one list of modes
 
 
-def _mix(seed: int, step: int) -> int:
-    """A 32-bit seed from (seed, step): the Mersenne Twister keeps only 32 bits of a seed."""
+def mix_seed(seed: int, step: int) -> int:
+    """A 32-bit generator seed from (seed, step), well mixed (the Mersenne Twister keeps only 32 bits of a
+    seed): the loop draws here, and any draw that must follow (seed, step) alone, as RL's sampling does."""
     x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     x = ((x ^ (x >> 31)) * 0x94D049BB133111EB) & (2**64 - 1)
     return (x ^ (x >> 29)) & 0xFFFFFFFF
@@ -97,7 +98,7 @@ class LoopSampler:
         consecutive ranks (an expert-parallel group) shares one row."""
         n_groups = n_ranks // group_size
         n = n_groups * n_micro
-        gen = torch.Generator().manual_seed(_mix(self.seed, step))
+        gen = torch.Generator().manual_seed(mix_seed(self.seed, step))
         probs = self.probs_at(step)
         if self.sampling == "stratified":
             ks = self._stratified(n_micro, probs, gen).expand(n_groups, n_micro).clone()

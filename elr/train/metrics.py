@@ -32,7 +32,7 @@ from elr.train.resume import config_changes, show_value, truncate_metrics
 logger = logging.getLogger("elr")
 
 
-def log_setup(cfg: JobConfig, model, dims, device: torch.device, n_micro: int, global_batch: int) -> None:
+def log_run_setup(cfg: JobConfig, model, dims, device: torch.device, n_micro: int, global_batch: int) -> None:
     """What a run prints before its first step: the model, the layout and batch of an update, and the
     config as far as it differs from the defaults."""
     a, t = model.args, cfg.training

@@ -3,7 +3,7 @@
 The model by fully qualified name (DTensor shards under FSDP2/TP, plain tensors else); the optimizer
 flattened to one entry per parameter and field, so a model that gained parameters (the late switch)
 loads an older checkpoint with only the new parameters' entries missing. The CheckpointManager
-(elr/checkpoint/manager.py) saves and loads them with the trainer state.
+(elr/train/checkpointer.py) saves and loads them with the trainer state.
 """
 
 from __future__ import annotations

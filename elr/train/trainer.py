@@ -4,7 +4,7 @@ A token's path: data loader -> Trainer.train_step -> model(inputs, loops=k) -> c
 Each (data-parallel rank, microbatch) slot runs its own loop count k; the loss of an update is
 the mean over all of its tokens, whatever depth produced them. The trainer puts the components
 together: the loop counts and phases (elr/train/loop_sampler.py), validation (validate.py), the
-gradient reductions across ranks (elr/parallel/gradients.py), checkpoints (checkpoint.py).
+gradient reductions across ranks (elr/parallel/gradients.py), checkpoints (checkpointer.py).
 
 Past 450 lines because a run's whole life sits here, in the order it happens (claim the folders,
 build and resume, the loop, the switch, save and export); what each step does is in train_step,
@@ -22,34 +22,35 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
-from elr.checkpoint import dcp_note
-from elr.checkpoint.manager import CheckpointManager
 from elr.config import JobConfig
 from elr.errors import CheckpointError, ConfigError, RunWriteFailed
-from elr.interop import check_fits, differences, is_export, read_export
 from elr.interop.hf_weights import check_installed
-from elr.models import build_model
+from elr.models import build_model as build_elr_model
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.parallel.context_parallel import shard_sequence
 from elr.parallel.gradients import clip_gradients, reduce_gradients
 from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
 from elr.text.tokenizer import build_tokenizer
+from elr.train.checkpointer import CheckpointManager
 from elr.train.data import build_task_loader, build_train_loader, job_task, microbatches
+from elr.train.initial_weights import load_weights_from
 from elr.train.loop_sampler import DepthSchedule, wait_factor
 from elr.train.loss import IGNORE_INDEX, model_loss
-from elr.train.metrics import MetricsLogger, log_setup, outputs_line
+from elr.train.metrics import MetricsLogger, log_run_setup, outputs_line
 from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
 from elr.train.optimizer import (
     apply_job_settings,
     build_lr_scheduler,
-    build_optimizer,
     job_settings,
     update_expert_biases,
 )
+from elr.train.optimizer import build_optimizer as build_optimizer_from_config
 from elr.train.profiling import Profiler
 from elr.train.resume import RESUMES, change_line, check_resume, run_config
 from elr.train.run_folder import claim_line, set_aside_run_files
@@ -65,6 +66,13 @@ logger = logging.getLogger("elr")
 
 
 class Trainer:
+    """The pretraining (and SFT) trainer. A training stage subclasses it through its public hooks, each named
+    "Hook" in its docstring; in the order a run calls them: build_data, build_model, build_optimizer (and
+    optimizer_updates), after_load, log_setup; build_reporter as train() starts; per step train_step (its
+    batches, then forward_backward_step per microbatch), step_tokens, validate; states, state_dict and
+    load_state_dict at saves and loads. The underscored methods are not extension points (a test holds every
+    subclass in elr/ to that); docs/extending.md shows a stage in a dozen lines."""
+
     def __init__(self, cfg: JobConfig):
         check_model_config(cfg)  # the config checks that need the model code, before any work
         if cfg.checkpoint.export_format == "hf":
@@ -87,7 +95,7 @@ class Trainer:
         self.global_batch, self.n_micro = microbatches(t, self.dp_world)
 
         self.dump_folder = Path(cfg.job.dump_folder)
-        self._build_data()
+        self.build_data()
         self.depths = DepthSchedule(cfg, self.dp_world, self.n_micro, group_size=self.dims.ep)
         checkpoint_folder = self.dump_folder / cfg.checkpoint.folder
         # The manager checks each step's hashes once (a collective); its config is the run's, set once the
@@ -127,6 +135,7 @@ class Trainer:
             if folder_line:
                 logger.info(folder_line)
             self._build_and_resume()
+            self.after_load()
             self.metrics = MetricsLogger(
                 self.dump_folder,
                 cfg.metrics.enable_tensorboard,
@@ -139,14 +148,15 @@ class Trainer:
             self.config_pending = self.step > 0
             if not self.config_pending:
                 self._write_run_config()
-            self._log_setup()
+            self.log_setup()
         except BaseException:
             if self.lock is not None:
                 self.lock.release()
             raise
 
-    def _build_data(self) -> None:
-        """The tokenizer, the training stream and the validator: token files (data.path) or a task."""
+    def build_data(self) -> None:
+        """Hook, once in __init__ before the model: set `tokenizer` (or None), `vocab_size`, the training
+        stream (`train_loader`, `data_iter`) and `validator`; here token files (data.path) or a task."""
         cfg, t = self.cfg, self.cfg.training
         self.task = job_task(cfg) if cfg.data.task else None
         self.tokenizer = None
@@ -215,22 +225,36 @@ class Trainer:
         self.mixed_depth = mixed_depth
         self.model_args = model_args_from_config(cfg, self.vocab_size, mixed_depth=mixed_depth)
         torch.manual_seed(cfg.training.seed)
-        with torch.device("meta"):
-            model = build_model(self.model_args)
-        parallelize(model, self.dims, cfg, self.device.type)
-        model.to_empty(device=self.device)
-        model.init_weights()
-        model.train()
-        self.model = model
+        self.model = model = self.build_model()
         self.loop_timer = LoopTimer(model.recurrent, self.device)  # per-rank loop time: who waits for whom
         f1 = model.num_flops_per_token(cfg.training.seq_len, 1)
         self.fixed_cost = f1 / max(model.num_flops_per_token(cfg.training.seq_len, 2) - f1, 1) - 1
-        self.optimizer = build_optimizer(model, cfg.optimizer, cfg.elr)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self._optimizer_updates())
+        self.optimizer, self.lr_scheduler = self.build_optimizer(model)
 
-    def _optimizer_updates(self) -> int:
-        """The optimizer updates of the whole run, the schedule's length: one per step."""
+    def build_model(self) -> nn.Module:
+        """Hook, at each phase's build (the seed just set) and whenever a subclass wants a copy (RL's frozen
+        reference): a fresh model of `model_args`, parallelized, initialised, in train mode."""
+        with torch.device("meta"):
+            model = build_elr_model(self.model_args)
+        parallelize(model, self.dims, self.cfg, self.device.type)
+        model.to_empty(device=self.device)
+        model.init_weights()
+        return model.train()
+
+    def build_optimizer(self, model: nn.Module) -> tuple[Optimizer, LRScheduler]:
+        """Hook, after build_model at each phase's build: the optimizer and its LR schedule (over
+        optimizer_updates() updates); a subclass may choose which parameters train, or how."""
+        optimizer = build_optimizer_from_config(model, self.cfg.optimizer, self.cfg.elr)
+        return optimizer, build_lr_scheduler(optimizer, self.cfg.lr_scheduler, self.optimizer_updates())
+
+    def optimizer_updates(self) -> int:
+        """Hook, in build_optimizer: the optimizer updates of the whole run, the schedule's length (one per
+        step here; a subclass that updates several times a step says so)."""
         return self.cfg.training.steps
+
+    def after_load(self) -> None:
+        """Hook, once in __init__ after the model is built and its weights loaded (a checkpoint,
+        checkpoint.initial_load_path, or fresh): build what needs those weights. Nothing here."""
 
     def _build_and_resume(self) -> None:
         """Build the phase the checkpoint to resume from belongs to, then load it.
@@ -244,7 +268,7 @@ class Trainer:
         loaded = self._load(None if ckpt.load_step == -1 else ckpt.load_step) if ckpt.enable else None
         if loaded is None:
             if ckpt.initial_load_path:
-                self._load_initial(ckpt.initial_load_path)
+                self.load_initial_weights(ckpt.initial_load_path)
             return
         if loaded != planned:  # fell back past unusable checkpoints: compare with the one loaded
             self._check_resume(loaded)
@@ -266,6 +290,8 @@ class Trainer:
             self._load(step)
 
     def states(self) -> dict:
+        """Hook, at every save and load: what a checkpoint holds, by name (DCP Stateful objects); a subclass
+        may add items (their names are then expected in every checkpoint it loads)."""
         return {
             "model": ModelState(self.model),
             "optimizer": OptimizerState(self.model, self.optimizer),
@@ -274,6 +300,8 @@ class Trainer:
         }
 
     def state_dict(self) -> dict:
+        """Hook, at every save: the trainer's own state in a checkpoint (JSON values or tensors); a subclass
+        with other progress to keep (no data position, a counter of its own) changes it with load_state_dict."""
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -282,6 +310,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Hook, at every load: restore what state_dict saved."""
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.train_loader.dataset.position = int(state["data_position"])
@@ -304,55 +333,30 @@ class Trainer:
             apply_job_settings(self.optimizer, self.lr_scheduler, settings)  # logged as config changes
         return loaded
 
-    def _load_initial(self, path: str, model=None) -> None:
-        """Start from another run's weights (a later stage of training); everything else is fresh. `model`:
-        load them into that model instead of the one trained (a frozen reference)."""
+    def load_initial_weights(self, path: str, model: nn.Module | None = None) -> None:
+        """Start from another run's weights (checkpoint.initial_load_path: a later stage of training);
+        everything else is fresh. `model`: load them into that model instead (a subclass's frozen reference)."""
         model = model if model is not None else self.model
-        if is_export(path):
-            return self._load_initial_export(path, model)
-        loaded = self.checkpointer.load_initial(
-            path, {"model": ModelState(model)}, allow_missing=self._missing_before_switch()
-        )
-        if loaded is None:
-            raise ConfigError(f"checkpoint.initial_load_path: no committed checkpoint at {path}")
-        if self.rank == 0:
-            logger.warning(dcp_note(path))
-        logger.info(f"started from the weights of {path} (step {loaded}); optimizer, schedule and data position fresh")
+        allow_missing = self._missing_before_switch()
+        load_weights_from(path, model, self.model_args, self.checkpointer, allow_missing, self.rank)
 
-    def _load_initial_export(self, path: str, model) -> None:
-        """Start from a Hugging Face export's weights (safetensors: nothing unpickled), read by every rank
-        and placed into this job's (possibly sharded) model; one line names what differs from its config."""
-        args, _, state = read_export(path)
-        diff = differences(args, self.model_args)
-        if diff and self.rank == 0:
-            logger.warning(
-                "checkpoint.initial_load_path: the export's model differs from this job's: " + "; ".join(diff)
-            )
-        try:
-            check_fits(model, state, path, allow_missing=self._missing_before_switch())
-        except CheckpointError as e:
-            raise CheckpointError(
-                f"checkpoint.initial_load_path: {e}" + (f"; its config differs: {'; '.join(diff)}" if diff else "")
-            ) from None
-        dtypes = {k: v.dtype for k, v in model.state_dict().items()}
-        state = {k: v.to(dtypes[k]) for k, v in state.items()}
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-        logger.info(f"started from the weights of the export {path}; optimizer, schedule and data position fresh")
-
-    def _log_setup(self) -> None:
-        log_setup(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch)
+    def log_setup(self) -> None:
+        """Hook, last in __init__: the lines a run prints before its first step (the model, the layout, the
+        config's changes from the defaults); a subclass may say more about its stage."""
+        log_run_setup(self.cfg, self.model, self.dims, self.device, self.n_micro, self.global_batch)
         if not self.mixed_depth:
             logger.info(f"one loop until step {self.depths.switch_step}, then mixed depth")
 
     # ---- training ----------------------------------------------------------------------------
 
     def train_step(self, step: int) -> StepStats:
-        """One optimizer update over every microbatch slot, each at its own loop count k."""
+        """Hook, once per step from train(): one optimizer update over every microbatch slot, each at its own
+        loop count k, and the step's statistics; a subclass may replace the whole update (RL: rollouts first)."""
         cfg, K = self.cfg, self.model_args.recurrence.max_loops
         every_loop = cfg.elr.loss_every_loop and self.mixed_depth
         ks = self.depths.loop_counts(step)
         self.model.record_loop_statistics(True)  # every step: the console window covers every loop that ran
-        batches = [self._slice(*next(self.data_iter)) for _ in range(self.n_micro)]
+        batches = self.batches(step)
         # The update's loss is its mean over scored tokens (labels not ignored). FSDP averages gradients
         # over the world / tp ranks that hold different tokens, so each rank's summed loss is scaled by
         # (world / tp) / scored, with `scored` counted over all ranks (tp times over: TP ranks share
@@ -369,18 +373,10 @@ class Trainer:
         # per data-parallel rank, the same on every process.
         self.loop_timer.active = True
         for (inputs, labels), k in zip(batches, ks[self.dp_rank].tolist()):
-            with self._loss_context():
-                loss_sum = self.model_loss(inputs, labels, k, every_loop=every_loop)
-                micro_loss = loss_sum * loss_scale
-                # Under TP or CP: this rank's share of its sequences' balance loss. FSDP averages over
-                # the cp ranks (the token loss is per rank) but the shares add up: hence x cp.
-                aux = self.model.moe_aux_loss()
-                if aux is not None:
-                    aux_sum += aux.detach()
-                    if cfg.moe.aux_loss_coeff > 0:  # each microbatch's term / n_micro: the update's mean
-                        micro_loss = micro_loss + cfg.moe.aux_loss_coeff * aux * self.dims.cp / self.n_micro
-                micro_loss.backward()
-            per_k[0, k - 1] += loss_sum.detach().double()
+            loss_sum, aux = self.forward_backward_step(inputs, labels, k, loss_scale, every_loop)
+            if aux is not None:
+                aux_sum += aux
+            per_k[0, k - 1] += loss_sum.double()
             per_k[1, k - 1] += (labels != IGNORE_INDEX).sum()
             for i, stats in enumerate(self.model.loop_statistics(), start=1):
                 for name, value in stats.items():
@@ -418,6 +414,29 @@ class Trainer:
             scalars["moe/aux_loss"] = (aux_sum / (self.n_micro * self.dp_world)).item()
         return StepStats(scalars, ks, per_k, loop_stats, every_loop)
 
+    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Hook, once per step in train_step: this rank's n_micro (inputs, labels) microbatches, on the device;
+        a subclass may filter or change them (a label of IGNORE_INDEX is not scored)."""
+        return [self._slice(*next(self.data_iter)) for _ in range(self.n_micro)]
+
+    def forward_backward_step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, k: int, loss_scale: float, every_loop: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hook, per microbatch in train_step: the forward at k loops and the backward of loss_scale x its
+        summed token loss (plus the MoE balance term); returns that summed loss and the balance loss,
+        detached, for the step's report. A subclass may add terms to what is backpropagated."""
+        with self._loss_context():
+            loss_sum = self.model_loss(inputs, labels, k, every_loop=every_loop)
+            micro_loss = loss_sum * loss_scale
+            # Under TP or CP: this rank's share of its sequences' balance loss. FSDP averages over the cp
+            # ranks (the token loss is per rank) but the shares add up: hence x cp.
+            aux = self.model.moe_aux_loss()
+            coeff = self.cfg.moe.aux_loss_coeff
+            if aux is not None and coeff > 0:  # each microbatch's term / n_micro: the update's mean
+                micro_loss = micro_loss + coeff * aux * self.dims.cp / self.n_micro
+            micro_loss.backward()
+        return loss_sum.detach(), (aux.detach() if aux is not None else None)
+
     def _slice(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """On the device; under context parallelism, this rank's contiguous slice of each sequence
         (every CP rank of a data-parallel rank read the same sequences)."""
@@ -442,7 +461,8 @@ class Trainer:
         )
 
     def validate(self) -> dict[str, float]:
-        """Validation loss at every k in 1..K (on a task also answer accuracy), elr/train/validate.py."""
+        """Hook, every validation.freq steps (and at step 0 and the last): validation loss at every k in 1..K
+        (on a task also answer accuracy), elr/train/validate.py; a subclass measures its own."""
 
         def loss(inputs, labels, k):
             with self._loss_context():
@@ -475,6 +495,7 @@ class Trainer:
         self.checkpointer.save(step, self._states_to_save())
 
     def create_seed_checkpoint(self) -> None:
+        """checkpoint.create_seed: save the initial weights as step-0 and train nothing (one process)."""
         if self.world_size > 1:
             raise ConfigError("checkpoint.create_seed: run it in one process (python train.py ...)")
         if self.step:
@@ -484,10 +505,11 @@ class Trainer:
         logger.info(f"saved the initial weights to {self.checkpointer.folder}/step-0")
 
     def train(self) -> None:
+        """The run: steps until training.steps (or a stop), validation, checkpoints, the switch, the export."""
         cfg, t = self.cfg, self.cfg.training
         if cfg.checkpoint.create_seed:
             return self.create_seed_checkpoint()
-        reporter = self._reporter()
+        reporter = self.build_reporter()
         profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
         try:
             with self.stop, profiler:
@@ -500,7 +522,7 @@ class Trainer:
                         self.model.set_loop_fade(self.depths.loop_fade(step, cfg.elr.loop_fade_steps))
                     stats = self.train_step(step)
                     seconds = time.perf_counter() - start
-                    self.step, self.tokens_seen = step, self.tokens_seen + self._tokens(stats)
+                    self.step, self.tokens_seen = step, self.tokens_seen + self.step_tokens(stats)
                     reporter.report(step, stats, seconds, self.model, self.tokens_seen)
                     if self.config_pending:  # the resumed step ran with this config: now config.json says so
                         self._write_run_config()
@@ -546,8 +568,9 @@ class Trainer:
         finally:
             self.metrics.close()
 
-    def _reporter(self) -> StepReporter:
-        """What turns each step's StepStats into metrics and console lines."""
+    def build_reporter(self) -> StepReporter:
+        """Hook, once as train() starts: what turns each step's StepStats into metrics and console lines; a
+        subclass with its own statistics brings its own reporter."""
         return StepReporter(
             self.cfg,
             self.metrics,
@@ -557,8 +580,9 @@ class Trainer:
             lambda: self.loop_timer,
         )
 
-    def _tokens(self, stats: StepStats) -> int:
-        """The tokens a step trained on (every slot's whole sequence)."""
+    def step_tokens(self, stats: StepStats) -> int:
+        """Hook, after each step: the tokens it trained on, added to tokens_seen (here every slot's whole
+        sequence); a subclass whose batches vary in length counts its own."""
         return self.global_batch * self.cfg.training.seq_len
 
     def _export(self) -> Path:
@@ -604,6 +628,7 @@ class Trainer:
         logger.info(self.validator.summary(step, val))
 
     def close(self) -> None:
+        """Release the run's lock and the process group; call it once train() returns or raises."""
         if self.lock is not None:
             self.lock.release()
         if dist.is_initialized():

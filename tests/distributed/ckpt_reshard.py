@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from elr.checkpoint.manager import CheckpointManager  # noqa: E402
+from elr.train.checkpointer import CheckpointManager  # noqa: E402
 from elr.train.train_state import ModelState, OptimizerState  # noqa: E402
 from tests.test_checkpoint import make_model, make_opt, train  # noqa: E402
 

@@ -26,6 +26,9 @@ restarts from step 0 over checkpoints it could not read. After a resume, checkpo
 one loaded are moved aside (`set_aside_after`), so pruning, which keeps the newest k up to the step
 just saved, never deletes them and a later resume never picks them.
 
+It lives in elr/train because only the trainer uses it and it writes the run's exports (elr/interop, which
+itself reads the on-disk format in elr/checkpoint): every import goes down.
+
 Past 450 lines because saving, committing, loading and setting aside share one protocol (the rank-0
 decisions every rank follows, the per-step hash check made once); split, its invariants would
 span files.
