@@ -1,5 +1,6 @@
 """Config: TOML + CLI precedence, and one clear error naming the key for every kind of bad input."""
 
+import dataclasses
 import importlib.util
 import re
 import subprocess
@@ -8,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from elr.config import JobConfig, load_config
+from elr.config import ELR, JobConfig, load_config
+from elr.config.checks import validate
+from elr.config.job import Data, Model
+from elr.config.keys import choices
+from elr.config.reference import help_text, markdown_table
+from elr.config.rl import RL
 from elr.errors import ConfigError
 from elr.models.from_config import check_model_config, model_args_from_config
 
@@ -64,6 +70,7 @@ def test_tokenizer_sha256_is_a_hex_digest_or_empty():
         ('[elr]\nupdate = "gated"\n', [], "elr.update"),  # the recurrence's options check themselves
         ('[elr]\nrecurrent_input = "input"\n', [], "elr.recurrent_input"),
         ('[elr]\nstep_input = "both"\n', [], "elr.step_input"),
+        ('[model]\ngdp_impl = "cuda"\n', [], "model.gdp_impl"),  # a choice: checked with the config, not the model
         ("[elr]\nswitch_at = 0.5\n", [], "checkpoint.enable"),  # the switch goes through a checkpoint
         ('[elr]\nswitch_conditioning = "never"\n', [], "elr.switch_conditioning"),
         ("[elr]\nstop_at_switch = true\n", [], "elr.stop_at_switch"),  # no switch to stop at
@@ -119,7 +126,7 @@ def test_bad_input_names_the_key(tmp_path, toml, overrides, key):
     [
         ("[elr]\npartition = [2, 2, 2]\n", "elr.partition"),  # 6 != 8 layers of debug
         ('[model]\nflavor = "gpt5"\n', "model.flavor"),
-        ('[model]\ngdp_impl = "cuda"\n', "model.gdp_impl"),
+        ("[parallelism]\ntensor_parallel_degree = 8\n", "parallelism.tensor_parallel_degree"),  # debug: 4 heads
     ],
 )
 def test_bad_model_settings_name_the_key(tmp_path, toml, key):
@@ -310,3 +317,82 @@ def test_the_tokenizer_defaults_to_the_one_the_data_records(tmp_path, monkeypatc
 def test_profiling_keys_are_validated(key, value):
     with pytest.raises(ConfigError, match=f"^{key}"):
         load_config(None, [f"--{key}", value])
+
+
+def choice_keys() -> list[tuple[str, tuple]]:
+    """Every choice key ("section.key", its values), read from the fields' Literal annotations."""
+    return [
+        (f"{s.name}.{f.name}", choices(s.default_factory, f.name))
+        for s in dataclasses.fields(JobConfig)
+        for f in dataclasses.fields(s.default_factory)
+        if choices(s.default_factory, f.name)
+    ]
+
+
+def test_every_section_checks_itself_beside_its_fields():
+    """One check per section, defined in the section's own class; validate runs them, then the rules across
+    sections. A section without its own check() would silently skip its keys' choices and finiteness."""
+    for s in dataclasses.fields(JobConfig):
+        assert "check" in vars(s.default_factory), f"[{s.name}] has no check() of its own"
+
+
+@pytest.mark.parametrize("key, allowed", choice_keys())
+def test_a_choice_key_takes_its_values_and_refuses_others(key, allowed):
+    """The Literal annotation is the key's one list: the check takes each value it names (alone: other keys
+    set as a run using the value must be) and refuses another with the list, and --help shows it."""
+    assert JobConfig().to_dict()[key.split(".")[0]][key.split(".")[1]] in allowed  # the default is a choice
+    with pytest.raises(ConfigError, match=rf"^{key}: must be one of .*\(got 'bogus'\)$"):
+        load_config(None, [f"--{key}", "bogus"])
+    listed = "{" + ",".join(v or '""' for v in allowed) + "}"
+    assert f"  --{key} {listed} (default " in help_text()
+
+
+def test_a_value_set_in_code_is_checked_as_one_from_a_file():
+    """The choice and finiteness rules read the fields, not the text they came from."""
+    cfg = load_config(None)
+    cfg.optimizer.name = "sgd"
+    with pytest.raises(ConfigError, match=r"^optimizer.name: must be one of adamw, muon \(got 'sgd'\)$"):
+        validate(cfg)
+    cfg = load_config(None)
+    cfg.elr.loop_weights = [1.0, float("nan"), 1.0]
+    with pytest.raises(ConfigError, match=r"^elr.loop_weights: must be a finite number"):
+        validate(cfg)
+
+
+def test_the_choice_lists_are_the_code_that_implements_them():
+    """Where the code that runs a choice sits above the config (the kernels, the tasks, the rewards), its
+    table and the field's Literal name the same values."""
+    from elr.rl.rewards import EXTRACT
+    from elr.text.tasks import TASKS
+    from elr.train.loop_sampler import SAMPLING
+    from elr_kernels.gated_delta_product import IMPL_CHOICES
+
+    assert set(choices(Data, "task")) == {"", *TASKS}
+    assert set(choices(Model, "gdp_impl")) == set(IMPL_CHOICES)
+    assert set(choices(RL, "answer_format")) == set(EXTRACT)
+    assert choices(ELR, "sampling") == SAMPLING  # the sampler reads the field
+
+
+def test_the_config_package_loads_and_prints_its_reference_without_torch():
+    """elr.config is plain data: with torch unimportable (None in sys.modules makes `import torch` raise) it
+    loads a config file with an override and prints `--help`'s reference and the configuration table."""
+    code = "\n".join(
+        [
+            "import runpy, sys",
+            "sys.modules['torch'] = None",
+            "try:",
+            "    import elr.text.tasks",  # the block works: this module needs torch
+            "except ImportError:",
+            "    print('torch is blocked')",
+            "import elr.config",
+            "cfg = elr.config.load_config('train_configs/debug.toml', ['--training.steps', '7'])",
+            "print('steps', cfg.training.steps)",
+            "for argv in (['reference'], ['reference', '--markdown']):",
+            "    sys.argv = argv",
+            "    runpy.run_module('elr.config.reference', run_name='__main__')",
+        ]
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("torch is blocked\nsteps 7\n"), result.stdout[:200]
+    assert help_text() in result.stdout and markdown_table() in result.stdout

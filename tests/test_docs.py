@@ -13,7 +13,7 @@ import pytest
 from trainer_utils import ROOT
 
 from elr.config import JobConfig
-from elr.config.reference import config_keys, key_docs, markdown_table
+from elr.config.reference import config_keys, key_docs, markdown_table, metavar
 
 
 def all_keys():
@@ -100,7 +100,7 @@ def test_every_command_a_page_shows_names_a_script_and_flags_it_has(monkeypatch)
 
 def test_the_configuration_page_documents_every_config_key():
     page = CONFIGURATION.read_text()
-    reference = page[page.index("| key | default | meaning |") :]
+    reference = page[page.index("| key | type | default | meaning |") :]
     reference = reference.split("\n\n")[0]
     documented, section = set(), None
     for line in reference.splitlines():
@@ -136,7 +136,7 @@ def test_help_lists_every_key_with_type_default_and_doc():
     assert listed == all_keys(), sorted(all_keys() ^ listed)
     for section, _, keys in config_keys():
         for name, typ, default, doc in keys:
-            assert f"  --{section}.{name} {typ.upper()} (default {default})\n      {doc}\n" in text + "\n", name
+            assert f"  --{section}.{name} {metavar(typ)} (default {default})\n      {doc}\n" in text + "\n", name
     assert "--job.config_file" in text
 
 

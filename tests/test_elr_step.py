@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from trainer_utils import model_args
 
 from elr.config import ELR, Optimizer, load_config
-from elr.config.recurrence import STEP_INPUTS
+from elr.config.keys import choices
+from elr.config.recurrence import RecurrenceOptions
 from elr.errors import ConfigError
 from elr.models import build_model, flavors
 from elr.models.from_config import check_model_config
@@ -15,6 +16,7 @@ from elr.train.optimizer import build_optimizer
 
 BASELINE = flavors["debug"]
 DEBUG = model_args(BASELINE, max_loops=3, update="adaptive_delta")
+STEP_INPUTS = choices(RecurrenceOptions, "step_input")
 
 
 def make(seed=0, **overrides):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from elr.errors import ConfigError
 from elr.train.loop_sampler import LoopSampler
 
 
@@ -61,10 +62,13 @@ def test_weights_give_the_weighted_rows_of_table_3():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError):
+    """The sampler guards itself with the config's own checks, so the error names the key either way."""
+    with pytest.raises(ConfigError, match="^elr.sampling: must be one of independent, synchronized, stratified"):
         LoopSampler(3, "lockstep")
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match=r"^elr.loop_weights: needs one weight per k in 1..3"):
         LoopSampler(3, loop_weights=[1.0, 1.0])
+    with pytest.raises(ConfigError, match="^elr.loop_weights_start: must be non-negative with a positive sum"):
+        LoopSampler(3, start_weights=[0, 0, 0], schedule_steps=5)
 
 
 @pytest.mark.parametrize("sampling", ["independent", "synchronized"])

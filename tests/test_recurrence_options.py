@@ -9,7 +9,8 @@ from elr.config import ELR, load_config
 from elr.config.recurrence import RecurrenceOptions, names
 from elr.errors import CheckpointError, ConfigError
 from elr.interop import hf_config
-from elr.models.from_config import model_args_from_config
+from elr.models import flavors
+from elr.models.from_config import check_model_config, model_args_from_config
 from elr.train.resume import FROZEN, check_resume
 
 # The [elr] keys that are not recurrence options: they steer training (the draws of k, the loss, the
@@ -131,3 +132,20 @@ def test_a_bad_option_names_its_key():
     RecurrenceOptions(backprop_loops=1, recurrent_input="state_plus_input").check()  # re-injected: fine
     with pytest.raises(ConfigError, match=r"^elr.conditioning_exit: needs elr.conditioning = true"):
         RecurrenceOptions(conditioning=False, conditioning_exit=True).check()
+
+
+def test_model_args_built_without_a_config_run_the_same_checks():
+    """A model's shape guards itself with the config's own checks of what can be built, not a copy of their
+    rules: ModelArgs built without a job config (a test, an export) refuse it with the config's line. A
+    combination that builds but trains badly is the config's alone (tests/test_training_aids.py builds one)."""
+    debug = flavors["debug"]
+    for name, value in [("update", "gated"), ("recurrent_input", "input"), ("step_input", "both"), ("max_loops", 0)]:
+        with pytest.raises(ConfigError, match=rf"^elr.{name}: "):
+            dataclasses.replace(debug, recurrence=dataclasses.replace(RecurrenceOptions(), **{name: value}))
+    with pytest.raises(ConfigError, match=r"^elr.partition: must add up to the 8 layers of the layer pattern"):
+        dataclasses.replace(debug, partition=(2, 2, 2))
+    debug.with_recurrence(max_loops=3, backprop_loops=1)  # builds: the state alone cuts the input block off
+    with pytest.raises(ConfigError, match=r"^elr.backprop_loops: needs elr.recurrent_input"):
+        load_config(None, ["--elr.backprop_loops", "1"])
+    with pytest.raises(ConfigError, match=r"^elr.partition: must add up to the 8 layers of flavor debug"):
+        check_model_config(load_config(None, ["--elr.partition", "2,2,2"]))

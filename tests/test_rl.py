@@ -11,7 +11,8 @@ from trainer_utils import DEBUG_TOML, ROOT, copy_checkpoint, model_args, records
 
 import train
 from elr.config import load_config
-from elr.config.checks import CHOICES
+from elr.config import rl as rl_config
+from elr.config.keys import choices
 from elr.errors import DataError
 from elr.infer.cache import MODES
 from elr.infer.generate import Sampling, sample
@@ -162,7 +163,7 @@ def test_the_depth_tasks_in_words_have_the_answers_a_solver_finds(source, solve)
 
 
 def test_the_cache_modes_of_the_config_are_the_caches():
-    assert set(CHOICES["rl.rollout_kv"]) == set(MODES)
+    assert set(choices(rl_config.RL, "rollout_kv")) == set(MODES)
 
 
 # ---- log-probs at a group's k, and sampling --------------------------------------------------------

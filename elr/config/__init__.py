@@ -1,14 +1,18 @@
 """The job's configuration: what a run is told, checked before any work starts.
 
-    job.py         the dataclass sections; each key's type, default and meaning, on its field
+    job.py         the dataclass sections; each key's type, default and meaning on its field, its rules in the
+                   section's check() beside them; a key's choices are its Literal[...] annotation
     recurrence.py  the [elr] recurrence options (shared by training, inference and the export)
+    rl.py          the [rl] section (the RLVR stage)
     load.py        defaults, then the TOML file, then `--section.key value` overrides
-    keys.py        dotted keys: parsing overrides, typing and setting values
-    checks.py      the cross-key checks (one error naming the key)
+    keys.py        dotted keys: parsing overrides, typing and setting values; the rules of a key's type
+                   (its choices, finite numbers) and the one form of a config error
+    checks.py      validate(): every section's check, then the rules across sections
     dump_folder.py the default run folder's name
     reference.py   the configuration page, generated from the fields (`python -m elr.config.reference`)
 
-It sits just above elr.errors and elr.text; everything else may import it.
+It imports only elr.errors (and tomli), never torch: `python -m elr.config.reference` runs without it.
+Everything else may import it.
 """
 
 from elr.config.checks import switch_step

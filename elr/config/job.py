@@ -1,13 +1,19 @@
 """The job's configuration as dataclass sections, one per TOML table: each key's type, default and
-meaning (the string under it) live here, on its field; elr/config/reference.py turns them into the
-configuration page. Loading and checking live beside it (load.py, checks.py)."""
+meaning (the string under it) live here, on its field, and each section's rules in its `check()` beside
+it (one error naming the key); a key with a fixed set of values is a `Literal[...]`, its one list of
+choices. elr/config/reference.py turns the fields into the configuration page; the rules that tie two
+sections together are in checks.py, loading in load.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
+from typing import Literal
 
+from elr.config.keys import check_fields, require
 from elr.config.recurrence import RecurrenceOptions
+from elr.config.rl import RL
 
 
 @dataclass
@@ -28,6 +34,9 @@ class Job:
     """start a new run in a dump folder that holds one: its checkpoints, metrics.jsonl, config.json and `tb/` are
     set aside as `<name>.abandoned-<time>` (never deleted)"""
 
+    def check(self) -> None:
+        check_fields(self, "job")  # run_name and dump_folder: checked as the dump folder is named (load.py)
+
 
 @dataclass
 class Model:
@@ -35,10 +44,13 @@ class Model:
 
     flavor: str = "debug"
     """a flavor of elr/models/args.py (docs/models.md: `debug`, `gpt_0p5b`, `gdp_hybrid_4b`, ...)"""
-    gdp_impl: str = "auto"
+    gdp_impl: Literal["auto", "triton", "chunk", "naive"] = "auto"
     """the Gated DeltaProduct op's implementation: `auto` (`triton` on CUDA, `chunk` elsewhere), `triton`,
     `chunk` or `naive` (the oracle); decoding one token at a time takes the one-token step of the same choice
     (`chunk` and `naive`: the token loop)"""
+
+    def check(self) -> None:
+        check_fields(self, "model")  # the flavor: against the model code's table (elr/models/from_config.py)
 
 
 @dataclass
@@ -68,7 +80,7 @@ class ELR(RecurrenceOptions):
     loss_every_loop: bool = False
     """the loss at the exit of every loop 1..k of a slot (their mean), not k's alone; needs `conditioning_budget
     = false` or no conditioning"""
-    sampling: str = "independent"
+    sampling: Literal["independent", "synchronized", "stratified"] = "independent"
     """`independent` (each slot draws k), `synchronized` (one k per update) or `stratified` (one k per microbatch
     shared by every data-parallel rank, the microbatches of an update spread over the distribution; no rank waits
     for another's loops)"""
@@ -93,11 +105,86 @@ class ELR(RecurrenceOptions):
     stop_at_switch: bool = False
     """the job saves at the late switch and exits (code 0), so the mixed-depth phase can start with other settings
     (more nodes, say): the same command then resumes at the switch; false: it runs on"""
-    switch_conditioning: str = "at_switch"
+    switch_conditioning: Literal["at_switch", "from_start"] = "at_switch"
     """`at_switch` (the paper's: the one-loop phase has no conditioning, the switch adds it zero-initialised) or
     `from_start` (the conditioning exists and trains through the one-loop phase, at k = 1 seeing E_budget[1]; the
     switch changes only the loop counts). Without a switch both build the same model; a run continued from a
     `from_start` checkpoint with `switch_at = 0` keeps `from_start` (frozen on resume)"""
+
+    def check(self) -> None:
+        """The recurrence's options (RecurrenceOptions.check), then the training's; the late switch against
+        training.steps and the checkpoints it goes through: elr/config/checks.py."""
+        super().check()
+        if self.partition:
+            require(
+                len(self.partition) == 3 and all(n >= 0 for n in self.partition),
+                "elr.partition",
+                "must be three non-negative layer counts [L_in, L_rec, L_out]",
+                self.partition,
+            )
+            require(
+                self.partition[1] >= 1, "elr.partition", "the recurrent block needs at least one layer", self.partition
+            )
+        require(self.emulated_ranks >= 1, "elr.emulated_ranks", "must be >= 1", self.emulated_ranks)
+        require(
+            0.0 <= self.one_loop_override <= 1.0, "elr.one_loop_override", "must lie in [0, 1]", self.one_loop_override
+        )
+        for key in ("loop_weights", "loop_weights_start"):
+            if getattr(self, key):
+                check_loop_weights(f"elr.{key}", getattr(self, key), self.max_loops)
+        require(self.loop_schedule_steps >= 0, "elr.loop_schedule_steps", "must be >= 0", self.loop_schedule_steps)
+        require(
+            bool(self.loop_weights_start) == (self.loop_schedule_steps > 0),
+            "elr.loop_schedule_steps",
+            "and elr.loop_weights_start go together: a schedule needs both (or neither)",
+            self.loop_schedule_steps,
+        )
+        require(self.step_lr_scale > 0, "elr.step_lr_scale", "must be > 0", self.step_lr_scale)
+        require(self.step_weight_decay >= 0, "elr.step_weight_decay", "must be >= 0", self.step_weight_decay)
+        require(self.loop_gate_lr_scale > 0, "elr.loop_gate_lr_scale", "must be > 0", self.loop_gate_lr_scale)
+        require(self.loop_fade_steps >= 0, "elr.loop_fade_steps", "must be >= 0 (0: no fade)", self.loop_fade_steps)
+        require(
+            self.identity_loops or not self.loop_fade_steps,
+            "elr.loop_fade_steps",
+            "needs elr.identity_loops = true (the fade opens its gates)",
+            self.loop_fade_steps,
+        )
+        require(0.0 <= self.switch_at < 1.0, "elr.switch_at", "must lie in [0, 1)", self.switch_at)
+        require(
+            self.prefix_consistent or not self.loss_every_loop,
+            "elr.loss_every_loop",
+            "needs elr.conditioning_budget = false (with the budget embedding loop i of a k-loop run is "
+            "not the model at budget i)",
+            self.loss_every_loop,
+        )
+        require(
+            self.switch_at > 0 or not self.stop_at_switch,
+            "elr.stop_at_switch",
+            "needs a late switch (elr.switch_at > 0)",
+            self.stop_at_switch,
+        )
+        require(
+            self.conditioning or self.switch_conditioning == "at_switch",
+            "elr.switch_conditioning",
+            "from_start needs elr.conditioning = true",
+            self.switch_conditioning,
+        )
+        if not self.enabled:
+            require(
+                self.max_loops == 1,
+                "elr.max_loops",
+                "must be 1 when elr.enabled = false (the baseline)",
+                self.max_loops,
+            )
+            require(not self.conditioning, "elr.conditioning", "needs elr.enabled = true", self.conditioning)
+            require(self.switch_at == 0.0, "elr.switch_at", "needs elr.enabled = true", self.switch_at)
+
+
+def check_loop_weights(key: str, weights: list[float], max_loops: int) -> None:
+    """A distribution over k = 1..K: one weight per k, non-negative with a positive sum. The one check of it:
+    the [elr] section runs it, and so does the loop sampler on the weights it is given (elr/train/loop_sampler.py)."""
+    require(len(weights) == max_loops, key, f"needs one weight per k in 1..{max_loops}", weights)
+    require(all(w >= 0 for w in weights) and sum(weights) > 0, key, "must be non-negative with a positive sum", weights)
 
 
 @dataclass
@@ -111,6 +198,11 @@ class MoE:
     aux_loss_coeff: float = 0.0
     """weight of the sequence-level balance loss (DeepSeek-V3 form, our choice), summed over routing calls; under
     route replay loop 1 only; 0 disables"""
+
+    def check(self) -> None:
+        check_fields(self, "moe")
+        require(self.bias_update_rate >= 0, "moe.bias_update_rate", "must be >= 0", self.bias_update_rate)
+        require(self.aux_loss_coeff >= 0, "moe.aux_loss_coeff", "must be >= 0", self.aux_loss_coeff)
 
 
 @dataclass
@@ -130,7 +222,7 @@ class Training:
     """gradient-norm clipping; 0 disables"""
     seed: int = 0
     """initialisation, data order and loop draws"""
-    mixed_precision_param: str = "float32"
+    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
     """`float32` or `bfloat16`: parameter dtype in compute under FSDP (gradients reduce in fp32)"""
     max_nonfinite_steps: int = 3
     """consecutive NaN/Inf updates skipped before the run stops"""
@@ -139,12 +231,29 @@ class Training:
     in backward (`elr/train/loss.py`), so only one chunk's logits are ever alive (under TP, vocab-parallel: each
     rank's [chunk, vocab / tp] share); 0: the whole microbatch's logits at once"""
 
+    def check(self) -> None:
+        check_fields(self, "training")
+        require(self.steps >= 1, "training.steps", "must be >= 1", self.steps)
+        require(self.seq_len >= 1, "training.seq_len", "must be >= 1", self.seq_len)
+        require(self.local_batch_size >= 1, "training.local_batch_size", "must be >= 1", self.local_batch_size)
+        require(
+            self.global_batch_size == -1 or self.global_batch_size >= 1,
+            "training.global_batch_size",
+            "must be -1 or >= 1",
+            self.global_batch_size,
+        )
+        require(self.max_norm >= 0, "training.max_norm", "must be >= 0", self.max_norm)
+        require(self.max_nonfinite_steps >= 0, "training.max_nonfinite_steps", "must be >= 0", self.max_nonfinite_steps)
+        require(
+            self.loss_chunk_tokens >= 0, "training.loss_chunk_tokens", "must be >= 0 (0 = off)", self.loss_chunk_tokens
+        )
+
 
 @dataclass
 class Optimizer:
     """[optimizer]: each key's meaning is the string under its field."""
 
-    name: str = "adamw"
+    name: Literal["adamw", "muon"] = "adamw"
     """`adamw`, or `muon`: Muon for hidden matrices (each expert its own), AdamW for embeddings, head, norms,
     biases, gates (router, GDP decay/beta) and ELR heads"""
     lr: float = 3e-3
@@ -158,6 +267,19 @@ class Optimizer:
     muon_momentum: float = 0.95
     """`muon`: Nesterov momentum of the Muon matrices"""
 
+    def check(self) -> None:
+        check_fields(self, "optimizer")
+        require(self.lr > 0, "optimizer.lr", "must be > 0", self.lr)
+        require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "optimizer.betas",
+            "must be two numbers in [0, 1)",
+            self.betas,
+        )
+        require(self.eps > 0, "optimizer.eps", "must be > 0", self.eps)
+        require(self.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", self.weight_decay)
+        require(0 <= self.muon_momentum < 1, "optimizer.muon_momentum", "must lie in [0, 1)", self.muon_momentum)
+
 
 @dataclass
 class LRScheduler:
@@ -165,12 +287,18 @@ class LRScheduler:
 
     warmup_steps: int = 10
     """linear warmup"""
-    decay_type: str = "cosine"
+    decay_type: Literal["cosine", "wsd"] = "cosine"
     """`cosine` (to the minimum at the last step) or `wsd` (constant, then linear cool-down)"""
     decay_fraction: float = 0.2
     """wsd: fraction of the steps in the final decay"""
     min_lr_ratio: float = 0.01
     """final lr / peak lr"""
+
+    def check(self) -> None:
+        check_fields(self, "lr_scheduler")
+        require(self.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0", self.warmup_steps)
+        require(0 < self.decay_fraction <= 1, "lr_scheduler.decay_fraction", "must lie in (0, 1]", self.decay_fraction)
+        require(0 <= self.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "must lie in [0, 1]", self.min_lr_ratio)
 
 
 @dataclass
@@ -182,7 +310,7 @@ class Data:
     elr/text/chat_data.py) serves one conversation per row, its assistant tokens scored"""
     shuffle: bool = True
     """permute windows each epoch (O(1)-memory bijection seeded by seed and epoch)"""
-    task: str = ""
+    task: Literal["", "pointer_chase", "var_chain"] = ""
     """a depth-bound task generated on the fly instead of token files: `pointer_chase` or `var_chain` (its own
     vocabulary, loss on the answer only, validation accuracy per difficulty at every k; data parallelism only)"""
     task_items: int = 8
@@ -196,6 +324,28 @@ class Data:
     """the SHA-256 of `path`'s meta.json (64 hex digits), checked when set; empty: the trainer records it here in
     config.json, so a resume refuses a data folder that was prepared again since the run began"""
 
+    def check(self) -> None:
+        check_fields(self, "data")
+        check_sha256("data.meta_sha256", self.meta_sha256)
+        if self.task:
+            require(self.task_items >= 2, "data.task_items", "must be >= 2", self.task_items)
+            require(1 <= self.task_max_difficulty, "data.task_max_difficulty", "must be >= 1", self.task_max_difficulty)
+            require(
+                self.task_curriculum_steps >= 0,
+                "data.task_curriculum_steps",
+                "must be >= 0 (0 = off)",
+                self.task_curriculum_steps,
+            )
+
+
+def check_sha256(key: str, sha: str) -> None:
+    require(
+        sha == "" or (len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha)),
+        key,
+        "must be empty or 64 lowercase hex digits",
+        sha,
+    )
+
 
 @dataclass
 class Tokenizer:
@@ -207,6 +357,10 @@ class Tokenizer:
     sha256: str = ""
     """the ranks file's SHA-256 (64 hex digits), checked when set; empty: the trainer records the file's hash
     here in config.json (and in every checkpoint's), so inference refuses another tokenizer"""
+
+    def check(self) -> None:
+        check_fields(self, "tokenizer")
+        check_sha256("tokenizer.sha256", self.sha256)
 
 
 @dataclass
@@ -226,9 +380,9 @@ class Checkpoint:
     the newest usable one, if any"""
     async_save: bool = False
     """write in the background (DCP async save) while training continues"""
-    export_dtype: str = "none"
+    export_dtype: Literal["none", "float32", "bfloat16"] = "none"
     """`none`, `float32` or `bfloat16`: at the end also write model weights only"""
-    export_format: str = "dcp"
+    export_format: Literal["dcp", "hf"] = "dcp"
     """`dcp` (`step-N-model/`, this package's loaders) or `hf` (`step-N-hf/`: safetensors, config.json,
     tokenizer.json and remote code for transformers; needs `export_dtype`)"""
     create_seed: bool = False
@@ -237,6 +391,24 @@ class Checkpoint:
     """start from another run's weights: a `step-N` folder, a checkpoint folder (its newest step) or a Hugging
     Face export (scripts/export_hf.py); model only, optimizer, schedule and data position fresh; ignored once
     this run has checkpoints of its own"""
+
+    def check(self) -> None:
+        check_fields(self, "checkpoint")
+        require(self.interval >= 1, "checkpoint.interval", "must be >= 1", self.interval)
+        require(self.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", self.keep_latest_k)
+        require(self.load_step >= -1, "checkpoint.load_step", "must be -1 (latest) or a step", self.load_step)
+        require(
+            self.enable or not self.create_seed,
+            "checkpoint.create_seed",
+            "needs checkpoint.enable = true",
+            self.create_seed,
+        )
+        require(
+            self.export_format == "dcp" or self.export_dtype != "none",
+            "checkpoint.export_format",
+            "writes an export only with checkpoint.export_dtype set (float32 or bfloat16)",
+            self.export_format,
+        )
 
 
 @dataclass
@@ -255,6 +427,19 @@ class Metrics:
     """also log the scalars to Weights & Biases (`pip install -e ".[wandb]"`), into `dump_folder/wandb`, offline
     unless `WANDB_MODE` says otherwise; one run per dump folder, resumed with it"""
 
+    def check(self) -> None:
+        check_fields(self, "metrics")
+        require(self.log_freq >= 1, "metrics.log_freq", "must be >= 1", self.log_freq)
+        require(
+            self.peak_tflops >= 0, "metrics.peak_tflops", "must be >= 0 (0: the device's, if known)", self.peak_tflops
+        )
+        require(
+            not self.enable_wandb or importlib.util.find_spec("wandb") is not None,
+            "metrics.enable_wandb",
+            'needs wandb, an optional extra (pip install -e ".[wandb]")',
+            self.enable_wandb,
+        )
+
 
 @dataclass
 class Validation:
@@ -265,58 +450,10 @@ class Validation:
     steps: int = 4
     """microbatches per evaluation, each run at every k"""
 
-
-@dataclass
-class RL:
-    """[rl]: each key's meaning is the string under its field. The RLVR stage (elr/rl, docs/rl.md): groups of
-    completions sampled from prompts with verifiable answers, a group-relative policy-gradient update. Its batch
-    is `training.global_batch_size` completions (prompts x `group_size`), `training.local_batch_size` of them per
-    forward and backward; `training.steps` counts batches of rollouts, each at one k per group drawn from
-    `elr.loop_weights` (the paper's 4:1:1:1) by `elr.sampling`."""
-
-    enable: bool = False
-    """true: train.py runs the RLVR stage (needs `checkpoint.initial_load_path`, the SFT model) instead of
-    next-token prediction on `data.path`"""
-    prompts: str = ""
-    """a JSONL file of `{"prompt": text or chat messages, "answer": text}`; or built in: `arithmetic` (sums, as the
-    bundled chat data asks them), `var_chain` or `pointer_chase` (the depth-bound tasks in words, 8192 fixed
-    questions each, elr/text/depth_questions.py); 1 prompt in 16 (by a hash of its text) is held out for evaluation"""
-    group_size: int = 8
-    """completions per prompt (G >= 2: a group's advantages compare its completions)"""
-    max_new_tokens: int = 64
-    """a completion's length limit; it stops earlier at <|endoftext|>"""
-    temperature: float = 1.0
-    """rollout sampling temperature (> 0)"""
-    top_p: float = 1.0
-    """rollout nucleus sampling (1: off)"""
-    rollout_kv: str = "last_loop_kv"
-    """the rollouts' inference cache: `last_loop_kv` (the paper's: attention KV at its one-loop size), `per_loop`
-    (exact) or `last_loop`; the update recomputes every log-prob with the training forward whatever it is"""
-    advantage: str = "grpo"
-    """`grpo` (reward minus the group mean, over the group's std; loss averaged over the batch's completion tokens)
-    or `dr_grpo` (no std; loss summed over tokens and divided by completions x max_new_tokens: no length bias)"""
-    clip_low: float = 0.2
-    """the ratio's lower clip, 1 - clip_low"""
-    clip_high: float = 0.28
-    """the ratio's upper clip, 1 + clip_high (DAPO's clip-higher)"""
-    kl_coeff: float = 0.0
-    """> 0: a KL penalty to the stage's initial model (a frozen copy; k3 estimator); 0: no reference model"""
-    updates_per_batch: int = 1
-    """optimizer updates on each batch of rollouts (after the first the ratio departs from 1 and the clip acts)"""
-    loop_credit: str = "last"
-    """`last` (the policy is the readout after the group's k loops) or `every_loop` (the objective averaged over
-    the readouts after each loop 1..k, each its own policy at that budget: credit to every loop, our reading of
-    RLTT, arXiv 2602.10520; needs a prefix-consistent recurrence)"""
-    reward: str = "exact"
-    """`exact` (1 if the extracted answer equals the normalised reference, else 0) or `module:function`, a Python
-    function (prompt, completion, answer) -> number that this config names and so runs"""
-    answer_format: str = "last_number"
-    """how `exact` extracts a completion's answer: `last_number`, `boxed` (the last \\boxed{...}) or `text` (the
-    whole completion)"""
-    eval_prompts: int = 64
-    """held-out prompts answered greedily at every k at each evaluation (`validation.freq`)"""
-    samples_every: int = 50
-    """steps between the table of sample completions written to samples.jsonl (and TensorBoard); 0: never"""
+    def check(self) -> None:
+        check_fields(self, "validation")
+        require(self.freq >= 0, "validation.freq", "must be >= 0", self.freq)
+        require(self.steps >= 1, "validation.steps", "must be >= 1", self.steps)
 
 
 @dataclass
@@ -336,6 +473,24 @@ class Parallelism:
     """ranks that split every layer's heads / hidden dims, with the sequence split between layers (TP + SP); must
     divide the world size, the heads and `training.seq_len`"""
 
+    def check(self) -> None:
+        """The degrees alone; against training.seq_len: elr/config/checks.py; against the model's heads and
+        experts: elr/models/from_config.py; against the world size: at launch (elr/parallel/parallel_dims.py)."""
+        check_fields(self, "parallelism")
+        require(
+            self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+            "parallelism.data_parallel_shard_degree",
+            "must be -1 or >= 1",
+            self.data_parallel_shard_degree,
+        )
+        for key in (
+            "data_parallel_replicate_degree",
+            "expert_parallel_degree",
+            "context_parallel_degree",
+            "tensor_parallel_degree",
+        ):
+            require(getattr(self, key) >= 1, f"parallelism.{key}", "must be >= 1", getattr(self, key))
+
 
 @dataclass
 class Compile:
@@ -344,17 +499,30 @@ class Compile:
     enable: bool = False
     """torch.compile each layer once; recurrent layers reuse their compiled code on every loop"""
 
+    def check(self) -> None:
+        check_fields(self, "compile")
+
 
 @dataclass
 class ActivationCheckpoint:
     """[activation_checkpoint]: each key's meaning is the string under its field."""
 
-    mode: str = "none"
+    mode: Literal["none", "selective", "full"] = "none"
     """`none`, `selective` or `full` (recompute each layer call in backward, keep its input); every call of a
     recurrent layer is its own checkpoint"""
     selective_ac_option: str = "op"
     """selective: `op` (keep matmul and attention outputs, recompute the rest) or an integer N (fully checkpoint
     every N-th layer)"""
+
+    def check(self) -> None:
+        check_fields(self, "activation_checkpoint")
+        option = self.selective_ac_option
+        require(
+            option == "op" or (option.isdigit() and int(option) >= 1),
+            "activation_checkpoint.selective_ac_option",
+            'must be "op" or a layer interval N >= 1',
+            option,
+        )
 
 
 @dataclass
@@ -364,6 +532,9 @@ class Float8:
     enable: bool = False
     """torchao float8 training for linear layers with dims divisible by 16 (not the head, router or ELR heads);
     emulated on CPU"""
+
+    def check(self) -> None:
+        check_fields(self, "float8")
 
 
 @dataclass
@@ -386,6 +557,17 @@ class Profiling:
     (https://pytorch.org/memory_viz)"""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """relative to `job.dump_folder`"""
+
+    def check(self) -> None:
+        check_fields(self, "profiling")
+        require(
+            self.profile_freq >= 2,
+            "profiling.profile_freq",
+            "must be >= 2 (warm-up steps precede a trace)",
+            self.profile_freq,
+        )
+        for key in ("save_traces_folder", "save_memory_snapshot_folder"):
+            require(getattr(self, key) != "", f"profiling.{key}", "must name a folder", "")
 
 
 @dataclass

@@ -3,8 +3,11 @@
 Each value is checked against its field's annotated type (CLI strings parsed, lists comma-separated:
 `--optimizer.betas 0.9,0.95`), and an unknown section or key is one ConfigError naming it. As in
 torchtitan, a boolean key given bare (`--checkpoint.enable`) is true, and a key may be spelled with
-dashes (`--checkpoint.keep-latest-k`). elr/config/job.py holds the sections, their
-defaults and the checks of their values; this is the mechanism that fills them.
+dashes (`--checkpoint.keep-latest-k`). A key with a fixed set of values is annotated `Literal[...]`: the
+annotation is its one list of choices (`choices` reads it for the checks, `--help`, the configuration page and
+the code that dispatches on it). elr/config/job.py holds the sections, their defaults and the checks of their
+values; this is the mechanism that fills them, with the rules every key obeys by its type (`check_fields`) and
+the one form of a config error (`require`).
 """
 
 from __future__ import annotations
@@ -13,13 +16,51 @@ import dataclasses
 import difflib
 import math
 import typing
+from typing import Literal
 
 from elr.errors import ConfigError
+
+
+def require(ok: bool, key: str, message: str, value) -> None:
+    """The one form of a config error: `section.key: message (got value)`, raised unless ok."""
+    if not ok:
+        raise ConfigError(f"{key}: {message} (got {value!r})")
+
+
+def choices(section, name: str) -> tuple:
+    """The values a choice field (annotated `Literal[...]`) may take, in the annotation's order; () for any other
+    field. `section`: a section's dataclass or an instance of it."""
+    return _choices_of(typing.get_type_hints(section if isinstance(section, type) else type(section))[name])
+
+
+def _choices_of(typ) -> tuple:
+    return typing.get_args(typ) if typing.get_origin(typ) is Literal else ()
+
+
+def check_choice(key: str, value, allowed: tuple) -> None:
+    """A choice key's value is one of its choices (the empty string spelt `""`)."""
+    spelt = ", ".join(choice if choice != "" else '""' for choice in allowed)
+    require(value in allowed, key, f"must be one of {spelt}", value)
+
+
+def check_fields(section, table: str) -> None:
+    """The rules every key of a section obeys by its type, whoever set it (a file, the command line or code):
+    a choice key holds one of its choices, a number is finite (nan passes every comparison like lr > 0).
+    Each section's `check()` runs this first; `table` is its TOML table, the keys' prefix."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        key, value = f"{table}.{f.name}", getattr(section, f.name)
+        if allowed := _choices_of(hints[f.name]):
+            check_choice(key, value, allowed)
+        numbers = value if isinstance(value, list) else [value]
+        require(all(math.isfinite(x) for x in numbers if isinstance(x, float)), key, "must be a finite number", value)
 
 
 def coerce(key: str, value, typ):
     """Check a TOML value (or parse a CLI string) against the field's annotated type."""
     origin = typing.get_origin(typ)
+    if origin is Literal:  # typed as its choices' type here; which choice: the section's check (check_fields)
+        return coerce(key, value, type(typing.get_args(typ)[0]))
     if origin is list:
         (item_type,) = typing.get_args(typ)
         if isinstance(value, str):

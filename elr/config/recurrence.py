@@ -6,23 +6,20 @@ name from the TOML file to the code that runs it (elr/models/recurrence.py). Eve
 network, so every field is frozen on resume (elr/train/resume.py) and written into a Hugging Face
 export's config (elr/interop/hf_config.py); both read the list from here.
 
-Plain data on purpose: elr/config/job.py imports it and must not import the models. Adding an option is
-a field with its doc line and its check here, its use in the recurrence, its test (docs/extending.md, "Adding a
+Plain data on purpose: elr/config/job.py imports it and must not import the models. A choice option is
+annotated `Literal[...]`, its one list of values (the model reads it from there). Adding an option is a field
+with its doc line and its check here, its use in the recurrence, its test (docs/extending.md, "Adding a
 recurrence option").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
+from typing import Literal
 
-from elr.errors import ConfigError
+from elr.config.keys import check_fields, require
 
-# The option strings of `update`, `recurrent_input` and `step_input` (their meaning: elr/models/recurrence.py).
-UPDATE_RULES = ("adaptive_delta", "replace", "residual")
-RECURRENT_INPUTS = ("state", "state_plus_input", "state_plus_adapted_input")
-STEP_INPUTS = ("state", "delta", "channel")
 # Each loop count adds its own conditioning rows and a validation pass; the paper trains K = 4. A bound far
 # above any budget a model is served at, and far below what would build a model no machine holds.
 MAX_LOOPS = 64
@@ -34,14 +31,14 @@ class RecurrenceOptions:
 
     max_loops: int = 3
     """K: loop counts are drawn from 1..K; validation runs every k in 1..K"""
-    recurrent_input: str = "state"
+    recurrent_input: Literal["state", "state_plus_input", "state_plus_adapted_input"] = "state"
     """`state`, `state_plus_input` (re-injection of h_in from loop 2 on, the Table 14 ablation; k = 1 stays the
     plain stack) or `state_plus_adapted_input` (s_{i-1} + W h_in on every loop, the first included, W
     zero-initialised: the plain stack at init, and k = 1 may learn to differ)"""
-    update: str = "adaptive_delta"
+    update: Literal["adaptive_delta", "replace", "residual"] = "adaptive_delta"
     """`adaptive_delta` (learned step), `replace` (s_i = r_i) or `residual` (s_i = s_{i-1} + r_i; k = 1 is not
     the plain stack)"""
-    step_input: str = "state"
+    step_input: Literal["state", "delta", "channel"] = "state"
     """what `adaptive_delta`'s step a = 2σ(W norm(x) + b) sees: `state` (x = s~_i), `delta` (x = r_i − s_{i-1})
     or `channel` (no input: one step per channel, a = 2σ(b))"""
     conditioning: bool = True
@@ -94,46 +91,46 @@ class RecurrenceOptions:
         return cls(**{name: getattr(section, name) for name in names()})
 
     def check(self) -> None:
-        """Reject options no recurrence can be built from; one ConfigError naming the key."""
-        _check(1 <= self.max_loops <= MAX_LOOPS, "max_loops", f"must lie in 1..{MAX_LOOPS}", self.max_loops)
-        for key, allowed in (
-            ("update", UPDATE_RULES),
-            ("recurrent_input", RECURRENT_INPUTS),
-            ("step_input", STEP_INPUTS),
-        ):
-            _check(getattr(self, key) in allowed, key, f"must be one of {', '.join(allowed)}", getattr(self, key))
-        _check(
-            0 <= self.backprop_loops <= self.max_loops,
-            "backprop_loops",
-            f"must lie in 0..max_loops = {self.max_loops} (0: every loop)",
-            self.backprop_loops,
-        )
-        _check(
+        """Reject options a run should not train with; one ConfigError naming the key. The job's [elr] section
+        runs it (`ELR.check`): what any recurrence needs (`check_buildable`), then the combinations that build
+        but train badly or leave an option without effect."""
+        self.check_buildable()
+        require(
             not self.backprop_loops or self.recurrent_input != "state",
-            "backprop_loops",
+            "elr.backprop_loops",
             "needs elr.recurrent_input = state_plus_input or state_plus_adapted_input: with the state alone the "
             "detached state cuts the input block and embeddings off from every microbatch of k > backprop_loops",
             self.backprop_loops,
         )
-        _check(
-            math.isfinite(self.initial_state_noise) and self.initial_state_noise >= 0,
-            "initial_state_noise",
-            "must be finite and >= 0 (0: off)",
-            self.initial_state_noise,
-        )
         loops_conditioned = self.conditioning_first_loop or self.conditioning_later_loops
-        _check(
+        require(
             loops_conditioned or self.conditioning_exit,
-            "conditioning_later_loops",
+            "elr.conditioning_later_loops",
             "and elr.conditioning_first_loop are both false and elr.conditioning_exit is off: nothing is "
             "conditioned (set elr.conditioning = false)",
             self.conditioning_later_loops,
         )
-        _check(
+        require(
             self.conditioning or not self.conditioning_exit,
-            "conditioning_exit",
+            "elr.conditioning_exit",
             "needs elr.conditioning = true",
             self.conditioning_exit,
+        )
+
+    def check_buildable(self) -> None:
+        """What every recurrence needs to be built as asked: a choice among the known ones, a loop count in range.
+        ModelArgs run this on themselves (elr/models/args.py), so a model built without a job config (a test of
+        an option the config refuses) still gets these, from the same lines."""
+        check_fields(self, "elr")  # the choices of `update`, `recurrent_input`, `step_input`; finite numbers
+        require(1 <= self.max_loops <= MAX_LOOPS, "elr.max_loops", f"must lie in 1..{MAX_LOOPS}", self.max_loops)
+        require(
+            0 <= self.backprop_loops <= self.max_loops,
+            "elr.backprop_loops",
+            f"must lie in 0..max_loops = {self.max_loops} (0: every loop)",
+            self.backprop_loops,
+        )
+        require(
+            self.initial_state_noise >= 0, "elr.initial_state_noise", "must be >= 0 (0: off)", self.initial_state_noise
         )
 
     @property
@@ -147,8 +144,3 @@ class RecurrenceOptions:
 def names() -> list[str]:
     """The option names: each is the config key `elr.<name>` and the field `ModelArgs.recurrence.<name>`."""
     return [f.name for f in dataclasses.fields(RecurrenceOptions)]
-
-
-def _check(ok: bool, name: str, message: str, value) -> None:
-    if not ok:
-        raise ConfigError(f"elr.{name}: {message} (got {value!r})")

@@ -1,8 +1,9 @@
 """Every config key with its type, default and doc, read from the dataclasses of elr/config/job.py.
 
-One source: the string under each field is its meaning, as torchtitan's config dataclasses do it. `train.py --help`
-prints them and the configuration table of docs/configuration.md is this module's `markdown_table()` (a test
-checks the page holds exactly that table, and that every field has its entry).
+One source: the string under each field is its meaning, as torchtitan's config dataclasses do it, and a choice
+key's values are its `Literal[...]` annotation. `train.py --help` prints them and the configuration table of
+docs/configuration.md is this module's `markdown_table()` (a test checks the page holds exactly that table, and
+that every field has its entry). Needs no torch.
 
     python -m elr.config.reference --markdown     # docs/configuration.md's table, to paste after a change
 """
@@ -41,9 +42,24 @@ def key_docs(section_cls) -> dict[str, str]:
 
 
 def type_name(typ) -> str:
+    """`int`, `list[float]`, ...; a choice key: its values, `{adamw,muon}` (the empty string spelt `""`)."""
     if typing.get_origin(typ) is list:
         return f"list[{typing.get_args(typ)[0].__name__}]"
+    if typing.get_origin(typ) is typing.Literal:
+        return "{" + ",".join(json.dumps(c) if c == "" else str(c) for c in typing.get_args(typ)) + "}"
     return typ.__name__
+
+
+def metavar(typ: str) -> str:
+    """How `--help` shows a key's type: INT, LIST[FLOAT]; a choice key's values as they are typed."""
+    return typ if typ.startswith("{") else typ.upper()
+
+
+def type_cell(typ: str) -> str:
+    """A type in the configuration table: `int`; a choice key's values, each in code."""
+    if typ.startswith("{"):
+        return ", ".join(f"`{c}`" for c in typ[1:-1].split(","))
+    return f"`{typ}`"
 
 
 def show_default(value) -> str:
@@ -74,17 +90,17 @@ def help_text() -> str:
     for section, _, keys in config_keys():
         lines.append(f"\n  [{section}]")
         for name, typ, default, doc in keys:
-            lines.append(f"  --{section}.{name} {typ.upper()} (default {default})")
+            lines.append(f"  --{section}.{name} {metavar(typ)} (default {default})")
             lines.append(f"      {doc}")
     return "\n".join(lines)
 
 
 def markdown_table() -> str:
     """The configuration table of docs/configuration.md."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for section, _, keys in config_keys():
-        rows.append(f"| **[{section}]** | | |")
-        rows += [f"| `{name}` | `{default}` | {doc} |" for name, _, default, doc in keys]
+        rows.append(f"| **[{section}]** | | | |")
+        rows += [f"| `{name}` | {type_cell(typ)} | `{default}` | {doc} |" for name, typ, default, doc in keys]
     return "\n".join(rows)
 
 

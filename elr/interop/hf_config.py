@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 
 from elr.config.recurrence import RecurrenceOptions
-from elr.errors import CheckpointError
+from elr.errors import CheckpointError, ConfigError
 from elr.models.args import ModelArgs
 
 CONFIG = "config.json"
@@ -131,7 +131,7 @@ def model_args(fields, where: str | Path = CONFIG) -> ModelArgs:
                 "recurrence": RecurrenceOptions(**fields["recurrence"]),
             }
         )
-    except ValueError as e:
+    except (ValueError, ConfigError) as e:  # ModelArgs refuses what the job config would (elr/models/args.py)
         raise CheckpointError(f"{where}: elr_model: {e}") from None
 
 
@@ -173,6 +173,8 @@ def _is(value, want) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if want is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typing.get_origin(want) is typing.Literal:  # a choice option: one of its values
+        return value in typing.get_args(want)
     return isinstance(value, want)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from elr.config.keys import require
 from elr.config.recurrence import RecurrenceOptions
 
 
@@ -51,10 +52,10 @@ class ModelArgs:
     cond_dim: int = 256  # width of the loop conditioning's embeddings
 
     def __post_init__(self):
-        if sum(self.partition) != len(self.layer_pattern):
-            raise ValueError(f"partition {self.partition} does not add up to {len(self.layer_pattern)} layers")
-        if self.recurrence.max_loops < 1:
-            raise ValueError(f"max_loops must be >= 1, got {self.recurrence.max_loops}")
+        """A model's shape guards itself with the job config's own checks of what can be built, so one built
+        without a config (a test, an export's config.json) is refused with the line the config would give."""
+        check_partition(self.partition, self.n_layers)
+        self.recurrence.check_buildable()  # what the job config checks too (elr/config/recurrence.py)
 
     def with_recurrence(self, **options) -> ModelArgs:
         """These shapes with the given recurrence options changed (`args.with_recurrence(max_loops=3)`)."""
@@ -68,6 +69,14 @@ class ModelArgs:
     def rope_dim(self) -> int:
         """Rotated dims per attention head: rope_fraction of head_dim, rounded down to even."""
         return int(self.head_dim * self.rope_fraction) // 2 * 2
+
+
+def check_partition(partition, n_layers: int, of: str = "the layer pattern") -> None:
+    """(L_in, L_rec, L_out) adds up to the layers. The one check of it: ModelArgs runs it on itself, and the job
+    config on elr.partition against its flavor's layers (elr/models/from_config.py), before any work."""
+    require(
+        sum(partition) == n_layers, "elr.partition", f"must add up to the {n_layers} layers of {of}", list(partition)
+    )
 
 
 # Nemotron 3 Nano 30B-A3B's published hybrid_override_pattern (M = Mamba mixer, E = FF/MoE,

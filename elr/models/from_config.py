@@ -1,9 +1,9 @@
 """Job config -> ModelArgs: the one place where [model], [elr] and [moe] become a model's shape.
 
-elr/config/job.py is plain data and knows no model; the checks that need the model code (flavor names,
-the option strings of the GDP kernels, the partition against the flavor's layer count) live here and raise the same
-one-line ConfigError naming the key. The trainer runs them
-before any other work, and scripts/estimate_cost.py uses this module without importing the trainer.
+elr/config/ is plain data and knows no model; the checks that need the model code (the flavor's name, the
+partition against the flavor's layer count, the expert- and tensor-parallel degrees against its experts and
+heads) live here and raise the same one-line ConfigError naming the key. The trainer runs them before any
+other work, and scripts/estimate_cost.py uses this module without importing the trainer.
 """
 
 from __future__ import annotations
@@ -11,49 +11,33 @@ from __future__ import annotations
 import dataclasses
 
 from elr.config import JobConfig
+from elr.config.keys import require
 from elr.config.recurrence import RecurrenceOptions
-from elr.errors import ConfigError
-from elr.models.args import ModelArgs, flavors
-from elr_kernels.gated_delta_product import IMPL_CHOICES
-
-
-def _check(ok: bool, key: str, message: str, value) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message} (got {value!r})")
+from elr.models.args import ModelArgs, check_partition, flavors
+from elr.models.layers import check_tensor_parallel
 
 
 def check_model_config(cfg: JobConfig) -> None:
     """Reject model settings that no model can be built from; one ConfigError naming the key."""
-    _check(cfg.model.flavor in flavors, "model.flavor", f"must be one of {', '.join(flavors)}", cfg.model.flavor)
-    _check(
-        cfg.model.gdp_impl in IMPL_CHOICES,
-        "model.gdp_impl",
-        f"must be one of {', '.join(IMPL_CHOICES)}",
-        cfg.model.gdp_impl,
-    )
+    require(cfg.model.flavor in flavors, "model.flavor", f"must be one of {', '.join(flavors)}", cfg.model.flavor)
     e = cfg.elr
     ep, flavor = cfg.parallelism.expert_parallel_degree, flavors[cfg.model.flavor]
     if ep > 1:
-        _check(
+        require(
             "E" in flavor.layer_pattern,
             "parallelism.expert_parallel_degree",
             f"needs MoE layers; flavor {cfg.model.flavor} is dense",
             ep,
         )
-        _check(
+        require(
             flavor.moe_experts % ep == 0,
             "parallelism.expert_parallel_degree",
             f"must divide the {flavor.moe_experts} experts of flavor {cfg.model.flavor}",
             ep,
         )
-    n_layers = len(flavor.layer_pattern)
+    check_tensor_parallel(flavor, cfg.parallelism.tensor_parallel_degree)
     if e.partition:
-        _check(
-            sum(e.partition) == n_layers,
-            "elr.partition",
-            f"must add up to the {n_layers} layers of flavor {cfg.model.flavor}",
-            e.partition,
-        )
+        check_partition(e.partition, flavor.n_layers, f"flavor {cfg.model.flavor}")
 
 
 def model_args_from_config(cfg: JobConfig, vocab_size: int, mixed_depth: bool = True) -> ModelArgs:

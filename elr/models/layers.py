@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from elr.errors import ConfigError
 from elr.models.args import ModelArgs
 from elr.models.attention import Attention, AttentionKV, attention_flops, attention_kv_bytes, attention_split
 from elr.models.ffn import MoE, dense_feed_forward, dense_flops, dense_split, moe_flops, moe_split
@@ -84,3 +85,23 @@ class Layer(nn.Module):
         given = {"rope": rope, "cache": cache, "route": route}
         y = self.sublayer(h, *[given[name] for name in self.inputs])
         return x + (y if gate is None else (1 + gate) * y)
+
+
+def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
+    """Refuse a tensor-parallel degree the layer kinds cannot split evenly, before any weight exists; one line
+    naming the key. The vocabulary may split unevenly: DTensor pads the last shard. The one check of it: the job
+    config's model check runs it (elr/models/from_config.py), and tensor parallelism on the model it splits."""
+    if tp == 1:
+        return
+    splits = [LAYER_KINDS[letter].tensor_split(args, tp) for letter in LAYER_KINDS if letter in args.layer_pattern]
+    for split in splits:
+        for what, size in split.multiple_of.items():
+            if tp % size:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree: {tp} must be a multiple of the {size} {what} "
+                    "when it exceeds them (each rank keeps a replicated one)"
+                )
+    for split in splits:
+        for what, size in split.divides.items():
+            if size % tp:
+                raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {size} {what}")

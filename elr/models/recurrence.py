@@ -48,14 +48,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elr.config.recurrence import RECURRENT_INPUTS, STEP_INPUTS, UPDATE_RULES, RecurrenceOptions
+from elr.config.recurrence import RecurrenceOptions
 from elr.models.args import ModelArgs
 from elr.models.budget import LoopBudget, budget_range
 from elr.models.cache import Cache
 from elr.models.early_exit import ExitRule
 from elr.models.ffn import Route
 
-# The option strings (UPDATE_RULES, RECURRENT_INPUTS, STEP_INPUTS) are declared with the options,
+# The option strings of `update`, `recurrent_input` and `step_input` are the `Literal`s of their fields,
 # elr/config/recurrence.py. What the learned step sees (our choice; the paper gives no equation for
 # it): the block's input s~ ("state"), the change the block proposes r - s ("delta"), or nothing, a
 # per-channel step shared by every token ("channel").
@@ -70,8 +70,6 @@ class AdaptiveStep(nn.Module):
 
     def __init__(self, dim: int, eps: float, step_input: str = "state"):
         super().__init__()
-        if step_input not in STEP_INPUTS:
-            raise ValueError(f"unknown ELR step input {step_input!r}; use one of {', '.join(STEP_INPUTS)}")
         self.step_input = step_input
         if step_input == "channel":
             self.bias = nn.Parameter(torch.empty(dim))
@@ -237,14 +235,8 @@ class RecurrentBlock(nn.Module):
     def __init__(self, args: ModelArgs, layers: list[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        o = args.recurrence
+        o = args.recurrence  # checked as ModelArgs were built (RecurrenceOptions.check_buildable)
         self.max_loops, self.update, self.recurrent_input = o.max_loops, o.update, o.recurrent_input
-        if o.update not in UPDATE_RULES:
-            raise ValueError(f"unknown ELR update rule {o.update!r}; use one of {', '.join(UPDATE_RULES)}")
-        if o.recurrent_input not in RECURRENT_INPUTS:
-            raise ValueError(
-                f"unknown ELR recurrent input {o.recurrent_input!r}; use one of {', '.join(RECURRENT_INPUTS)}"
-            )
         self.step_size = AdaptiveStep(args.dim, args.norm_eps, o.step_input) if o.update == "adaptive_delta" else None
         self.conditioning = (
             LoopConditioning(len(layers), args.dim, args.cond_dim, o, exit_layers=args.partition[2])

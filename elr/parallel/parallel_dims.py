@@ -63,6 +63,8 @@ class ParallelDims:
     ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
+        """The rules that need the world size, known only at launch; the degrees themselves are checked with the
+        config (`Parallelism.check`, elr/config/job.py), against the model in elr/models/from_config.py."""
         for key, degree in (("context_parallel_degree", self.cp), ("tensor_parallel_degree", self.tp)):
             if self.world_size % degree:
                 raise ConfigError(f"parallelism.{key}: {degree} does not divide the world size {self.world_size}")

@@ -47,10 +47,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from elr.errors import ConfigError
-from elr.models.args import ModelArgs
 from elr.models.kinds import Rows, TensorSplit
-from elr.models.layers import LAYER_KINDS
+from elr.models.layers import LAYER_KINDS, check_tensor_parallel
 from elr.models.model import ELRModel
 
 logger = logging.getLogger("elr")
@@ -128,25 +126,6 @@ class LocalCompute(ParallelStyle):
         return output
 
 
-def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
-    """Refuse layouts TP cannot split evenly, before any weight exists; one line naming the key.
-    The vocabulary may split unevenly: DTensor pads the last shard."""
-    if tp == 1:
-        return
-    splits = [LAYER_KINDS[letter].tensor_split(args, tp) for letter in LAYER_KINDS if letter in args.layer_pattern]
-    for split in splits:
-        for what, size in split.multiple_of.items():
-            if tp % size:
-                raise ConfigError(
-                    f"parallelism.tensor_parallel_degree: {tp} must be a multiple of the {size} {what} "
-                    "when it exceeds them (each rank keeps a replicated one)"
-                )
-    for split in splits:
-        for what, size in split.divides.items():
-            if size % tp:
-                raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} does not divide the {size} {what}")
-
-
 def sublayer_plan(split: TensorSplit, experts_elsewhere: bool = False) -> dict[str, ParallelStyle]:
     """The plan of one sublayer from its kind's split, keyed by submodule ("" is the sublayer itself).
     experts_elsewhere: expert parallelism holds the split's expert stacks, so TP leaves them alone."""
@@ -170,7 +149,7 @@ def tensor_parallel_plan(model: ELRModel, tp: int, experts_elsewhere: bool = Fal
     kind gets the same plan) and "recurrent" (the block's token-wise modules). Checked first: one line
     naming the key if TP cannot split the model evenly."""
     args = model.args
-    check_tensor_parallel(args, tp)
+    check_tensor_parallel(args, tp)  # the config's check (elr/models/from_config.py), on the model it splits
     plan = {
         "model": {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),

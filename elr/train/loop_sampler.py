@@ -42,11 +42,12 @@ import math
 
 import torch
 
-from elr.config import JobConfig, switch_step
-from elr.config.checks import CHOICES
+from elr.config import ELR, JobConfig, switch_step
+from elr.config.job import check_loop_weights
+from elr.config.keys import check_choice, choices
 from elr.errors import ConfigError
 
-SAMPLING = CHOICES["elr.sampling"]
+SAMPLING = choices(ELR, "sampling")  # the field's Literal: the one list of modes
 
 
 def mix_seed(seed: int, step: int) -> int:
@@ -69,18 +70,20 @@ class LoopSampler:
         schedule_steps: int = 0,
         schedule_from: int = 0,
     ):
-        if sampling not in SAMPLING:
-            raise ValueError(f"unknown loop sampling {sampling!r}")
+        # A sampler built from other values than a checked config (scripts, studies) guards itself with the
+        # config's own checks.
+        check_choice("elr.sampling", sampling, SAMPLING)
         self.max_loops, self.sampling, self.override, self.seed = max_loops, sampling, one_loop_override, seed
-        self.probs = self._normalised(loop_weights)  # after any schedule: what the closed forms describe
+        self.probs = self._normalised(loop_weights, "elr.loop_weights")  # after any schedule: the closed forms'
         # The schedule: start_probs at update schedule_from + 1, blended into probs over schedule_steps updates.
-        self.start_probs = self._normalised(start_weights) if schedule_steps else None
+        self.start_probs = self._normalised(start_weights, "elr.loop_weights_start") if schedule_steps else None
         self.schedule_steps, self.schedule_from = schedule_steps, schedule_from
 
-    def _normalised(self, weights: list[float] | None) -> torch.Tensor:
+    def _normalised(self, weights: list[float] | None, key: str) -> torch.Tensor:
+        """p(k) from weights over k = 1..K; none: uniform."""
+        if weights:
+            check_loop_weights(key, weights, self.max_loops)
         w = torch.tensor(weights or [1.0] * self.max_loops, dtype=torch.float64)
-        if len(w) != self.max_loops or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"loop_weights must be {self.max_loops} non-negative numbers with a positive sum")
         return w / w.sum()
 
     def probs_at(self, step: int) -> torch.Tensor:
@@ -182,7 +185,8 @@ class DepthSchedule:
         )
         self.dp_world, self.n_micro, self.group_size = dp_world, n_micro, group_size
         # One process standing in for a cluster (elr.emulated_ranks): its microbatches are laid out as
-        # ranks x microbatches, rank-major, and drawn as that many ranks would draw them.
+        # ranks x microbatches, rank-major, and drawn as that many ranks would draw them. Checked here, not with
+        # the config: the data-parallel ranks and the microbatch count are known at launch.
         self.emulated = e.emulated_ranks
         if self.emulated > 1 and (dp_world != 1 or n_micro % self.emulated):
             raise ConfigError(
