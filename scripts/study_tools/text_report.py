@@ -10,6 +10,7 @@ from elr.tools.route_diagnostics import route_drift
 
 from .aids_report import aids_section
 from .paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS, paper_difference, paper_rows
+from .protocol import PROTOCOL_KEYS
 from .runs import Run, carried_note, final_validation, latest_checkpoint
 from .sampling_report import sampling_section, wait_figures
 from .stats import best_k, fmt_paired, paired, per_seed, relative, summarise, verdict
@@ -71,11 +72,11 @@ def mean_per_key(dicts: list[dict]) -> dict:
     return statistics.fmean(dicts)
 
 
-def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batches: int, val_steps: int | None) -> dict:
+def collect(runs: list[Run], variants: dict, data: Path, stats_batches: int, val_steps: int | None) -> dict:
     results = {}
     for variant, spec in variants.items():
         # every finished seed counts: a grid cut short reports each variant over the seeds it has
-        finished = [(r, final_validation(r.folder, steps)) for r in runs if r.variant == variant]
+        finished = [(r, final_validation(r.folder, r.steps)) for r in runs if r.variant == variant]
         finished = [(r, run_losses) for r, run_losses in finished if run_losses is not None]
         if not finished:
             continue
@@ -89,7 +90,9 @@ def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batch
             "loss": [m for m, _ in per_k],
             "std": [s for _, s in per_k],
             "per_seed": losses,
+            "steps": mine[0].steps,
         }
+        entry.update({key: spec[key] for key in PROTOCOL_KEYS if key in spec})
         replay_check = "table_1" in spec["groups"] and not spec["overrides"].get("moe.route_replay")
         if K > 1:  # one load of each run's final weights for every measurement below
             from elr.infer.load import load_model
