@@ -136,12 +136,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     (out / "results.json").write_text(
         json.dumps(
-            {"suite": args.suite, "steps": steps, "seeds": seeds, "carried": carried, "results": results}, indent=2
+            {
+                "suite": args.suite,
+                "corpus": args.corpus if args.suite == "text" else None,
+                "steps": steps,
+                "seeds": seeds,
+                "carried": carried,
+                "results": results,
+            },
+            indent=2,
         )
     )
     try:
         if args.suite == "text":
-            text_report.write_markdown(results, out, steps, seeds, carried)
+            text_report.write_markdown(results, out, steps, seeds, carried, "code" if code else "prose")
             figures = text_report.plot(results, out)
         else:
             depth_report.write_markdown(results, out, steps, seeds, task["task"], carried)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # What a variant's spec says about its protocol, copied into its report entry.
-PROTOCOL_KEYS = ("k1_control", "flops_of", "flops_vs_baseline")
+PROTOCOL_KEYS = ("baseline", "k1_control", "flops_of", "flops_vs_baseline")
 
 # The keys that only a mixed-depth phase uses: how loop counts are drawn, the late switch and what opens the
 # later loops after it. A member's k = 1-only control drops them; every other key is the member's own.
@@ -47,7 +47,12 @@ def own_k1_overrides(overrides: dict) -> dict:
 
 def check_protocols(variants: dict[str, dict], protocols: dict[str, dict]) -> None:
     """Every protocol names variants that exist; every member's k = 1-only control is its own architecture
-    at one loop; a FLOPs-matched member names a variant to match. Raises ValueError naming the first fault."""
+    at one loop; a FLOPs-matched member names a variant to match; no variant is in two protocol groups (its
+    baseline would be ambiguous). Raises ValueError naming the first fault."""
+    for v, spec in variants.items():
+        groups = [g for g in spec["groups"] if g in protocols]
+        if len(groups) > 1:
+            raise ValueError(f"[{v}] in protocol groups {groups}: a run is paired with one group's references")
     for group, protocol in protocols.items():
         members = [v for v, spec in variants.items() if group in spec["groups"]]
         baseline = protocol.get("baseline")
@@ -131,9 +136,9 @@ def flops_per_token(config: Path, overrides: dict, steps: int) -> float:
 def plan(
     config: Path, variants: dict[str, dict], protocols: dict[str, dict], names: list[str], steps: int
 ) -> dict[str, dict]:
-    """The specs of the variants `names` (of the suite's `variants`), each protocol member's with its training
-    FLOPs against its group's baseline (`flops_vs_baseline`: per token times updates, tokens per update being
-    equal) and, for a FLOPs-matched member, its updates (`steps`)."""
+    """The specs of the variants `names` (of the suite's `variants`), each protocol member's with its group's
+    `baseline`, its training FLOPs against that baseline's (`flops_vs_baseline`: per token times updates, tokens
+    per update being equal) and, for a FLOPs-matched member, its updates (`steps`)."""
     planned = {v: dict(variants[v]) for v in names}
     for group, protocol in protocols.items():
         members = [v for v in names if group in variants[v]["groups"]]
@@ -142,6 +147,7 @@ def plan(
         base_flops = flops_per_token(config, variants[protocol["baseline"]]["overrides"], steps) * steps
         for v in members:
             spec = planned[v]
+            spec["baseline"] = protocol["baseline"]
             if "flops_of" in spec:
                 target = flops_per_token(config, variants[spec["flops_of"]]["overrides"], steps) * steps
                 spec["steps"] = round(target / flops_per_token(config, spec["overrides"], steps))

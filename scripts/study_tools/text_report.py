@@ -14,6 +14,7 @@ from .protocol import PROTOCOL_KEYS
 from .runs import Run, carried_note, final_validation, latest_checkpoint
 from .sampling_report import sampling_section, wait_figures
 from .stats import best_k, fmt_paired, paired, per_seed, relative, summarise, verdict
+from .switch_report import switch_section
 
 
 def val_windows(data: Path, cfg: dict, batches: int):
@@ -122,11 +123,17 @@ def rank_of(values: dict[str, float]) -> dict[str, int]:
     return {name: i + 1 for i, name in enumerate(sorted(values, key=values.get))}
 
 
-def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carried: list[str] = ()) -> None:
+SWITCH_GROUPS = ("switch_wsd", "switch_cosine")  # protocol groups (study_tools/protocol.py, switch_report.py)
+
+
+def write_markdown(
+    results: dict, out: Path, steps: int, seeds: list[int], carried: list[str] = (), corpus: str = "prose"
+) -> None:
     K = max(len(r["loss"]) for r in results.values())
     base = results.get("baseline_matched") or results.get("baseline")
     lines = [
-        f"# ELR study results (seeds {', '.join(map(str, seeds))}; {steps} updates each)",
+        f"# ELR study results ({corpus}; seeds {', '.join(map(str, seeds))}; {steps} updates each unless a row "
+        "says otherwise)",
         "",
         "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over the finished "
         "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, "
@@ -147,6 +154,9 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
             continue
         if group == "aids":
             lines += aids_section(results, members, title, claim)
+            continue
+        if group in SWITCH_GROUPS:
+            lines += switch_section(results, members, title, claim)
             continue
         if group in ("controls", "remedies"):
             extra = [v for v in ("default",) if v in results and v not in members] if group == "remedies" else []
