@@ -102,6 +102,10 @@ class InferenceCache:
             return None
         return self.entries[layer, loop if (layer, loop) in self.entries else 1]
 
+    def loop_range(self, loops: LoopBudget) -> tuple[int, int]:
+        """(the fewest, the most) loops of `loops`: a per-row budget is read back in one transfer."""
+        return budget_range(loops)
+
     def begin(self, chunk: int, loops: LoopBudget) -> torch.Tensor:
         """Start a forward over `chunk` new columns at `loops` (k or per-row budgets [B]); returns each
         row's positions [B, chunk]."""
@@ -121,6 +125,16 @@ class InferenceCache:
         # A padding column sees only itself, so no softmax row is empty; real columns never see it.
         self.attn_mask = (causal[None] & (real[:, None] | (keys[None, :] == columns[:, None])[None]))[:, None]
         return positions.clamp(min=0)
+
+    def store(self, buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write the chunk's `values` [B, H, chunk, D] at columns length.. of `buffer` (rows outside `rows`
+        keep theirs: mixed budgets keep a finished row's own last loop); returns every column so far."""
+        start, end = self.length, self.length + values.shape[2]
+        values = values.to(buffer.dtype)
+        if self.rows is not None:
+            values = torch.where(self.rows[:, None, None, None], values, buffer[:, :, start:end])
+        buffer[:, :, start:end] = values
+        return buffer[:, :, :end]
 
     def set_rows(self, rows: torch.Tensor | None, loop: int | None = None) -> None:
         """The recurrent block's running `loop` counts only for `rows` ([B] bool; None: every row): the

@@ -328,7 +328,7 @@ class RecurrentBlock(nn.Module):
           that compare logits read each loop's state through `readout` (the model's output block and
           head, ELRModel.readout). The loops each token ran are left in `loops_used` [B, T]. Through a
           cache it runs one token at a time."""
-        least, most = budget_range(loops)
+        least, most = cache.loop_range(loops) if cache is not None else budget_range(loops)
         per_row = torch.is_tensor(loops)
         self.check_loops(least, most, every_loop, per_row=per_row)
         exited = logp = self.loops_used = None
@@ -359,8 +359,8 @@ class RecurrentBlock(nn.Module):
                 self.loops_used.masked_fill_(stop, i)
                 exited, logp = exited | stop, logp_next
             states.append(s)
-            if exited is not None and bool(exited.all()):
-                break
+            if exited is not None and not torch.compiler.is_compiling() and bool(exited.all()):
+                break  # eager only: a compiled step runs its loops (exited tokens pass them unchanged)
         if cache is not None:
             cache.set_rows(None)
         budget = self.loops_used if exited is not None else loops
