@@ -27,6 +27,10 @@ from elr.models.cache import Cache
 from elr.models.kinds import TensorSplit, WeightLayout
 from elr_kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
+# Chunks up to this many columns (a decoded token, self-speculative drafts) convolve as window sums: one
+# library convolution call costs more than the whole sum at that size, eager or compiled.
+WINDOWED_CONV_COLUMNS = 16
+
 
 class ShortConv(nn.Module):
     """Causal depthwise convolution over time followed by SiLU.
@@ -48,6 +52,9 @@ class ShortConv(nn.Module):
         if state is None:
             state = x.new_zeros(B, width, C)
         x = torch.cat([state.to(x.dtype), x], dim=1)
+        if T <= WINDOWED_CONV_COLUMNS:  # y[t] = sum_j w[j] x[t + j]: elementwise work a compiled step fuses
+            y = (x.unfold(1, width + 1, 1) * self.weight[:, 0]).sum(-1)
+            return F.silu(y), x[:, x.shape[1] - width :]
         y = F.conv1d(x.transpose(1, 2), self.weight, groups=C)
         return F.silu(y).transpose(1, 2), x[:, x.shape[1] - width :]
 
