@@ -33,6 +33,7 @@ from elr.cli import HelpFormatter, argument_type
 from elr.console.progress import Progress
 from elr.errors import UserError
 from elr.infer.cache import MODES
+from elr.infer.decode import use_compile_cache
 from elr.infer.evaluate import (
     chat_validation_loss,
     decoded_loss,
@@ -130,7 +131,8 @@ def evaluate(
                 rows.setdefault(f"{name}/acc_decoded/{mode}", {})[k] = result["acc"]
                 rows.setdefault(f"{name}/acc_norm_decoded/{mode}", {})[k] = result["acc_norm"]
         if args.latency_new_tokens:
-            for name, seconds in measure_latency(model, prompt, k, args.kv, args.latency_new_tokens).items():
+            latency = measure_latency(model, prompt, k, args.kv, args.latency_new_tokens, compile=args.compile_latency)
+            for name, seconds in latency.items():
                 rows.setdefault(f"latency/{name}", {})[k] = seconds
         print(f"k={k}: " + ", ".join(f"{m} {v[k]:.4g}" for m, v in rows.items()), file=sys.stderr)
         progress.update()
@@ -237,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--latency-new-tokens", type=int, default=16, help="decode steps timed (0: skip latency)")
     p.add_argument(
+        "--compile-latency",
+        action="store_true",
+        help="time the decode steps through the compiled step over a static cache (elr/infer/decode.py), so "
+        "the latency rows measure the model rather than per-token overhead (the compile is not timed)",
+    )
+    p.add_argument(
         "--exit",
         nargs="*",
         type=argument_type(ExitRule.parse),
@@ -253,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument("--out", type=Path, help="write the results JSON here and the table beside it (.md)")
     args = p.parse_args(argv)
+    if args.compile_latency:
+        use_compile_cache()
 
     try:
         _, rows, adaptive = evaluate(args.checkpoint, args.loops, args, args.exit)

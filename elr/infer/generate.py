@@ -3,6 +3,9 @@
 A batch of prompts of different lengths is left-padded into one tensor; the cache gives each row
 its own positions, so a row decodes exactly as it would alone. Rows stop at `<|endoftext|>` or
 after `max_new_tokens`; finished rows keep stepping (their tokens are dropped) until all are done.
+With `compile=True` the prompts are read into a StaticCache and every new token goes through the
+compiled decode step (elr/infer/decode.py); the eager path (InferenceCache) is the reference it is
+tested against, token for token.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from elr.infer.cache import InferenceCache
+from elr.infer.decode import DecodeStep, capacity_for
+from elr.infer.static_cache import StaticCache
 from elr.models.budget import LoopBudget, as_loop_budget, budget_range
 from elr.models.early_exit import ExitRule
 
@@ -113,6 +118,7 @@ def generate(
     adaptive: AdaptiveDepth | None = None,
     uniforms: Callable[[int], torch.Tensor] | None = None,
     all_done: Callable[[bool], bool] | None = None,
+    compile: bool | DecodeStep = False,
 ) -> list[list[int]]:
     """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
     (without the end-of-text token). `loops`: k for all, or one k per prompt, a list or a LongTensor
@@ -121,14 +127,36 @@ def generate(
     prompt is read at k = loops, every new token decides its own depth by the exit rule, capped at k
     (it counts the loops of the tokens kept). `uniforms(t)`: the rows' draws for new token t (see `sample`).
     `all_done(mine)`: whether every process's rows are done, given this one's (a collective), so processes
-    that share the model's weights (FSDP) run the same number of forwards."""
+    that share the model's weights (FSDP) run the same number of forwards. `compile`: decode through the
+    compiled step (elr/infer/decode.py; or this DecodeStep) over a static cache: the tokens of eager decoding."""
     if adaptive is not None and not isinstance(loops, int):
         raise ValueError("adaptive depth caps every row at one k: give one loop count")
     device = model.output.weight.device
     tokens, pad = left_pad(prompts, eot_id, device)
+    cap = max(loops) if isinstance(loops, list) else loops if isinstance(loops, int) else None
     loops = as_loop_budget(loops, len(prompts), device)
-    cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, budget_range(loops)[1], kv_mode, pad)
-    logits = model(tokens, loops, cache)[:, -1]
+    cap = budget_range(loops)[1] if cap is None else cap
+    rule = adaptive.rule if adaptive is not None else None
+    columns = tokens.shape[1] + max_new_tokens
+    if compile:
+        cache = StaticCache(model, len(prompts), capacity_for(columns, model), cap, kv_mode)
+        cache.start.copy_(pad)
+        logits = model(tokens, loops, cache)[:, -1]  # the prompts, eagerly, into the static cache
+        decode = compile if isinstance(compile, DecodeStep) else DecodeStep(model)
+        budgets = (
+            loops if torch.is_tensor(loops) or rule is not None else torch.full((len(prompts),), loops, device=device)
+        )
+
+        def forward(nxt: torch.Tensor) -> torch.Tensor:
+            return decode(cache, nxt[:, None], budgets, cap, rule)[:, -1]
+
+    else:
+        cache = InferenceCache(model, len(prompts), columns, cap, kv_mode, pad)
+        logits = model(tokens, loops, cache)[:, -1]
+
+        def forward(nxt: torch.Tensor) -> torch.Tensor:
+            return model(nxt[:, None], loops, cache, exit_rule=rule)[:, -1]
+
     out = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
@@ -144,7 +172,7 @@ def generate(
             finished = all_done(finished)
         if finished or step == max_new_tokens - 1:
             break
-        logits = model(nxt[:, None], loops, cache, exit_rule=adaptive.rule if adaptive else None)[:, -1]
+        logits = forward(nxt)
         if adaptive is not None:
             adaptive.count(model.loops_used()[~done, 0])
     return out

@@ -17,6 +17,11 @@ token-by-token decoding is that same computation, so the output equals plain gre
 k = K token for token (up to floating-point ties). In the shared modes (`last_loop_kv`, `last_loop`)
 a token decoded alone reads earlier tokens' final-loop keys while a chunk reads them loop by loop, so
 speculative output is greedy decoding of the chunked cache: it may differ from plain decoding there.
+
+With `compile`, the prompt is read into a StaticCache and the drafting and verifying forwards are the
+compiled decode step (elr/infer/decode.py) at their own loop caps; a verify of the usual width (n + 1
+tokens) has its graph, the rarer widths (the last round, a draft that ended at end-of-text, the GDP
+re-feed) run the same forward eagerly, so no round waits for a compile. The same tokens as eager.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from elr.infer.cache import InferenceCache
+from elr.infer.decode import DecodeStep, capacity_for
+from elr.infer.static_cache import StaticCache
 
 
 @dataclass
@@ -55,6 +62,7 @@ def speculative_generate(
     kv_mode: str = "per_loop",
     draft_loops: int = 1,
     draft_tokens: int = 4,
+    compile: bool | DecodeStep = False,
 ) -> tuple[list[list[int]], SpeculationStats]:
     """Greedy continuation of each prompt at k = `loops`, drafted at k = `draft_loops`, up to
     `draft_tokens` per round; returns the new tokens per prompt (as `generate` does) and the draft
@@ -66,7 +74,7 @@ def speculative_generate(
             [
                 token
                 for gained in speculative_rounds(
-                    model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loops, draft_tokens, stats
+                    model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loops, draft_tokens, stats, compile
                 )
                 for token in gained
             ]
@@ -92,6 +100,7 @@ def speculative_rounds(
     draft_loops: int,
     draft_tokens: int,
     stats: SpeculationStats,
+    compile: bool | DecodeStep = False,
 ) -> Iterator[list[int]]:
     """One prompt's greedy continuation, a forward round at a time: yields the prefill's token, then
     after each verifying round the tokens it gained (the accepted drafts and the verifier's own next
@@ -100,7 +109,28 @@ def speculative_rounds(
     if not prompt:
         raise ValueError("every prompt needs at least one token")
     device = model.output.weight.device
-    cache = InferenceCache(model, 1, len(prompt) + max_new_tokens, loops, kv_mode)
+    columns = len(prompt) + max_new_tokens
+    if compile:
+        cache = StaticCache(model, 1, capacity_for(columns, model), loops, kv_mode)
+        compiled = compile if isinstance(compile, DecodeStep) else DecodeStep(model)
+        eager = DecodeStep(model, compile=False)
+
+        def forward(tokens: list[int], k: int) -> torch.Tensor:
+            step = compiled if len(tokens) in (1, draft_tokens + 1) else eager
+            return step(cache, torch.tensor([tokens], device=device), k)[0]
+
+        def rewind(saved, kept: int) -> None:
+            cache.lengths.copy_(saved[0] + kept)
+
+    else:
+        cache = InferenceCache(model, 1, columns, loops, kv_mode)
+
+        def forward(tokens: list[int], k: int) -> torch.Tensor:
+            return model(torch.tensor([tokens], device=device), k, cache)[0]
+
+        def rewind(saved, kept: int) -> None:
+            cache.length = saved[0] + kept
+
     rewind_by_length = cache.rewind_by_length()
     current = int(model(torch.tensor([prompt], device=device), loops, cache)[0, -1].argmax())
     if current == eot_id:
@@ -113,13 +143,13 @@ def speculative_rounds(
         saved = cache.snapshot()
         drafts, token = [], current
         for _ in range(n):
-            token = int(model(torch.tensor([[token]], device=device), draft_loops, cache)[0, -1].argmax())
+            token = int(forward([token], draft_loops)[-1].argmax())
             drafts.append(token)
             if token == eot_id:
                 break
         cache.restore(saved)
         fed = [current, *drafts]
-        choices = model(torch.tensor([fed], device=device), loops, cache)[0].argmax(-1).tolist()
+        choices = forward(fed, loops).argmax(-1).tolist()
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
             accepted += 1
@@ -128,10 +158,10 @@ def speculative_rounds(
         stats.rounds += 1
         if accepted < len(drafts):  # take back the rejected drafts' columns
             if rewind_by_length:
-                cache.length = saved[0] + accepted + 1
+                rewind(saved, accepted + 1)
             else:
                 cache.restore(saved)
-                model(torch.tensor([fed[: accepted + 1]], device=device), loops, cache)
+                forward(fed[: accepted + 1], loops)
         gained = []
         for token in [*drafts[:accepted], choices[accepted]]:  # the verifier's choice is the next `current`
             if token == eot_id or count == max_new_tokens:
