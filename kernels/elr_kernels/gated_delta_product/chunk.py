@@ -11,6 +11,13 @@ cumulative log decay,
 a unit lower-triangular system (the WY / UT-transform form). Solving it for every chunk at once
 leaves only a cheap state hand-off between chunks sequential. Only decay differences G_i - G_j
 with j <= i are ever exponentiated, so nothing overflows however strong the decay.
+
+Resets (documents packed into one row): a token that starts a sequence zeroes the state before it.
+Within a chunk, rows are numbered by the resets at or before them (their segment); every decay
+factor that would carry something across a reset is exactly zero: exp(G_i - G_j) only within one
+segment, exp(G_i) (from the chunk's start state) only in segment 0, exp(G_end - G_j) (to the next
+chunk) only in the last segment. The exponents stay the same differences, so resets add no overflow,
+and a reset row's own decay reaches nothing (its gradient is zero).
 """
 
 import torch
@@ -27,8 +34,26 @@ def _expand(q, g, n_h):
     return q.reshape(B, T * n_h, H, K), g.reshape(B, T * n_h, H)
 
 
+def _segments(resets, n_h, pad, C):
+    """[B, 1, N, C]: per expanded row, how many resets its chunk holds at or before it (a token's reset
+    sits on its first sub-step, with its decay)."""
+    B, T = resets.shape
+    rows = torch.cat([resets[:, :, None], resets.new_zeros(B, T, n_h - 1)], dim=2).reshape(B, T * n_h)
+    return F.pad(rows.int(), (0, pad)).reshape(B, 1, -1, C).cumsum(-1)
+
+
 def chunk_gated_delta_product(
-    q, k, v, g, beta, num_householder, scale, initial_state=None, output_final_state=False, chunk_size=CHUNK_SIZE
+    q,
+    k,
+    v,
+    g,
+    beta,
+    num_householder,
+    scale,
+    initial_state=None,
+    output_final_state=False,
+    chunk_size=CHUNK_SIZE,
+    resets=None,
 ):
     """Shapes as in `gated_delta_product`; arguments are assumed already validated."""
     B, T, H, K = q.shape
@@ -48,18 +73,25 @@ def chunk_gated_delta_product(
 
     G = g.cumsum(-1)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    from_start, to_end, chunk_decay = G.exp(), (G[..., -1:] - G).exp(), G[..., -1].exp()
+    if resets is not None:  # decay factors that cross a reset are zero (module docstring)
+        seg = _segments(resets, n_h, pad, C)
+        causal = causal & (seg[..., :, None] == seg[..., None, :])
+        from_start = torch.where(seg == 0, from_start, 0.0)
+        to_end = torch.where(seg == seg[..., -1:], to_end, 0.0)
+        chunk_decay = torch.where(seg[..., -1] == 0, chunk_decay, 0.0)
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     # Strictly lower part of the system; solve_triangular supplies the unit diagonal.
     A = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
-    rhs = torch.cat([beta[..., None] * v, (beta * G.exp())[..., None] * k], dim=-1)
+    rhs = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)
     u_from_v, u_from_state = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split(
         [V, K], dim=-1
     )
 
     qk = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * G.exp()[..., None]
-    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
-    chunk_decay = G[..., -1].exp()[..., None, None]
+    q_decayed = q * from_start[..., None]
+    k_to_end = k * to_end[..., None]
+    chunk_decay = chunk_decay[..., None, None]
 
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
     outputs = []
