@@ -42,6 +42,26 @@ def _segments(resets, n_h, pad, C):
     return F.pad(rows.int(), (0, pad)).reshape(B, 1, -1, C).cumsum(-1)
 
 
+# The decay factors of a chunk's rows, zero where a reset lies between (seg None: no resets). Each call
+# is its own exp, as the op was written before resets, so without them every gradient keeps its bits.
+
+
+def _from_start(G, seg):
+    """exp(G): the chunk's start state's decay at each row."""
+    return G.exp() if seg is None else torch.where(seg == 0, G.exp(), 0.0)
+
+
+def _to_end(G, seg):
+    """exp(G_end - G): each row's decay to the chunk's end."""
+    to_end = (G[..., -1:] - G).exp()
+    return to_end if seg is None else torch.where(seg == seg[..., -1:], to_end, 0.0)
+
+
+def _chunk_decay(G, seg):
+    """exp(G_end): the start state's decay over the whole chunk."""
+    return G[..., -1].exp() if seg is None else torch.where(seg[..., -1] == 0, G[..., -1].exp(), 0.0)
+
+
 def chunk_gated_delta_product(
     q,
     k,
@@ -73,25 +93,21 @@ def chunk_gated_delta_product(
 
     G = g.cumsum(-1)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    from_start, to_end, chunk_decay = G.exp(), (G[..., -1:] - G).exp(), G[..., -1].exp()
-    if resets is not None:  # decay factors that cross a reset are zero (module docstring)
-        seg = _segments(resets, n_h, pad, C)
+    seg = _segments(resets, n_h, pad, C) if resets is not None else None
+    if seg is not None:
         causal = causal & (seg[..., :, None] == seg[..., None, :])
-        from_start = torch.where(seg == 0, from_start, 0.0)
-        to_end = torch.where(seg == seg[..., -1:], to_end, 0.0)
-        chunk_decay = torch.where(seg[..., -1] == 0, chunk_decay, 0.0)
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     # Strictly lower part of the system; solve_triangular supplies the unit diagonal.
     A = ((k @ k.transpose(-1, -2)) * decay * beta[..., None]).tril(-1)
-    rhs = torch.cat([beta[..., None] * v, (beta * from_start)[..., None] * k], dim=-1)
+    rhs = torch.cat([beta[..., None] * v, (beta * _from_start(G, seg))[..., None] * k], dim=-1)
     u_from_v, u_from_state = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split(
         [V, K], dim=-1
     )
 
     qk = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * from_start[..., None]
-    k_to_end = k * to_end[..., None]
-    chunk_decay = chunk_decay[..., None, None]
+    q_decayed = q * _from_start(G, seg)[..., None]
+    k_to_end = k * _to_end(G, seg)[..., None]
+    chunk_decay = _chunk_decay(G, seg)[..., None, None]
 
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
     outputs = []
