@@ -20,7 +20,8 @@ accumulates in fp32; inputs may be fp32, bf16 or fp16. Derivation of the backwar
 
 Resets (HAS_RESETS; a token that starts a new sequence sees a zero state): each kernel numbers its
 chunk's rows by the resets at or before them (`_segments`) and zeroes every decay factor that
-crosses one (`_decay_matrix`, `_decay_vectors`), as chunk.py does. The backward needs nothing else:
+crosses one (`_decay_matrix`, `_from_start`, `_to_end`, `_chunk_decay`), as chunk.py does; without
+resets each is the plain exp it replaces, where it was. The backward needs nothing else:
 it is written in those factors, whose derivatives in G are themselves (zero stays zero).
 """
 
@@ -88,17 +89,30 @@ def _decay_matrix(G, seg, C: tl.constexpr, HAS_RESETS: tl.constexpr):
 
 
 @triton.jit
-def _decay_vectors(G, seg, C: tl.constexpr, HAS_RESETS: tl.constexpr):
-    """(exp(G) [C], from the chunk's start state; exp(G_end - G) [C], to the chunk's end; exp(G_end),
-    the start state's decay over the chunk), each zero where a reset lies between."""
-    G_end = _last(G, C)
-    from_start, to_end, chunk_decay = tl.exp(G), tl.exp(G_end - G), tl.exp(G_end)
+def _from_start(G, seg, HAS_RESETS: tl.constexpr):
+    """exp(G) [C]: the chunk's start state's decay at each row; 0 from the chunk's first reset on."""
+    decay = tl.exp(G)
     if HAS_RESETS:
-        seg_end = _last(seg, C)
-        from_start = tl.where(seg == 0, from_start, 0.0)
-        to_end = tl.where(seg == seg_end, to_end, 0.0)
-        chunk_decay = tl.where(seg_end == 0, chunk_decay, 0.0)
-    return from_start, to_end, chunk_decay
+        decay = tl.where(seg == 0, decay, 0.0)
+    return decay
+
+
+@triton.jit
+def _to_end(G, G_end, seg, C: tl.constexpr, HAS_RESETS: tl.constexpr):
+    """exp(G_end - G) [C]: each row's decay to the chunk's end; 0 before the chunk's last reset."""
+    decay = tl.exp(G_end - G)
+    if HAS_RESETS:
+        decay = tl.where(seg == _last(seg, C), decay, 0.0)
+    return decay
+
+
+@triton.jit
+def _chunk_decay(G_end, seg, C: tl.constexpr, HAS_RESETS: tl.constexpr):
+    """exp(G_end): the start state's decay over the whole chunk; 0 if the chunk holds a reset."""
+    decay = tl.exp(G_end)
+    if HAS_RESETS:
+        decay = tl.where(_last(seg, C) == 0, decay, 0.0)
+    return decay
 
 
 @triton.jit
@@ -176,12 +190,11 @@ def _prepare_kernel(
     g_c = tl.load(g + (b * T + token) * H + h, mask=first, other=0.0).to(tl.float32)
     G = tl.cumsum(g_c, 0)
     seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
-    from_start, _, _ = _decay_vectors(G, seg, C, HAS_RESETS)
 
     i = tl.arange(0, C)
     A = tl.dot(k_c, tl.trans(k_c)) * _decay_matrix(G, seg, C, HAS_RESETS) * beta_c[:, None]
     Tinv = _unit_lower_inverse(tl.where(i[:, None] > i[None, :], A, 0.0), C)
-    W = tl.dot(Tinv, k_c * (beta_c * from_start)[:, None])
+    W = tl.dot(Tinv, k_c * (beta_c * _from_start(G, seg, HAS_RESETS))[:, None])
     U = tl.dot(Tinv, v_c * beta_c[:, None])
 
     row = bh * tl.num_programs(0) * C + chunk * C + i  # row in the padded [B*H, N*C] buffers
@@ -236,8 +249,11 @@ def _state_kernel(
         U = tl.load(U_buf + row[:, None] * V + cols_v[None, :])
         u = U - tl.dot(W, S)
         tl.store(u_out + row[:, None] * V + cols_v[None, :], u)
-        _, to_end, chunk_decay = _decay_vectors(G, _segments(resets, b, T, token, first, C, HAS_RESETS), C, HAS_RESETS)
-        S = S * chunk_decay + tl.dot(tl.trans(k_c * to_end[:, None]), u)
+        G_end = _last(G, C)
+        seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
+        S = S * _chunk_decay(G_end, seg, C, HAS_RESETS) + tl.dot(
+            tl.trans(k_c * _to_end(G, G_end, seg, C, HAS_RESETS)[:, None]), u
+        )
     tl.store(_state_ptrs(final_out + bh * K * V, K, V, BV, v_block), S)
 
 
@@ -276,9 +292,8 @@ def _output_kernel(
     S = tl.load(_state_ptrs(h_buf + (bh * N + chunk) * K * V, K, V, BV, v_block))
     u = tl.load(u_buf + row[:, None] * V + cols_v[None, :])
     seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
-    from_start, _, _ = _decay_vectors(G, seg, C, HAS_RESETS)
     P = tl.dot(q_c, tl.trans(k_c)) * _decay_matrix(G, seg, C, HAS_RESETS)
-    o_c = tl.dot(q_c * from_start[:, None], S) + tl.dot(P, u)
+    o_c = tl.dot(q_c * _from_start(G, seg, HAS_RESETS)[:, None], S) + tl.dot(P, u)
     ptrs = o + ((b * T + token[:, None]) * H + h) * V + cols_v[None, :]
     tl.store(ptrs, o_c.to(o.dtype.element_ty), mask=last[:, None])
 
@@ -335,12 +350,16 @@ def _state_grad_kernel(
         )
         G = tl.load(G_buf + row)
         W = tl.load(W_buf + row[:, None] * K + tl.arange(0, K)[None, :])
+        G_end = _last(G, C)
         seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
-        from_start, to_end, chunk_decay = _decay_vectors(G, seg, C, HAS_RESETS)
         P = tl.dot(q_c, tl.trans(k_c)) * _decay_matrix(G, seg, C, HAS_RESETS)
-        du = tl.dot(tl.trans(P), do_c) + tl.dot(k_c * to_end[:, None], dS)
+        du = tl.dot(tl.trans(P), do_c) + tl.dot(k_c * _to_end(G, G_end, seg, C, HAS_RESETS)[:, None], dS)
         tl.store(du_out + row[:, None] * V + cols_v[None, :], du)
-        dS = dS * chunk_decay + tl.dot(tl.trans(q_c * from_start[:, None]), do_c) - tl.dot(tl.trans(W), du)
+        dS = (
+            dS * _chunk_decay(G_end, seg, C, HAS_RESETS)
+            + tl.dot(tl.trans(q_c * _from_start(G, seg, HAS_RESETS)[:, None]), do_c)
+            - tl.dot(tl.trans(W), du)
+        )
     tl.store(_state_ptrs(d_initial + bh * K * V, K, V, BV, v_block), dS)
 
 
@@ -399,9 +418,9 @@ def _chunk_grad_kernel(
     G = tl.load(G_buf + row)
     W = tl.load(W_buf + row[:, None] * K + cols_k[None, :])
     Tinv = tl.load(Tinv_buf + row[:, None] * C + i[None, :])
+    G_end = _last(G, C)
     seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
     D = _decay_matrix(G, seg, C, HAS_RESETS)
-    eG, e_to_end, e_end = _decay_vectors(G, seg, C, HAS_RESETS)
     kk = tl.dot(k_c, tl.trans(k_c))
     qk = tl.dot(q_c, tl.trans(k_c))
 
@@ -442,6 +461,8 @@ def _chunk_grad_kernel(
     # d(I + A)^-1 = -Tinv^T (.) Tinv^T, folded into the two products above; A's strict part only.
     dA = tl.where(strict, -dA, 0.0)
 
+    eG = _from_start(G, seg, HAS_RESETS)
+    e_to_end = _to_end(G, G_end, seg, C, HAS_RESETS)
     kkD = tl.where(strict, kk * D, 0.0)
     dbeta_c += tl.sum(dA * kkD, 1) + tl.sum(d_beta_gk * k_c, 1) * eG
     dkk = dA * beta_c[:, None] * D
@@ -463,7 +484,9 @@ def _chunk_grad_kernel(
         + tl.sum(dDD, 1)
         - tl.sum(dDD, 0)
     )
-    dG_end = tl.sum(dG_end_rows, 0) * e_end + tl.sum(tl.sum(dk_to_end * k_c, 1) * e_to_end, 0)
+    dG_end = tl.sum(dG_end_rows, 0) * _chunk_decay(G_end, seg, C, HAS_RESETS) + tl.sum(
+        tl.sum(dk_to_end * k_c, 1) * e_to_end, 0
+    )
     dG += tl.where(i == C - 1, dG_end, 0.0)
     # G = cumsum(g) within the chunk, so dg_i = sum_{m >= i} dG_m.
     dg_c = tl.sum(tl.where(i[None, :] >= i[:, None], dG[None, :], 0.0), 1)
