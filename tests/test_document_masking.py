@@ -2,8 +2,8 @@
 
 A packed row of several documents, run with its `document_ids`, gives token for token the logits and
 the loss of each document run alone (1e-5), for every layer kind (G, A, F, E, alone and together) at
-every k = 1..K, through the training forward, every_loop, per-row budgets, the chunked loss and
-activation checkpointing; the parameter gradients of the packed loss are the sum of the documents'.
+every k = 1..K, through the training forward, every_loop, per-row budgets, an exit rule, the chunked
+loss and activation checkpointing; the parameter gradients of the packed loss are the sum of the documents'.
 Documents of one token and shorter than the GDP short convolution are among them. Context and tensor
 parallelism: tests/distributed/document_masking.py (slow tier).
 """
@@ -21,6 +21,7 @@ from trainer_utils import model_args
 
 from elr.models import ELRModel, flavors
 from elr.models.documents import document_layout
+from elr.models.early_exit import ExitRule
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.train.loss import IGNORE_INDEX, model_loss
 
@@ -144,6 +145,22 @@ def test_every_loop_and_per_row_budgets_keep_documents_apart():
         for r, a, b in spans(LENGTHS)
     )
     torch.testing.assert_close(loss, alone_loss, **TOLERANCE)
+
+
+@torch.no_grad()
+def test_an_exit_rule_over_packed_rows_exits_each_token_as_alone():
+    """Adaptive depth over whole rows (no cache): the loops each token runs and its logits are those of its
+    document alone (the rule's threshold leaves tokens at 1, 2 and 3 loops)."""
+    model = packed_model("GEAF")
+    tokens, _, ids = packed_batch()
+    rule = ExitRule.parse("state:0.5")
+    packed = model(tokens, loops=K, exit_rule=rule, document_ids=ids)
+    used = model.loops_used().clone()
+    assert set(used.flatten().tolist()) == {1, 2, 3}
+    for row, a, b in spans(LENGTHS):
+        alone = model(tokens[row : row + 1, a:b], loops=K, exit_rule=rule)
+        assert torch.equal(model.loops_used(), used[row : row + 1, a:b])
+        torch.testing.assert_close(packed[row : row + 1, a:b], alone, **TOLERANCE)
 
 
 @torch.no_grad()
