@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from elr.models.documents import document_layout
 from elr.models.early_exit import ExitRule
 from elr.parallel.activation_checkpoint import apply_activation_checkpointing
 from elr.train.loss import IGNORE_INDEX, model_loss
+from elr.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,6 +204,17 @@ def test_rope_positions_restart_at_each_document():
     assert rope.shape == (2, *tokens.shape, model.rope.shape[-1])
     for row, a, b in spans(LENGTHS):
         torch.testing.assert_close(rope[:, row, a:b], model.rope[:, : b - a], rtol=0, atol=0)
+
+
+def test_the_trainers_slice_carries_document_ids():
+    """Trainer._slice gives this CP rank's slice of the ids beside its inputs and labels; None passes through."""
+    tokens, labels, ids = packed_batch()
+    trainer = SimpleNamespace(dims=SimpleNamespace(cp=2, cp_rank=1), device=torch.device("cpu"))
+    inputs, labels_mine, ids_mine, nothing = Trainer._slice(trainer, tokens, labels, ids, None)
+    assert torch.equal(ids_mine, ids[:, 12:]) and torch.equal(inputs, tokens[:, 12:]) and nothing is None
+    assert torch.equal(labels_mine, labels[:, 12:])
+    trainer.dims.cp = 1
+    assert all(torch.equal(a, b) for a, b in zip(Trainer._slice(trainer, tokens, labels, ids), (tokens, labels, ids)))
 
 
 def test_bad_document_ids_and_caches_are_refused():
