@@ -437,19 +437,28 @@ class Trainer:
             micro_loss.backward()
         return loss_sum.detach(), (aux.detach() if aux is not None else None)
 
-    def _slice(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the device; under context parallelism, this rank's contiguous slice of each sequence
+    def _slice(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Each of a batch's [B, T] tensors (inputs, labels, and document ids where the batch has them; None
+        stays None) on the device; under context parallelism, this rank's contiguous slice of each sequence
         (every CP rank of a data-parallel rank read the same sequences)."""
         if self.dims.cp > 1:
-            inputs, labels = (shard_sequence(x, self.dims.cp_rank, self.dims.cp) for x in (inputs, labels))
-        return inputs.to(self.device), labels.to(self.device)
+            tensors = [shard_sequence(x, self.dims.cp_rank, self.dims.cp) if x is not None else None for x in tensors]
+        return tuple(x.to(self.device) if x is not None else None for x in tensors)
 
     def _loss_context(self):
         """loss_parallel under TP (forward and backward of the loss on vocab-sharded logits)."""
         return loss_parallel() if self.dims.tp_mesh is not None else contextlib.nullcontext()
 
-    def model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, k: int, every_loop: bool = False) -> torch.Tensor:
-        """Summed cross entropy at k loops, as training.loss_chunk_tokens and the layout ask."""
+    def model_loss(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        k: int,
+        every_loop: bool = False,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Summed cross entropy at k loops, as training.loss_chunk_tokens and the layout ask; document_ids
+        (this rank's slice, as `_slice` gives it): documents packed into a row never see each other."""
         return model_loss(
             self.model,
             inputs,
@@ -458,6 +467,7 @@ class Trainer:
             self.cfg.training.loss_chunk_tokens,
             tensor_parallel=self.dims.tp_mesh is not None,
             every_loop=every_loop,
+            document_ids=document_ids,
         )
 
     def validate(self) -> dict[str, float]:
