@@ -51,7 +51,7 @@ def test_the_static_cache_decodes_what_the_reference_cache_decodes(mode):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv"])
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv", "last_loop"])
 def test_static_rows_join_and_leave_by_index_and_decode_as_alone(mode):
     """A server's pool: rows prefilled on their own join free rows of one static cache (their columns where
     they were), decode beside rows at other budgets and lengths, leave, and a new row takes a freed one; each

@@ -109,6 +109,7 @@ class DecodeStep:
         """Build the graphs for `caps` (and `chunk`-wide forwards) on a scratch copy of `cache`'s geometry,
         so no later step waits for a compile."""
         scratch = StaticCache(self.model, cache.batch, cache.capacity, cache.max_loops, cache.mode, cache.dtype)
+        scratch.window = cache.window
         tokens = torch.zeros(cache.batch, chunk, dtype=torch.long, device=cache.lengths.device)
         for cap in caps:
             scratch.lengths.zero_()

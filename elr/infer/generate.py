@@ -162,8 +162,8 @@ def generate(
     for step in range(max_new_tokens):
         nxt = sample(logits, sampling, generator, uniforms(step) if uniforms is not None else None)
         done |= nxt == eot_id
-        for row, tok in enumerate(nxt.tolist()):
-            if not done[row]:
+        for row, (tok, ended) in enumerate(zip(nxt.tolist(), done.tolist())):
+            if not ended:
                 out[row].append(tok)
         if stop is not None:
             done |= torch.tensor(stop(out), dtype=torch.bool, device=device)

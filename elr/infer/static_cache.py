@@ -11,10 +11,10 @@ between its rows, here each row has its own, kept on the device:
 - `active[b]`: whether it holds a sequence at all (a free row rides along: its states stay as they are,
   its length does not grow).
 
-A row's positions count from its start. Attention reads every column of the capacity through a mask
-(columns past a row's length are hidden), so no shape depends on how far decoding has gone; the cost is
-attention over the whole capacity, which callers keep near what they need (`decode.capacity_for`).
-Nothing on the host knows a row's length, so nothing is read back between steps.
+A row's positions count from its start. Attention reads the first `window` columns (the capacity unless
+a caller narrows it) through a mask that hides columns past each row's length, so no shape depends on
+how far decoding has gone; callers keep the window near what the longest row needs, in powers of two
+(`decode.capacity_for`), a graph per window. Nothing here reads a row's length back to the host.
 
 Rows join and leave by index (a server's continuous batching, elr/serve/slots.py): `load_row` copies a
 prefilled row from another StaticCache (any capacity that fits) with its columns where they were;
@@ -52,6 +52,7 @@ class StaticCache:
         dtype, device = dtype or weight.dtype, weight.device
         self.batch, self.capacity, self.max_loops, self.mode, self.dtype = batch, capacity, max_loops, mode, dtype
         self.loop_cap = max_loops  # the most loops the next forward runs (the compiled step's own)
+        self.window = capacity  # the columns attention reads: every row's length + chunk must stay within it
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.ones(batch, dtype=torch.bool, device=device)
@@ -96,7 +97,7 @@ class StaticCache:
         positions = columns - self.start[:, None]
         self.valid = (positions >= 0) & self.active[:, None]
         self.row_loops = torch.zeros_like(self.row_loops)
-        keys = self.column_ids
+        keys = self.column_ids[: self.window]
         causal = keys[None, None, :] <= columns[:, :, None]  # [B, T, C]
         real = (keys[None, :] >= self.start[:, None])[:, None, :]  # [B, 1, C]
         # A padding column sees only itself, so no softmax row is empty; real columns never see it.
@@ -105,14 +106,14 @@ class StaticCache:
 
     def store(self, buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Scatter the chunk's `values` [B, H, T, D] to each row's own columns of `buffer` [B, H, C, D]
-        (rows outside `rows` keep theirs); returns the whole buffer (the mask hides what is not yet
+        (rows outside `rows` keep theirs); returns the buffer's window (the mask hides what is not yet
         written)."""
         index = self._index(buffer)
         values = values.to(buffer.dtype)
         if self.rows is not None:
             values = torch.where(self.rows[:, None, None, None], values, buffer.gather(2, index))
         buffer.scatter_(2, index, values)
-        return buffer
+        return buffer[:, :, : self.window]
 
     def set_rows(self, rows: torch.Tensor | None, loop: int | None = None) -> None:
         self.rows = rows
