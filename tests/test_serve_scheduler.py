@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_infer import small_model
 
+from elr.infer.decode import DecodeStep
 from elr.infer.generate import AdaptiveDepth, Sampling, generate
 from elr.infer.speculative import speculative_generate
 from elr.models.early_exit import ExitRule
@@ -49,21 +50,17 @@ def run(engine: Engine, requests, steps: int | None = None) -> None:
     assert steps is not None, "the requests never finished"
 
 
-@pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv"])
-def test_requests_joining_at_different_steps_decode_as_the_library_decodes_each_alone(mode):
-    model = small_model(max_seq_len=32)  # a short context, so the rows' columns soon move left
-    engine = engine_for(model, mode)
-    moves = []
-    move = engine.pools["budgets"].cache.move_columns
-    engine.pools["budgets"].cache.move_columns = lambda offset: (moves.append(offset), move(offset))
+def decode_as_the_library(model, engine: Engine, mode: str) -> None:
+    """Requests joining at different steps, at every budget, "auto" and drafted, in one engine: each decodes
+    token for token as the library decodes it alone."""
     a, _ = submit(engine, [5, 9, 2, 33, 7], 3, 24)
     b, _ = submit(engine, [8, 60], 1, 14)
     run(engine, [a, b], steps=6)
-    c, _ = submit(engine, [19, 3, 27, 50, 6, 9, 14, 2, 31], 2, 20)  # longer than the columns cached: they move right
+    c, _ = submit(engine, [19, 3, 27, 50, 6, 9, 14, 2, 31], 2, 20)  # longer than every row so far
     d, _ = submit(engine, [4, 4, 4], AUTO, 14)
     e, _ = submit(engine, [7, 1, 2], 3, 10, draft_loops=1)
     run(engine, [a, b, c, d, e], steps=12)
-    f, _ = submit(engine, [11, 12, 13, 14], 1, 12)  # runs past the context's last column: the columns move left
+    f, _ = submit(engine, [11, 12, 13, 14], 1, 28)  # to the context's last column, beside rows far behind it
     run(engine, [a, b, c, d, e, f])
     for r in (a, b, c, f):
         assert r.sequences[0].tokens == generate(model, r.prompts, r.loops, r.max_tokens, EOT, mode)[0], r.loops
@@ -74,8 +71,25 @@ def test_requests_joining_at_different_steps_decode_as_the_library_decodes_each_
     drafted, stats = speculative_generate(model, e.prompts, 3, 10, EOT, mode, draft_loops=1)
     assert e.sequences[0].tokens == drafted[0] and e.draft_stats == stats
     assert engine.stats.max_budgets == 3 and engine.stats.max_rows >= 3  # k = 1, 2, 3 in one forward
-    assert any(m > 0 for m in moves) and any(m < 0 for m in moves)
     assert all(len(pool.free) == pool.rows for pool in engine.pools.values()) and not engine.drafts
+
+
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv"])
+def test_requests_joining_at_different_steps_decode_as_the_library_decodes_each_alone(mode):
+    model = small_model(max_seq_len=32)  # a short context: a request runs to its last column
+    decode_as_the_library(model, engine_for(model, mode), mode)
+
+
+@pytest.mark.slow  # traces a graph per loop cap, the adaptive pool's and the drafts'
+def test_a_compiled_engine_decodes_as_the_library():
+    """The pools and the drafted requests through the compiled step (`aot_eager`: dynamo's whole graph and
+    its functionalised updates), one graph per loop cap for every mix of rows."""
+    model = small_model(max_seq_len=32)
+    engine = engine_for(model, "per_loop")
+    engine = Engine(
+        model, EOT, letters, "per_loop", engine.limits, RULE, compile=DecodeStep(model, backend="aot_eager")
+    )
+    decode_as_the_library(model, engine, "per_loop")
 
 
 def test_sampled_choices_follow_their_seeds_and_text_arrives_whole(model):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elr.infer.chat import DEFAULT_EXIT
+from elr.infer.decode import DecodeStep
 from elr.infer.generate import sample
 from elr.infer.memory import check_fits, human_bytes, inference_state_bytes
 from elr.infer.speculative import SpeculationStats, speculative_rounds
@@ -89,6 +90,7 @@ class Engine:
     kv_mode: str = "per_loop"
     limits: Limits = field(default_factory=Limits)
     exit_rule: ExitRule = DEFAULT_EXIT  # of loop budget "auto"
+    compile: bool | DecodeStep = False  # decode through the compiled step (elr/infer/decode.py; the same tokens)
 
     def __post_init__(self):
         args = self.model.args
@@ -98,9 +100,15 @@ class Engine:
         rows = self.limits.max_concurrent + self.limits.max_auto + self.limits.max_draft
         check_fits(args, self.max_loops, self.context, self.kv_mode, dtype, rows, self.device)
         self.row_bytes = sum(inference_state_bytes(args, self.max_loops, self.context, self.kv_mode, dtype).values())
-        self.pools = {"budgets": SlotPool(self.model, self.limits.max_concurrent, self.max_loops, self.kv_mode)}
+        decode = self.compile if isinstance(self.compile, DecodeStep) else DecodeStep(self.model, self.compile)
+        self.drafted = decode if decode.compiled else False  # what self-speculative rounds decode through
+        self.pools = {
+            "budgets": SlotPool(self.model, self.limits.max_concurrent, self.max_loops, self.kv_mode, None, decode)
+        }
         if self.limits.max_auto:
-            self.pools[AUTO] = SlotPool(self.model, self.limits.max_auto, self.max_loops, self.kv_mode, self.exit_rule)
+            self.pools[AUTO] = SlotPool(
+                self.model, self.limits.max_auto, self.max_loops, self.kv_mode, self.exit_rule, decode
+            )
         self.drafts: list[DraftLane] = []
         self.waiting: deque[Request] = deque()  # the engine thread's
         self.stats = EngineStats()
@@ -383,6 +391,7 @@ class Engine:
                 request.draft_loops,
                 self.limits.draft_tokens,
                 request.draft_stats,
+                self.drafted,
             )
         gained = next(lane.rounds, None)
         if gained is None:  # it ended at an end-of-text
