@@ -38,6 +38,10 @@ class RL:
     rollout_kv: Literal["last_loop_kv", "per_loop", "last_loop"] = "last_loop_kv"
     """the rollouts' inference cache: `last_loop_kv` (the paper's: attention KV at its one-loop size), `per_loop`
     (exact) or `last_loop`; the update recomputes every log-prob with the training forward whatever it is"""
+    rollout_compile: bool = False
+    """true: rollouts and the held-out evaluation decode through the compiled step over a static cache
+    (elr/infer/decode.py; the same tokens as eager decoding), compiled once per loop cap on first use; one
+    process only (a sharded model decodes eagerly, so more ranks are refused)"""
     advantage: Literal["grpo", "dr_grpo"] = "grpo"
     """`grpo` (reward minus the group mean, over the group's std; loss averaged over the batch's completion tokens)
     or `dr_grpo` (no std; loss summed over tokens and divided by completions x max_new_tokens: no length bias)"""

@@ -100,6 +100,11 @@ class RLTrainer(Trainer):
                 f"one group's completions (one k): {cfg.training.local_batch_size} must divide "
                 f"rl.group_size = {r.group_size}"
             )
+        if r.rollout_compile and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                "rl.rollout_compile: the compiled decode step runs an unsharded model in one process; "
+                f"this run has {dist.get_world_size()} ranks (set it false)"
+            )
         self.validator = RLEvaluator(self)
 
     def optimizer_updates(self) -> int:
@@ -192,6 +197,7 @@ class RLTrainer(Trainer):
             sampling=Sampling(r.temperature, 0, r.top_p),
             uniforms=self.uniforms(step, rows),
             all_done=self.all_done(),
+            compile=r.rollout_compile,
         )
         self.model.train()
         out = Rollouts(prompts, prompt_ids, completions, loops)
