@@ -162,6 +162,33 @@ def test_the_static_cache_answers_the_cache_protocol_and_nothing_more_is_asked()
     assert torch.equal(*logits)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"conditioning_exit": True},
+        {"conditioning_budget": False, "conditioning_later_loops": False, "conditioning_exit": True},
+        {"conditioning_silu": True, "conditioning_gate": False, "identity_loops": True},
+    ],
+)
+def test_the_film_table_gives_what_the_conditioning_heads_give(options):
+    """The static cache reads the loop conditioning from a table of every (loop, budget) pair instead of
+    running the heads each step: the same FiLM for one k and for a budget per row, loop and exit alike."""
+    model = small_model(**options)
+    conditioning = model.recurrent.conditioning
+    table = conditioning.table()
+    for loops in [1, 3, torch.tensor([3, 1, 2])]:
+        for loop in [1, 2, 3, None]:
+            if loop is None and not conditioning.exit_heads:
+                continue
+            want, got = conditioning(loop, loops), conditioning(loop, loops, table=table)
+            assert len(want) == len(got)
+            for w, g in zip(want, got):
+                assert (w is None) == (g is None)
+                for a, b in zip(w or (), g or ()):
+                    torch.testing.assert_close(*torch.broadcast_tensors(b, a), atol=1e-6, rtol=1e-6)
+
+
 def test_capacity_is_bucketed_within_the_models_positions():
     model = small_model()
     assert [capacity_for(n, model) for n in (1, 7, 64)] == [64, 64, 64]

@@ -83,6 +83,7 @@ class InferenceCache:
         self.chunk = 0  # columns in the forward now running
         self.valid = self.attn_mask = None
         self.rows = None  # [B] bool: the rows whose results the running loop stores (None: all)
+        self.films = None  # the reference runs the conditioning's heads in every forward
         recurrent = set(model.recurrent.layers)
         self.entries: dict[tuple[torch.nn.Module, int], object] = {}  # (layer, loop) -> its kind's entry
         for layer in model.layers():

@@ -59,6 +59,11 @@ class StaticCache:
         self.column_ids = torch.arange(capacity, device=device)
         self.rows = self.valid = self.attn_mask = self.columns = None
         self.row_loops = torch.zeros(batch, dtype=torch.long, device=device)
+        conditioning = model.recurrent.conditioning
+        # The FiLM of every (loop, budget) pair of these weights, read instead of running the heads each step
+        # (they depend on nothing else; a cache is built for one set of weights: a generate call, a server).
+        self.films = conditioning.table() if conditioning is not None else None
+        self.static_marked = False  # whether the compiler was told the buffers keep their addresses (CUDA graphs)
         recurrent = set(model.recurrent.layers)
         self.entries: dict[tuple[torch.nn.Module, int], object] = {}  # (layer, loop) -> its kind's entry
         self.by_column: list[tuple[torch.nn.Module, int, object]] = []  # the attention entries (layer, loop, entry)
@@ -186,8 +191,12 @@ class StaticCache:
     def mark_static(self) -> None:
         """Tell the compiler every buffer here keeps its address (CUDA graphs then replay over them,
         updating them in place)."""
-        for tensor in [self.start, self.lengths, self.active, self.column_ids, self.row_loops, *self.tensors()]:
+        films = []
+        if self.films is not None:
+            films = [t for film in [*self.films.loops, self.films.exits] if film for group in film for t in group]
+        for tensor in [self.start, self.lengths, self.active, self.column_ids, self.row_loops, *self.tensors(), *films]:
             torch._dynamo.mark_static_address(tensor)
+        self.static_marked = True
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for entry in self.entries.values() for t in entry.tensors()]

@@ -28,6 +28,9 @@ class Cache(Protocol):
     capacity: int  # the columns a row can hold
     rows: torch.Tensor | None  # [B] bool: the rows whose results the running loop stores (None: every row)
     valid: torch.Tensor | None  # [B, chunk] bool: the running chunk's real columns (False: left padding)
+    films: (
+        object | None
+    )  # the loop conditioning's FiLM per (loop, budget), precomputed (LoopConditioning.table), or None
     attn_mask: torch.Tensor | None  # [B, 1, chunk, columns] bool: the columns `store` returns that each new column sees
 
     def loop_range(self, loops: LoopBudget) -> tuple[int, int]:
