@@ -50,6 +50,15 @@ def _forward(model, cache: StaticCache, tokens: torch.Tensor, budgets: torch.Ten
     return model(tokens, budgets, cache, exit_rule=exit_rule)
 
 
+def _draft(model, cache: StaticCache, token: torch.Tensor, budgets: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` greedy tokens per row, each fed back in: [B, n] (self-speculative drafts, one call for all)."""
+    drafted = []
+    for _ in range(n):
+        token = model(token, budgets, cache)[:, -1].argmax(-1, keepdim=True)
+        drafted.append(token)
+    return torch.cat(drafted, 1)
+
+
 def use_compile_cache(folder: str | Path = "outputs/inductor-cache") -> None:
     """Keep inductor's compiled kernels in `folder` (unless TORCHINDUCTOR_CACHE_DIR is set already), so a
     cold compile is paid once per machine, not once per process."""
@@ -73,12 +82,13 @@ class DecodeStep:
 
     def __init__(self, model, compile: bool = True, backend: str = "inductor"):
         self.model, self.compiled = model, compile
-        self._forward = _forward
+        self._forward, self._draft = _forward, _draft
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             cuda = model.output.weight.is_cuda
             mode = "reduce-overhead" if cuda and backend == "inductor" else None
             self._forward = torch.compile(_forward, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+            self._draft = torch.compile(_draft, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
     @torch.no_grad()
     def __call__(
@@ -98,12 +108,25 @@ class DecodeStep:
             budgets = torch.full((cache.batch,), budgets, dtype=torch.long, device=tokens.device)
         elif cap is None:
             raise ValueError("a per-row budget needs its cap (the most loops any row runs) to pick its graph")
+        self._begin(cache, tokens, cap)
+        return self._forward(self.model, cache, tokens, budgets, exit_rule)
+
+    @torch.no_grad()
+    def draft(self, cache: StaticCache, token: torch.Tensor, loops: int, n: int) -> torch.Tensor:
+        """`n` greedy tokens per row from `token` [B, 1] at `loops`, each fed back, in one call (one graph,
+        one read-back): [B, n]; the cache advances by n columns (self-speculative drafts, rewound after)."""
+        self._begin(cache, token, loops)
+        budgets = torch.full((cache.batch,), loops, dtype=torch.long, device=token.device)
+        return self._draft(self.model, cache, token, budgets, n)
+
+    def _begin(self, cache: StaticCache, tokens: torch.Tensor, cap: int) -> None:
         if not 1 <= cap <= cache.max_loops:
             raise ValueError(f"this cache was built for at most k={cache.max_loops}, not k={cap}")
         cache.loop_cap = cap
         if self.compiled and tokens.is_cuda:
+            if not cache.static_marked:
+                cache.mark_static()
             torch.compiler.cudagraph_mark_step_begin()
-        return self._forward(self.model, cache, tokens, budgets, exit_rule)
 
     def warm_up(self, cache: StaticCache, caps, chunk: int = 1, exit_rule: ExitRule | None = None) -> None:
         """Build the graphs for `caps` (and `chunk`-wide forwards) on a scratch copy of `cache`'s geometry,

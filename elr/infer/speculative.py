@@ -18,10 +18,12 @@ k = K token for token (up to floating-point ties). In the shared modes (`last_lo
 a token decoded alone reads earlier tokens' final-loop keys while a chunk reads them loop by loop, so
 speculative output is greedy decoding of the chunked cache: it may differ from plain decoding there.
 
-With `compile`, the prompt is read into a StaticCache and the drafting and verifying forwards are the
-compiled decode step (elr/infer/decode.py) at their own loop caps; a verify of the usual width (n + 1
-tokens) has its graph, the rarer widths (the last round, a draft that ended at end-of-text, the GDP
-re-feed) run the same forward eagerly, so no round waits for a compile. The same tokens as eager.
+With `compile`, the prompt is read into a StaticCache and the forwards are the compiled decode step
+(elr/infer/decode.py): a round's n drafts in one call (`DecodeStep.draft`: the n forwards and their
+argmaxes in one graph, read back once; drafts past an end-of-text are dropped, as eager never makes
+them), the verify of the usual width (n + 1 tokens) in another; the rarer widths (the last round, a draft
+cut at end-of-text, the GDP re-feed) run the same forward eagerly, so no round waits for a compile. The
+same tokens as eager.
 """
 
 from __future__ import annotations
@@ -141,12 +143,16 @@ def speculative_rounds(
         # Columns: every fed token plus the n drafts stays within prompt + max_new_tokens.
         n = min(draft_tokens, max_new_tokens - count)
         saved = cache.snapshot()
-        drafts, token = [], current
-        for _ in range(n):
-            token = int(forward([token], draft_loops)[-1].argmax())
-            drafts.append(token)
-            if token == eot_id:
-                break
+        if compile and n == draft_tokens:  # every draft in one compiled call, cut after an end-of-text
+            drafts = compiled.draft(cache, torch.tensor([[current]], device=device), draft_loops, n)[0].tolist()
+            drafts = drafts[: drafts.index(eot_id) + 1] if eot_id in drafts else drafts
+        else:
+            drafts, token = [], current
+            for _ in range(n):
+                token = int(forward([token], draft_loops)[-1].argmax())
+                drafts.append(token)
+                if token == eot_id:
+                    break
         cache.restore(saved)
         fed = [current, *drafts]
         choices = forward(fed, loops).argmax(-1).tolist()
