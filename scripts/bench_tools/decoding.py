@@ -112,6 +112,11 @@ def bench_decode(args):
     use_compile_cache()
     batches, new, kv = args.batches, args.new_tokens, args.kv
     model, prompts, eot, tokenizer, cfg = decoding_setup(args, max(batches))
+    if len(prompts[0]) + new > model.args.max_seq_len:
+        raise SystemExit(
+            f"decode: --seq-len {len(prompts[0])} plus --new-tokens {new} exceed the model's context of "
+            f"{model.args.max_seq_len} tokens"
+        )
     K = model.args.recurrence.max_loops
     loops = args.decode_loops or sorted({1, K})
     step = DecodeStep(model)
