@@ -16,6 +16,10 @@ a caller narrows it) through a mask that hides columns past each row's length, s
 how far decoding has gone; callers keep the window near what the longest row needs, in powers of two
 (`decode.capacity_for`), a graph per window. Nothing here reads a row's length back to the host.
 
+The loop conditioning's FiLM depends on the loop and the budget alone, so the cache computes it once for
+the weights it is built with (`films`, LoopConditioning.table) and every forward through it reads rows of
+that table instead of running the heads: a cache serves one set of weights (a generate call, a server).
+
 Rows join and leave by index (a server's continuous batching, elr/serve/slots.py): `load_row` copies a
 prefilled row from another StaticCache (any capacity that fits) with its columns where they were;
 `release_row` frees one. Self-speculative decoding rewinds a row by its length and GDP states by a
