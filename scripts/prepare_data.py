@@ -190,7 +190,7 @@ def prepare(
     try:
         for name in (*SPLITS, "meta"):  # hidden names of this process; "x" never shares a file
             tmp[name] = open(out / f".{name}.{os.getpid()}.tmp", "xb")
-        # max_token_id: checked against vocab_size whenever the data is opened (elr/train/data.py)
+        # max_token_id: checked against vocab_size whenever the data is opened (elr/data/loader.py)
         counts = {s: {"documents": 0, "tokens": 0, "text_bytes": 0, "max_token_id": 0} for s in SPLITS}
         start = last_report = time.monotonic()
         tty = sys.stderr.isatty()  # on a terminal one line redrawn in place, else a line every 5 s

@@ -10,11 +10,11 @@ import jinja2
 import pytest
 from trainer_utils import ROOT
 
+from elr.data.loader import build_train_loader, val_batches
 from elr.errors import DataError
 from elr.text.chat import CHAT_TEMPLATE, encode_conversation, render
 from elr.text.chat_data import IGNORE_INDEX, ChatSplit, prepare_chat
 from elr.text.tokenizer import build_tokenizer
-from elr.train.data import build_train_loader, val_batches
 
 TOKENIZER = str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken")
 TALK = [

@@ -18,9 +18,9 @@ import pytest
 import torch
 from export_utils import script
 
+from elr.data.loader import WindowPermutation, build_train_loader, val_batches
+from elr.data.token_files import load_tokens
 from elr.text.tokenizer import build_tokenizer, file_sha256
-from elr.train.data import WindowPermutation, build_train_loader, val_batches
-from elr.train.token_files import load_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizer" / "elr8k.tiktoken"

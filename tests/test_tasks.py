@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from trainer_utils import DEBUG_TOML, losses, records
 
 from elr.config import load_config
+from elr.data.loader import TaskDataset
 from elr.errors import ConfigError
 from elr.text import tasks
-from elr.train.data import TaskDataset
 from elr.train.trainer import Trainer
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from elr.data.loader import val_batches
 from elr.infer.load import load_model
 from elr.models.ffn import MoE
-from elr.train.data import val_batches
 
 METRICS = ("kept", "count_cosine", "routed_cosine", "routed_cosine_shifted", "full_cosine", "full_cosine_shifted")
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from elr.checkpoint import export_path, latest_step, read_config, verify
 from elr.config import JobConfig, recurrence
+from elr.data.token_files import job_tokenizer_path
 from elr.errors import ConfigError, UnusableCheckpoint
 from elr.text.tokenizer import build_tokenizer
-from elr.train.token_files import job_tokenizer_path
 
 # Keys whose change would build another model, or make the saved optimizer state, data position or
 # loop draws mean something else: every recurrence option (each changes the network), and these.

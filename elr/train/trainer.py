@@ -28,6 +28,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from elr.config import JobConfig
+from elr.data.loader import build_task_loader, build_train_loader, job_task, microbatches
+from elr.data.token_files import check_data_unchanged, check_tokenizer, job_tokenizer_path
 from elr.errors import CheckpointError, ConfigError, RunWriteFailed
 from elr.interop.hf_weights import check_installed
 from elr.models import build_model as build_elr_model
@@ -38,7 +40,6 @@ from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
 from elr.text.tokenizer import build_tokenizer
 from elr.train.checkpointer import CheckpointManager
-from elr.train.data import build_task_loader, build_train_loader, job_task, microbatches
 from elr.train.initial_weights import load_weights_from
 from elr.train.loop_sampler import DepthSchedule, wait_factor
 from elr.train.loss import IGNORE_INDEX, model_loss
@@ -58,7 +59,6 @@ from elr.train.run_lock import RunLock
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.stop import StopOnSignal
 from elr.train.stragglers import LoopTimer
-from elr.train.token_files import check_data_unchanged, check_tokenizer, job_tokenizer_path
 from elr.train.train_state import ModelState, OptimizerState
 from elr.train.validate import Validator
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from elr.config import JobConfig
+from elr.data.loader import val_batches, val_task_batches
 from elr.text.tasks import score_answers
-from elr.train.data import val_batches, val_task_batches
 from elr.train.loss import IGNORE_INDEX, summed_loss
 
 

@@ -17,7 +17,7 @@ from .stats import best_k, fmt_paired, paired, per_seed, relative, summarise, ve
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
-    from elr.train.data import val_batches
+    from elr.data.loader import val_batches
 
     t = cfg["training"]
     return val_batches(str(data / "val.bin"), t["seq_len"], t["local_batch_size"], batches, 0, 1)

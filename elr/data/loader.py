@@ -15,7 +15,7 @@ does a folder of conversations (elr/text/chat_data.py, meta.json "format": "chat
 conversation perm_e(g mod N), one per row, padded, its labels scored on the assistant turns only.
 
 Also here, the job's data arithmetic: microbatches per update, the task's row length. Opening and
-checking the token files (and their tokenizer) is elr/train/token_files.py.
+checking the token files (and their tokenizer) is elr/data/token_files.py.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from elr.config import JobConfig, Training
+from elr.data.token_files import load_tokens
 from elr.errors import ConfigError, DataError
 from elr.text import tasks
 from elr.text.chat_data import ChatSplit, is_chat_folder
-from elr.train.token_files import load_tokens
 
 # torchdata 0.11 warns on every loader that it calls a deprecated torch API; nothing for us to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")

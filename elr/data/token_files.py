@@ -1,6 +1,6 @@
 """Token files and their tokenizer: opening a prepared data folder's `train.bin` / `val.bin` with the
 dtype its meta.json gives, refusing token ids past the vocabulary, and checking (before any work) that
-the files were made by the configured tokenizer. The batches drawn from them are elr/train/data.py's.
+the files were made by the configured tokenizer. The batches drawn from them are elr/data/loader.py's.
 """
 
 from __future__ import annotations
