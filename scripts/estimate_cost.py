@@ -37,8 +37,8 @@ import torch
 
 from elr.cli import HelpFormatter
 from elr.config import load_config
+from elr.data.job_data import job_tokenizer_path
 from elr.data.loader import microbatches
-from elr.data.token_files import job_tokenizer_path
 from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.from_config import check_model_config, model_args_from_config

@@ -18,8 +18,10 @@ import pytest
 import torch
 from export_utils import script
 
-from elr.data.loader import WindowPermutation, build_train_loader, val_batches
+from elr.data.loader import build_train_loader
+from elr.data.order import WindowPermutation
 from elr.data.token_files import load_tokens
+from elr.data.validation import val_batches
 from elr.text.tokenizer import build_tokenizer, file_sha256
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +62,7 @@ def take(loader, n: int, it=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def first_tokens(batches) -> list[int]:
     """Global sample identities: the first input token of each row (= window start here)."""
-    return [int(x) for inputs, _ in batches for x in inputs[:, 0]]
+    return [int(x) for inputs, *_ in batches for x in inputs[:, 0]]
 
 
 # --- prepare_data.py -----------------------------------------------------------------------------
@@ -263,7 +265,7 @@ def test_bundled_data_matches_its_tokenizer():
     tok = build_tokenizer(str(TOKENIZER))
     first_doc = tokens[: int(np.argmax(tokens == tok.eot_id))].tolist()
     assert tok.encode(tok.decode(first_doc)) == first_doc and len(first_doc) > 1000
-    inputs, labels = next(iter(build_train_loader(str(TINYPROSE / "train.bin"), 64, 4, 0, 1, 0)))
+    inputs, labels, _ = next(iter(build_train_loader(str(TINYPROSE / "train.bin"), 64, 4, 0, 1, 0)))
     assert inputs.shape == labels.shape == (4, 64) and inputs.dtype == torch.int64
 
 
@@ -276,20 +278,21 @@ def test_windows_and_labels_match_the_memmap():
     seq_len, bs = 32, 3
     loader = build_train_loader(str(path), seq_len, bs, dp_rank=0, dp_world=1, seed=7)
     dataset = loader.dataset
-    assert dataset.num_windows == (len(raw) - 1) // seq_len
-    for step, (inputs, labels) in enumerate(take(loader, 4)):
+    assert dataset.num_windows == [(len(raw) - 1) // seq_len]
+    for step, (inputs, labels, document_ids) in enumerate(take(loader, 4)):
+        assert document_ids is None  # data.document_masking off
         for row in range(bs):
-            w = dataset.window(step * bs + row)
+            _, w = dataset.locate(step * bs + row)
             window = torch.from_numpy(raw[w * seq_len : w * seq_len + seq_len + 1].astype(np.int64))
             assert torch.equal(inputs[row], window[:-1]) and torch.equal(labels[row], window[1:])
 
 
 def test_window_count_and_epochs(tmp_path):
     seq_len = 4
-    assert build_train_loader(str(make_token_file(tmp_path / "a", 41)), seq_len, 1, 0, 1, 0).dataset.num_windows == 10
+    assert build_train_loader(str(make_token_file(tmp_path / "a", 41)), seq_len, 1, 0, 1, 0).dataset.num_windows == [10]
     path = make_token_file(tmp_path / "b", 40)  # the last window would need token 40
     loader = build_train_loader(str(path), seq_len, 1, 0, 1, seed=3)
-    assert loader.dataset.num_windows == 9
+    assert loader.dataset.num_windows == [9]
     it = iter(loader)
     epochs = [first_tokens(take(loader, 9, it)) for _ in range(3)]
     for order in epochs:
@@ -337,7 +340,7 @@ def test_state_dict_round_trip(tmp_path):
     fresh = build_train_loader(path, 4, 3, 0, 1, seed=11)
     fresh.load_state_dict(state)
     resumed = take(fresh, 7)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected, resumed))
+    assert all(torch.equal(a.inputs, b.inputs) and torch.equal(a.labels, b.labels) for a, b in zip(expected, resumed))
     assert fresh.dataset.position == loader.dataset.position
 
 
@@ -402,12 +405,12 @@ def test_val_batches(tmp_path):
     path = str(make_token_file(tmp_path, 4 * 20 + 1, name="val"))
     one = list(val_batches(path, 4, 4, 3, 0, 1))
     assert first_tokens(one) == [4 * w for w in range(12)]  # the first windows, in order
-    assert all(torch.equal(labels, inputs + 1) for inputs, labels in one)
+    assert all(torch.equal(labels, inputs + 1) for inputs, labels, _ in one)
     assert first_tokens(val_batches(path, 4, 4, 3, 0, 1)) == first_tokens(one)  # same each call
     ranks = [list(val_batches(path, 4, 2, 3, r, 2)) for r in range(2)]
     merged = [torch.cat([ranks[0][b][0], ranks[1][b][0]]) for b in range(3)]
     assert all(torch.equal(m, o[0]) for m, o in zip(merged, one))
-    with pytest.raises(ValueError, match="need 24 windows .* the file has 20"):
+    with pytest.raises(ValueError, match="need 24 windows .* the split has 20"):
         val_batches(path, 4, 4, 6, 0, 1)
 
 

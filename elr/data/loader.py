@@ -1,21 +1,22 @@
-"""Training and validation batches from a memory-mapped token file.
+"""Training batches: windows of one token store or of a weighted mixture, a task, or conversations.
 
-A token file (`train.bin`, `val.bin`, written by scripts/prepare_data.py) is a flat stream of
-token ids; `meta.json` beside it gives the dtype. A sample is a window of seq_len + 1 tokens:
-window w covers tokens [w * seq_len, w * seq_len + seq_len + 1), so consecutive windows share one
-token and inputs = window[:-1], labels = window[1:]. There are W = (n_tokens - 1) // seq_len.
+A sample is a window of seq_len + 1 tokens of a source: window w covers tokens [w * seq_len,
+w * seq_len + seq_len + 1), so consecutive windows share one token and inputs = window[:-1],
+labels = window[1:]. A source of n tokens has W = (n - 1) // seq_len windows; its sample i reads window
+perm_e(i mod W) of its epoch e = i // W (elr/data/order.py), so an exhausted source starts its next epoch
+on its own. One store is a mixture of one source; several are mixed by elr/data/mixture.py.
 
-Samples form one global stream g = 0, 1, 2, ...: sample g is window perm_e(g mod W) of epoch
-e = g // W. Data parallelism cuts the stream into global microbatches of dp_world *
-local_batch_size samples, and rank r takes the r-th run of local_batch_size samples of each.
-The loader state is therefore one integer, the number of global samples consumed, identical on
-every rank; loading it with another dp_world (same global microbatch) continues the same stream
-without repeating or skipping a sample. A generated task (elr/text/tasks.py) streams the same way, and so
+Samples form one global stream g = 0, 1, 2, ...: data parallelism cuts it into global microbatches of
+dp_world * local_batch_size samples, and rank r takes the r-th run of local_batch_size samples of each.
+The loader state is therefore one integer, the number of global samples consumed, identical on every
+rank; loading it with another dp_world (same global microbatch) continues the same stream without
+repeating or skipping a sample. A generated task (elr/text/tasks.py) streams the same way, and so
 does a folder of conversations (elr/text/chat_data.py, meta.json "format": "chat"): sample g is then
 conversation perm_e(g mod N), one per row, padded, its labels scored on the assistant turns only.
 
-Also here, the job's data arithmetic: microbatches per update, the task's row length. Opening and
-checking the token files (and their tokenizer) is elr/data/token_files.py.
+Every batch is a `Batch(inputs, labels, document_ids)`; document_ids is None unless `data.document_masking`
+asks for it (elr/data/documents.py). Also here, the job's data arithmetic: microbatches per update, the
+task's row length, the job's sources. Validation batches are elr/data/validation.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -31,7 +32,12 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from elr.config import JobConfig, Training
-from elr.data.token_files import load_tokens
+from elr.config.data import DataSource
+from elr.data.documents import document_ids
+from elr.data.mixture import Mixture
+from elr.data.order import EpochOrder, source_seed
+from elr.data.sources import Source
+from elr.data.stores import open_store, store_and_split
 from elr.errors import ConfigError, DataError
 from elr.text import tasks
 from elr.text.chat_data import ChatSplit, is_chat_folder
@@ -39,83 +45,45 @@ from elr.text.chat_data import ChatSplit, is_chat_folder
 # torchdata 0.11 warns on every loader that it calls a deprecated torch API; nothing for us to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # inputs [local_bs, seq_len], labels [local_bs, seq_len]
+
+class Batch(NamedTuple):
+    """A microbatch: inputs and labels [B, T] int64; document_ids [B, T] int32 (data.document_masking) or None."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    document_ids: torch.Tensor | None = None
 
 
-_MASK64 = (1 << 64) - 1
-
-
-def num_windows(tokens: np.ndarray, seq_len: int, path: str | Path) -> int:
+def num_windows(num_tokens: int, seq_len: int, name: str | Path) -> int:
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    count = (len(tokens) - 1) // seq_len
+    count = (num_tokens - 1) // seq_len
     if count < 1:
-        raise DataError(f"{path}: {len(tokens)} tokens are too few for one window of {seq_len + 1} tokens")
+        raise DataError(f"{name}: {num_tokens} tokens are too few for one window of {seq_len + 1} tokens")
     return count
 
 
-def windows_to_batch(tokens: np.ndarray, windows: list[int], seq_len: int) -> Batch:
-    """Stack the given windows into (inputs, labels), int64 and contiguous."""
-    rows = np.stack([tokens[w * seq_len : w * seq_len + seq_len + 1] for w in windows])
-    rows = torch.from_numpy(rows.astype(np.int64))
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finalizer: a cheap 64-bit hash; every output bit depends on every input bit."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-class WindowPermutation:
-    """A pseudo-random bijection of range(n) in O(1) memory, so ~1e9 windows need no table.
-
-    A 4-round Feistel network permutes the 2h-bit integers (the smallest even width that holds
-    n - 1), and cycle walking re-applies it until the result is below n. That stays a bijection
-    of range(n), and as 2^(2h) < 4n it takes fewer than four applications on average.
-    """
-
-    ROUNDS = 4
-
-    def __init__(self, n: int, seed: int, epoch: int):
-        self.n, self.epoch = n, epoch
-        self.half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
-        self.half_mask = (1 << self.half_bits) - 1
-        base = _mix64(_mix64(seed & _MASK64) ^ epoch)
-        self.keys = [_mix64(base ^ r) for r in range(self.ROUNDS)]
-
-    def _feistel(self, x: int) -> int:
-        left, right = x >> self.half_bits, x & self.half_mask
-        for key in self.keys:
-            left, right = right, left ^ (_mix64(right ^ key) & self.half_mask)
-        return (left << self.half_bits) | right
-
-    def __call__(self, i: int) -> int:
-        if not 0 <= i < self.n:
-            raise IndexError(f"{i} is outside range({self.n})")
-        x = self._feistel(i)
-        while x >= self.n:
-            x = self._feistel(x)
-        return x
-
-
-class EpochOrder:
-    """Which item global sample g reads: item g mod n of epoch g // n, in a fresh WindowPermutation
-    per epoch when shuffling (the one the token windows and the conversations both use)."""
-
-    def __init__(self, n: int, seed: int, shuffle: bool):
-        self.n, self.seed, self.shuffle = n, seed, shuffle
-        self._perm = WindowPermutation(n, seed, epoch=0)  # of the current epoch
-
-    def __call__(self, g: int) -> int:
-        epoch, i = divmod(g, self.n)
-        if not self.shuffle:
-            return i
-        if self._perm.epoch != epoch:
-            self._perm = WindowPermutation(self.n, self.seed, epoch)
-        return self._perm(i)
+def windows_to_batch(
+    picks: list[tuple[Source, int]], seq_len: int, masking: bool, vocab_size: int | None = None
+) -> Batch:
+    """Stack the given (source, window) pairs into a Batch: int64 tokens, contiguous; the document ids of
+    each row from its source's document starts when masking. Every id is checked against the vocabulary."""
+    rows = np.empty((len(picks), seq_len + 1), dtype=np.int64)
+    ids = np.empty((len(picks), seq_len), dtype=np.int32) if masking else None
+    for r, (source, w) in enumerate(picks):
+        first = w * seq_len
+        rows[r] = source.tokens(first, first + seq_len + 1)
+        if masking:
+            ids[r] = document_ids(source.document_starts(first + 1, first + seq_len), first, seq_len)
+    if vocab_size is not None and len(picks) and (largest := int(rows.max())) >= vocab_size:
+        r = int(np.argmax(rows.max(axis=1) >= vocab_size))
+        source, w = picks[r]
+        raise DataError(
+            f"{source.where}: window {w} holds token id {largest}, past the tokenizer's vocabulary of {vocab_size} "
+            "(data tokenized with another vocabulary, or read with the wrong dtype)"
+        )
+    rows = torch.from_numpy(rows)
+    return Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), None if ids is None else torch.from_numpy(ids))
 
 
 class GlobalStream(IterableDataset):
@@ -154,6 +122,10 @@ class GlobalStream(IterableDataset):
         """This rank's microbatch: global samples first .. first + local_batch_size - 1."""
         raise NotImplementedError
 
+    def progress(self) -> dict[str, float]:
+        """Metrics of how far the stream has read (a mixture: each source's epochs); none here."""
+        return {}
+
     def __iter__(self) -> Iterator[Batch]:
         while True:  # reads self.position each time, so a state loaded mid-iteration holds
             batch = self.samples(self.position + self.dp_rank * self.local_batch_size)
@@ -167,30 +139,50 @@ class GlobalStream(IterableDataset):
         self.position = int(state["position"])
 
 
-class TokenWindowDataset(GlobalStream):
-    """Endless stream of this rank's windows of a token file. Yields (inputs, labels), each
-    [local_batch_size, seq_len] int64."""
+class MixtureDataset(GlobalStream):
+    """Endless stream of this rank's windows of one or more sources, weighted (elr/data/mixture.py): global
+    sample g is sample i of source s, which reads window order[s](i). Yields Batches of [local_batch_size,
+    seq_len]."""
 
     def __init__(
         self,
-        path: str | Path,
+        sources: list[Source],
+        weights: list[float],
         seq_len: int,
         local_batch_size: int,
         dp_rank: int,
         dp_world: int,
-        seed: int,
+        seeds: list[int],
         shuffle: bool = True,
+        document_masking: bool = False,
+        vocab_size: int | None = None,
     ):
         super().__init__(local_batch_size, dp_rank, dp_world)
-        self.path = Path(path)
-        self.tokens = load_tokens(path)
-        self.seq_len = seq_len
-        self.num_windows = num_windows(self.tokens, seq_len, path)
-        self.window = EpochOrder(self.num_windows, seed, shuffle)  # global sample g -> the window it reads
+        self.sources, self.seq_len, self.masking, self.vocab_size = sources, seq_len, document_masking, vocab_size
+        self.weights = weights
+        self.mixture = Mixture(weights)
+        self.num_windows = [num_windows(s.num_tokens, seq_len, s.where) for s in sources]
+        self.order = [EpochOrder(n, seed, shuffle) for n, seed in zip(self.num_windows, seeds)]
+
+    def set_origin(self, start: int, consumed: list[int]) -> None:
+        """Continue a changed mixture: from sample `start` on, each source after its `consumed` samples."""
+        self.mixture = Mixture(self.weights, start, consumed)
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(source, window) global sample g reads."""
+        source, i = self.mixture.locate(np.array([g]))
+        return int(source[0]), self.order[int(source[0])](int(i[0]))
 
     def samples(self, first: int) -> Batch:
-        windows = [self.window(g) for g in range(first, first + self.local_batch_size)]
-        return windows_to_batch(self.tokens, windows, self.seq_len)
+        sources, samples = self.mixture.locate(np.arange(first, first + self.local_batch_size, dtype=np.int64))
+        picks = [(self.sources[s], self.order[s](i)) for s, i in zip(sources.tolist(), samples.tolist())]
+        return windows_to_batch(picks, self.seq_len, self.masking, self.vocab_size)
+
+    def progress(self) -> dict[str, float]:
+        consumed = self.mixture.consumed_at(self.position)
+        if len(self.sources) == 1:
+            return {"data/epochs": int(consumed[0]) / self.num_windows[0]}
+        return {f"data/epochs/{s.name}": int(c) / n for s, c, n in zip(self.sources, consumed, self.num_windows)}
 
 
 class TaskDataset(GlobalStream):
@@ -230,12 +222,14 @@ class TaskDataset(GlobalStream):
                 for g in range(first, first + self.local_batch_size)
             ]
         )
-        return tuple(torch.from_numpy(x.copy()) for x in tasks.inputs_and_labels(rows))
+        inputs, labels = tasks.inputs_and_labels(rows)
+        return Batch(torch.from_numpy(inputs.copy()), torch.from_numpy(labels.copy()))
 
 
 class ChatDataset(GlobalStream):
     """Endless stream of this rank's conversation rows (elr/text/chat_data.py): sample g is conversation
-    perm_e(g mod N) of epoch e, shuffled as token windows are; (inputs, labels) [local_batch_size, seq_len]."""
+    perm_e(g mod N) of epoch e, shuffled as token windows are; Batches of [local_batch_size, seq_len]. A row is
+    one conversation (and its padding): its document ids, when asked for, are all 0."""
 
     def __init__(
         self,
@@ -246,39 +240,98 @@ class ChatDataset(GlobalStream):
         dp_world: int,
         seed: int,
         shuffle: bool = True,
+        document_masking: bool = False,
     ):
         super().__init__(local_batch_size, dp_rank, dp_world)
         self.split = ChatSplit(data_dir, "train")
         self.split.check_fits(seq_len)
-        self.seq_len = seq_len
-        self.conversation = EpochOrder(
-            self.split.num_conversations, seed, shuffle
-        )  # global sample g -> its conversation
+        self.seq_len, self.masking = seq_len, document_masking
+        self.conversation = EpochOrder(self.split.num_conversations, seed, shuffle)  # sample g -> its conversation
 
     def samples(self, first: int) -> Batch:
-        return self.split.rows(
-            [self.conversation(g) for g in range(first, first + self.local_batch_size)], self.seq_len
-        )
+        conversations = [self.conversation(g) for g in range(first, first + self.local_batch_size)]
+        return chat_batch(self.split, conversations, self.seq_len, self.masking)
+
+
+def chat_batch(split: ChatSplit, conversations: list[int], seq_len: int, masking: bool) -> Batch:
+    inputs, labels = split.rows(conversations, seq_len)
+    return Batch(inputs, labels, torch.zeros(inputs.shape, dtype=torch.int32) if masking else None)
+
+
+def open_sources(specs: list[DataSource], document_masking: bool) -> list[Source]:
+    """Each spec's training store, refusing one without document starts when masking asks for them."""
+    for spec in specs:  # an older folder's file named directly, as the loaders took it
+        if Path(spec.path).suffix == ".bin" and not Path(spec.path).exists():
+            raise FileNotFoundError(f"token file {spec.path} does not exist (see scripts/prepare_data.py)")
+    sources = [open_store(*store_and_split(s.path), name=s.name) for s in specs]
+    for spec, source in zip(specs, sources):
+        if document_masking and not source.has_documents:
+            raise ConfigError(
+                f"data.document_masking: {spec.path} records no document starts (a single-file folder from an "
+                f"older prepare_data.py); record them with `python scripts/prepare_data.py --record-documents "
+                f"{spec.path}`, or set data.document_masking = false"
+            )
+    return sources
 
 
 def build_train_loader(
-    path: str,
+    path: str | Path,
     seq_len: int,
     local_batch_size: int,
     dp_rank: int,
     dp_world: int,
     seed: int,
     shuffle: bool = True,
+    document_masking: bool = False,
+    vocab_size: int | None = None,
 ) -> StatefulDataLoader:
-    """The training loader: one microbatch per step; its dataset is `loader.dataset`.
+    """The training loader of one store (a prepared folder, `folder/train.bin`, a Megatron prefix, a datatrove
+    folder) or chat folder: one microbatch per step; its dataset is `loader.dataset`.
 
     Batches are already formed by the dataset (batch_size=None) and read in the main process
-    (num_workers=0): a memmap slice is cheap, and the state stays the single `position`. A chat
-    folder's train.bin serves conversation rows (ChatDataset)."""
-    if is_chat_folder(Path(path).parent):
-        dataset = ChatDataset(Path(path).parent, seq_len, local_batch_size, dp_rank, dp_world, seed, shuffle)
-    else:
-        dataset = TokenWindowDataset(path, seq_len, local_batch_size, dp_rank, dp_world, seed, shuffle)
+    (num_workers=0): a memmap slice is cheap, and the state stays the single `position`."""
+    store, _ = store_and_split(path)
+    if is_chat_folder(store):
+        return StatefulDataLoader(
+            ChatDataset(store, seq_len, local_batch_size, dp_rank, dp_world, seed, shuffle, document_masking),
+            batch_size=None,
+            num_workers=0,
+        )
+    spec = DataSource(name=Path(store).name or "data", path=str(path), weight=1.0)
+    sources = open_sources([spec], document_masking)
+    dataset = MixtureDataset(
+        sources, [1.0], seq_len, local_batch_size, dp_rank, dp_world, [seed], shuffle, document_masking, vocab_size
+    )
+    return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+
+
+def build_mixture_loader(
+    specs: list[DataSource],
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world: int,
+    seed: int,
+    shuffle: bool = True,
+    document_masking: bool = False,
+    vocab_size: int | None = None,
+) -> StatefulDataLoader:
+    """The training loader of a weighted mixture (`[[data.sources]]`): each source's windows in its own order
+    (the job's seed mixed with its name), interleaved by the weights; shaped as build_train_loader's."""
+    sources = open_sources(specs, document_masking)
+    seeds = [source_seed(seed, s.name) for s in specs]
+    dataset = MixtureDataset(
+        sources,
+        [s.weight for s in specs],
+        seq_len,
+        local_batch_size,
+        dp_rank,
+        dp_world,
+        seeds,
+        shuffle,
+        document_masking,
+        vocab_size,
+    )
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
 
 
@@ -294,80 +347,6 @@ def build_task_loader(
     """The training loader of a generated task, shaped as build_train_loader's."""
     dataset = TaskDataset(task, local_batch_size, dp_rank, dp_world, seed, samples_per_update, curriculum_steps)
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
-
-
-def val_batches(
-    path: str,
-    seq_len: int,
-    local_batch_size: int,
-    num_batches: int,
-    dp_rank: int,
-    dp_world: int,
-) -> Iterator[Batch]:
-    """This rank's share of the first num_batches * dp_world * local_batch_size windows of the
-    validation file, in order: the same each call, so validation losses are comparable. A chat
-    folder's: its first conversations, one per row, in order."""
-    if not 0 <= dp_rank < dp_world:
-        raise ValueError(f"dp_rank {dp_rank} is outside dp_world {dp_world}")
-    if is_chat_folder(Path(path).parent):
-        return _val_chat_batches(Path(path).parent, seq_len, local_batch_size, num_batches, dp_rank, dp_world)
-    tokens = load_tokens(path)
-    available = num_windows(tokens, seq_len, path)
-    global_batch = dp_world * local_batch_size
-    if num_batches * global_batch > available:
-        raise DataError(
-            f"{path}: {num_batches} validation batches of {dp_world} x {local_batch_size} windows "
-            f"need {num_batches * global_batch} windows of {seq_len + 1} tokens; the file has "
-            f"{available}. "
-            + (
-                f"Lower validation.steps to {available // global_batch} or less"
-                if available >= global_batch
-                else "Not one batch fits: lower training.local_batch_size"
-            )
-            + " or add validation data (a larger --val-fraction in scripts/prepare_data.py)"
-        )
-
-    def batches() -> Iterator[Batch]:
-        for b in range(num_batches):
-            first = b * global_batch + dp_rank * local_batch_size
-            yield windows_to_batch(tokens, list(range(first, first + local_batch_size)), seq_len)
-
-    return batches()
-
-
-def _val_chat_batches(
-    data_dir: Path, seq_len: int, local_batch_size: int, num_batches: int, dp_rank: int, dp_world: int
-) -> Iterator[Batch]:
-    split = ChatSplit(data_dir, "val")
-    split.check_fits(seq_len)
-    global_batch = dp_world * local_batch_size
-    if num_batches * global_batch > split.num_conversations:
-        raise DataError(
-            f"{data_dir}: {num_batches} validation batches of {dp_world} x {local_batch_size} "
-            f"conversations need {num_batches * global_batch}; the val split has "
-            f"{split.num_conversations}. Lower validation.steps or add validation conversations."
-        )
-
-    def batches() -> Iterator[Batch]:
-        for b in range(num_batches):
-            first = b * global_batch + dp_rank * local_batch_size
-            yield split.rows(list(range(first, first + local_batch_size)), seq_len)
-
-    return batches()
-
-
-def val_task_batches(
-    task, seed: int, local_batch_size: int, num_batches: int, dp_rank: int, dp_world: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """This rank's share of the task's first num_batches * dp_world * local_batch_size validation
-    examples: (inputs, labels, difficulties), the same each call."""
-    global_batch = dp_world * local_batch_size
-    for b in range(num_batches):
-        rows, difficulties = tasks.batch(
-            task, seed, tasks.VAL, b * global_batch + dp_rank * local_batch_size, local_batch_size
-        )
-        inputs, labels = tasks.inputs_and_labels(rows)
-        yield torch.from_numpy(inputs.copy()), torch.from_numpy(labels), torch.from_numpy(difficulties)
 
 
 def microbatches(t: Training, dp_world: int) -> tuple[int, int]:
