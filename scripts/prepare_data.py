@@ -137,12 +137,12 @@ class ProgressLine:
         self.tty, self.ended = sys.stderr.isatty(), False
 
     def update(self, done: int, text_bytes: int, tokens: int, final: bool = False) -> None:
-        """The line for `done` shards in all and this run's text bytes and tokens; `final`: printed whatever the
-        time since the last one, and ended."""
+        """The line for `done` shards in all and this run's input bytes and tokens; `final`: the last line of a
+        run that printed one, whatever the time since (and ended, on a terminal)."""
         done += self.done
         now = time.monotonic()
-        if not final and now - self.last < (0.5 if self.tty else 5.0):
-            return
+        if now - self.last < (0.5 if self.tty else 5.0) and not (final and self.last > self.start):
+            return  # a run shorter than one interval prints nothing
         self.last, elapsed = now, max(now - self.start, 1e-9)
         rate = text_bytes / elapsed
         eta = (self.total_bytes - text_bytes) / rate if rate > 0 else 0.0
@@ -263,7 +263,7 @@ def prepare(
         shutil.rmtree(staging, ignore_errors=True)  # these inputs and options cannot make a dataset
         raise
     sources = [display_path(p) for _, files in groups for p in files]
-    meta = folder_meta(records, tokenizer, settings, sources, str(tok_file.resolve()) if tok_file.is_file() else None)
+    meta = folder_meta(records, tokenizer, settings, sources, display_path(tok_file) if tok_file.is_file() else None)
     if previous:
         meta = appended(previous, meta)
     commit(out, staging, records, meta, replace)
