@@ -64,10 +64,13 @@ from elr.data.prepare import (
     SPLITS,
     Piece,
     Settings,
+    count,
     folder_meta,
     list_input_files,
     plan_units,
     remove_temporary,
+    start_worker,
+    work,
     write_json,
     write_unit,
 )
@@ -97,31 +100,6 @@ def display_path(path: Path) -> str:
         return str(resolved.relative_to(Path.cwd()))
     except ValueError:
         return str(resolved)
-
-
-# ---- the workers ----
-
-_worker: dict = {}  # in each worker process: its tokenizer, settings, staging folder and shared counters
-
-
-def _start_worker(tokenizer_path: str, settings: Settings, staging: Path, counters) -> None:
-    """A worker ignores Ctrl-C (the main process ends it) and dies at once on SIGTERM (pool.terminate)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _worker.update(tokenizer=build_tokenizer(tokenizer_path), settings=settings, staging=staging, counters=counters)
-
-
-def _count(counters, text_bytes: int, tokens: int) -> None:
-    with counters[0].get_lock():
-        counters[0].value += text_bytes
-        counters[1].value += tokens
-
-
-def _work(index: int, pieces: list[Piece]) -> dict:
-    w = _worker
-    return write_unit(
-        index, pieces, w["tokenizer"], w["settings"], w["staging"], lambda b, t: _count(w["counters"], b, t)
-    )
 
 
 # ---- the run ----
@@ -169,7 +147,7 @@ def run_units(todo: list[tuple[int, list[Piece]]], workers: int, tokenizer_path:
         tokenizer = build_tokenizer(tokenizer_path)
 
         def report(text_bytes: int, tokens: int) -> None:
-            _count(counters, text_bytes, tokens)
+            count(counters, text_bytes, tokens)
             progress.update(finished, counters[0].value, counters[1].value)
 
         for index, pieces in todo:
@@ -177,9 +155,9 @@ def run_units(todo: list[tuple[int, list[Piece]]], workers: int, tokenizer_path:
             finished += 1
         progress.update(finished, counters[0].value, counters[1].value, final=bool(todo))
         return
-    with ctx.Pool(workers, _start_worker, (tokenizer_path, settings, staging, counters)) as pool:
+    with ctx.Pool(workers, start_worker, (tokenizer_path, settings, staging, counters)) as pool:
         try:
-            pending = [pool.apply_async(_work, unit) for unit in todo]
+            pending = [pool.apply_async(work, unit) for unit in todo]
             while pending:
                 time.sleep(0.1)
                 for result in [r for r in pending if r.ready()]:
@@ -226,6 +204,8 @@ def prepare(
     )
     out = Path(out_dir)
     previous = read_meta(out) if append else None
+    if previous:  # before any work: the new shards must be made as the old ones were
+        appended(previous, folder_meta([], tokenizer, settings, [], None))
     first = len(previous["splits"]["train"]["shards"]) if previous else 0
     units = plan_units(groups, max(int(shard_mb * 2**20), 1))
     staging = out / STAGING
@@ -325,6 +305,7 @@ def appended(previous: dict, new: dict) -> dict:
                 f"--append: the folder was prepared with {key} = {previous.get(key)!r}, this run would use "
                 f"{new.get(key)!r}; use the same options, or prepare another folder"
             )
+    new = {**new, "splits": {split: dict(entry) for split, entry in new["splits"].items()}}
     for split in SPLITS:
         old, add = previous["splits"][split], new["splits"][split]
         for key in ("documents", "tokens", "text_bytes"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import numpy as np
 
 from elr.data.folders import SHARDED, STARTS, shard_name
 from elr.errors import DataError
-from elr.text.tokenizer import Tokenizer
+from elr.text.tokenizer import Tokenizer, build_tokenizer
 
 SPLITS = ("train", "val")
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -317,3 +318,30 @@ def folder_meta(
         "splits": splits,
         "sources": sources,
     }
+
+
+# ---- a worker process of scripts/prepare_data.py --workers N ----
+
+_worker: dict = {}  # in each worker: its tokenizer, settings, staging folder and the shared counters
+
+
+def start_worker(tokenizer_path: str, settings: Settings, staging: Path, counters) -> None:
+    """A worker ignores Ctrl-C (the main process ends it) and dies at once on SIGTERM (pool.terminate)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _worker.update(tokenizer=build_tokenizer(tokenizer_path), settings=settings, staging=staging, counters=counters)
+
+
+def count(counters, input_bytes: int, tokens: int) -> None:
+    """Add to the run's shared counters of input bytes and tokens (the progress line reads them)."""
+    with counters[0].get_lock():
+        counters[0].value += input_bytes
+        counters[1].value += tokens
+
+
+def work(index: int, pieces: list[Piece]) -> dict:
+    """Write unit `index` in this worker."""
+    w = _worker
+    return write_unit(
+        index, pieces, w["tokenizer"], w["settings"], w["staging"], lambda b, t: count(w["counters"], b, t)
+    )
