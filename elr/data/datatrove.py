@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from elr.data.sources import Shard, Source, check_size
+from elr.data.sources import Shard, Source, check_size, map_file
 from elr.errors import DataError
 
 TOKEN_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
@@ -47,12 +47,11 @@ class DatatroveShard:
     """One .ds file mapped, its document ends from the .ds.index."""
 
     def __init__(self, ds: Path, dtype: np.dtype, num_tokens: int):
-        self._tokens = np.memmap(ds, dtype=dtype, mode="r")
+        self._tokens = map_file(ds, dtype, num_tokens)
         index = ds.with_name(ds.name + ".index")
         if not index.is_file():
             raise DataError(f"{index}: missing (write the tokenized files with save_index=True)")
-        check_size(index, 8)
-        self._ends = np.memmap(index, dtype="<u8", mode="r")
+        self._ends = map_file(index, "<u8")
         if len(self._ends) == 0 or int(self._ends[-1]) != num_tokens:
             raise DataError(f"{index}: its last document should end at the file's {num_tokens} tokens")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from elr.data.sources import Shard, Source, check_size
+from elr.data.sources import Shard, Source, map_file
 from elr.data.token_files import DTYPES, load_tokens, read_meta
 from elr.errors import DataError
 
@@ -38,8 +38,7 @@ class FolderShard:
     """One token file mapped read-only, with its document starts when it has them."""
 
     def __init__(self, tokens: Path, dtype: np.dtype, num_tokens: int, starts: Path | None):
-        check_size(tokens, dtype.itemsize, num_tokens)
-        self._tokens = np.memmap(tokens, dtype=dtype, mode="r")
+        self._tokens = map_file(tokens, dtype, num_tokens)
         self._starts = read_starts(starts, num_tokens) if starts is not None else None
 
     def tokens(self, a: int, b: int) -> np.ndarray:
@@ -52,9 +51,8 @@ class FolderShard:
 
 def read_starts(path: Path, num_tokens: int) -> np.ndarray:
     """A `.starts` file mapped read-only, its ends checked: a document at 0, none at or past the end."""
-    count = check_size(path, 8)
-    starts = np.memmap(path, dtype="<i8", mode="r") if count else np.zeros(0, dtype=np.int64)
-    if count == 0 or starts[0] != 0 or starts[-1] >= num_tokens:
+    starts = map_file(path, "<i8")
+    if len(starts) == 0 or starts[0] != 0 or starts[-1] >= num_tokens:
         raise DataError(f"{path}: document starts must begin at 0 and stay below the {num_tokens} tokens")
     return starts
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from elr.data.sources import Shard, Source, check_size
+from elr.data.sources import Shard, Source, check_size, map_file
 from elr.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -67,8 +67,8 @@ class MegatronShard:
         idx = prefix.with_name(prefix.name + ".idx")
         dtype, sequences, documents = read_header(idx)
         self.num_tokens, self.itemsize = num_tokens, dtype.itemsize
-        self._tokens = np.memmap(prefix.with_name(prefix.name + ".bin"), dtype=dtype, mode="r")
-        index = np.memmap(idx, dtype=np.uint8, mode="r")
+        self._tokens = map_file(prefix.with_name(prefix.name + ".bin"), dtype, num_tokens)
+        index = map_file(idx, np.uint8)
         lengths_at = HEADER.size
         pointers_at = lengths_at + 4 * sequences
         indices_at = pointers_at + 8 * sequences

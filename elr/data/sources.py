@@ -14,6 +14,8 @@ elr/data/stores.py picks one by what a path holds. docs/data.md describes the fo
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +118,21 @@ class Source:
 
     def __getstate__(self):  # a copy (a worker process, deepcopy) opens its own shards
         return {**self.__dict__, "_open": OrderedDict()}
+
+
+def map_file(path: Path, dtype, expected: int | None = None) -> np.ndarray:
+    """A file mapped read-only as a 1-D array of `dtype`: one open and one mmap (np.memmap costs several times
+    more, which matters when most windows open a shard). Its size must be a whole number of items, and
+    `expected` of them when given."""
+    dtype = np.dtype(dtype)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size % dtype.itemsize or (expected is not None and size // dtype.itemsize != expected):
+            check_size(path, dtype.itemsize, expected)  # raises, saying which
+        if size == 0:
+            return np.zeros(0, dtype=dtype)
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # holds its own descriptor until unmapped
+    return np.frombuffer(buffer, dtype=dtype)
 
 
 def check_size(path: Path, itemsize: int, expected: int | None = None) -> int:
