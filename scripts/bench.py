@@ -7,7 +7,7 @@
     python scripts/bench.py sampling --ranks 2 4       # gloo, one thread a rank: what waiting costs
     python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
     python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
-    python scripts/bench.py loader --shards 1000 --seq-len 8192 --batch 8 --steps 200   # scripts/bench_data.py
+    python scripts/bench.py loader --shards 1000 --seq-len 8192 --batch 8 --steps 200   # elr/tools/data_bench.py
     python scripts/bench.py prepare --mb 40 --workers 1 2
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
@@ -531,8 +531,8 @@ def _decoding_model_and_prompts(args):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model, cfg = load_model(args.checkpoint, device)
         eot = load_tokenizer(cfg).eot_id
-        val = Path(cfg["data"]["path"]) / "val.bin"
-        if not cfg["data"].get("task") and val.is_file():
+        val = Path(cfg["data"]["path"]) / "val.bin"  # the val split of the folder (a file, or shards)
+        if not cfg["data"].get("task") and (val.parent / "meta.json").is_file():
             tokens = read_tokens(val)
             return (
                 model,
@@ -643,8 +643,8 @@ def _sampling_rank(rank, world, port, args, results):
 
 
 def bench_loader(args):
-    """One loader process: start over --shards shards and tokens/s of a 3-source mixture (scripts/bench_data.py)."""
-    from bench_data import loader_table
+    """One loader process: start over --shards shards and tokens/s of a 3-source mixture (elr/tools/data_bench.py)."""
+    from elr.tools.data_bench import loader_table
 
     title, header, rows = loader_table(args)
     print(title)
@@ -652,8 +652,8 @@ def bench_loader(args):
 
 
 def bench_prepare(args):
-    """prepare_data.py at each --workers count on the same --mb of text (scripts/bench_data.py)."""
-    from bench_data import prepare_table
+    """prepare_data.py at each --workers count on the same --mb of text (elr/tools/data_bench.py)."""
+    from elr.tools.data_bench import prepare_table
 
     title, header, rows = prepare_table(args)
     print(title)

@@ -64,6 +64,7 @@ def test_a_megatron_dataset_reads_its_tokens_and_document_starts(tmp_path):
         open_store(folder)
 
 
+@pytest.mark.slow  # importing megatron-core takes about 10 s
 def test_megatron_cores_own_builder_writes_what_the_reader_reads(tmp_path):
     """The `formats` extra: megatron-core's IndexedDatasetBuilder writes the files, its IndexedDataset and this
     reader agree token for token and on every document start."""

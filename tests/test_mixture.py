@@ -179,6 +179,7 @@ def mixture_overrides(dump: Path, steps: int, weights: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # two trainer runs: about 15 s on 2 cores
 def test_the_trainer_validates_each_source_and_a_resume_says_what_the_new_mixture_changed(tmp_path, caplog):
     """The bundled mixture: `val/loss_k{k}/{source}` beside the mixture's (their weighted mean) in metrics.jsonl
     and TensorBoard, each source's epochs; resumed at step 2 with other weights, one line says what changed and

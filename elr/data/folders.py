@@ -112,3 +112,12 @@ def record_document_starts(folder: Path) -> dict[str, int]:
             tmp.unlink(missing_ok=True)
         found[split] = len(starts)
     return found
+
+
+def split_tokens(folder: Path, split: str) -> np.ndarray:
+    """A sharded folder's whole split as one array (for the tools that read a validation split end to end:
+    evaluation, cloze items): one shard mapped, several joined in memory."""
+    source = open_folder(Path(folder), split, split)
+    if len(source.shards) == 1:
+        return source.tokens(0, source.num_tokens)
+    return np.concatenate([source.tokens(int(a), int(b)) for a, b in zip(source.offsets[:-1], source.offsets[1:])])

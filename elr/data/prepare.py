@@ -145,6 +145,19 @@ def read_piece(piece: Piece, text_field: str) -> Iterator[tuple[str, int]]:
         raise DataError(f"{path}: not valid UTF-8 ({e})") from None
 
 
+def iter_all_documents(groups: list[tuple[str, list[Path]]], text_field: str = "text") -> Iterator[str]:
+    """Every document of every input, in order, as prepare_data.py reads them (scripts/train_tokenizer.py's
+    corpus); an input with none is one DataError naming it."""
+    for name, files in groups:
+        count = 0
+        for path in files:
+            for text, _ in read_piece(Piece(str(path), 0, path.stat().st_size, 0, 0), text_field):
+                count += 1
+                yield text
+        if count == 0:
+            raise DataError(f"{name}: no non-empty documents")
+
+
 def line_number(path: Path, offset: int) -> int:
     """The 1-based number of the line starting at byte `offset` (read only to name a bad line)."""
     with open(path, "rb") as f:

@@ -1,4 +1,4 @@
-"""The data benchmarks of scripts/bench.py (`loader`, `prepare`): what one loader process delivers, and what
+"""The data benchmarks scripts/bench.py runs (`loader`, `prepare`): what one loader process delivers, and what
 prepare_data.py's workers buy.
 
     python scripts/bench.py loader --shards 1000 --seq-len 8192 --batch 8 --steps 200
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARD_TOKENS = 50_000
 VOCAB = 50_000
 
