@@ -19,7 +19,7 @@ from .switch_report import switch_section
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
-    from elr.train.data import val_batches
+    from elr.data.validation import val_batches
 
     t = cfg["training"]
     return val_batches(str(data / "val.bin"), t["seq_len"], t["local_batch_size"], batches, 0, 1)
@@ -36,7 +36,7 @@ def loop_statistics(model, batches) -> dict[str, list[float]]:
     model.record_loop_statistics(True)
     sums: dict[str, list[float | None]] = {}  # None: the loop has no such statistic (an unconditioned loop's gate)
     with torch.no_grad():
-        for inputs, _ in batches:
+        for inputs, *_ in batches:
             model(inputs, loops=loops)
             for i, stats in enumerate(model.loop_statistics()):
                 for name, value in stats.items():
@@ -56,7 +56,7 @@ def replay_at_inference_loss(model, batches) -> float:
     model.route_replay = True
     total = count = 0.0
     with torch.no_grad():
-        for inputs, labels in batches:
+        for inputs, labels, *_ in batches:
             total += summed_loss(model(inputs, loops=model.args.recurrence.max_loops), labels).item()
             count += labels.numel()
     model.route_replay = False
