@@ -61,7 +61,8 @@ class Layer(nn.Module):
 
     In the recurrent block a FiLM triple (scale, shift, gate) from the loop conditioning turns
     this into x + (1 + gate) * sublayer(norm(x) * (1 + scale) + shift); all zeros is the plain layer.
-    The sublayer is handed what its kind takes beside its input (`LayerKind.inputs`).
+    The sublayer is handed what its kind takes beside its input (`LayerKind.inputs`). `delta` (a later loop's
+    own low-rank map, elr/models/recurrence.py's LoopDeltas) adds delta(h) to the sublayer's output.
     """
 
     def __init__(self, kind: str, args: ModelArgs):
@@ -75,7 +76,9 @@ class Layer(nn.Module):
         self.norm.reset_parameters()
         self.sublayer.init_weights(out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route=None, cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, film=None, route=None, cache=None, delta=None
+    ) -> torch.Tensor:
         h = self.norm(x)
         gate = None
         if film is not None:
@@ -84,6 +87,8 @@ class Layer(nn.Module):
             gate = gate[0] if gate else None
         given = {"rope": rope, "cache": cache, "route": route}
         y = self.sublayer(h, *[given[name] for name in self.inputs])
+        if delta is not None:
+            y = y + delta(h)
         return x + (y if gate is None else (1 + gate) * y)
 
 

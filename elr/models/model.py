@@ -34,6 +34,7 @@ PARAMETER_ROLES = {
     "step_size": "the ELR adaptive step's parameters (elr/models/recurrence.py, AdaptiveStep)",
     "conditioning": "the loop conditioning's embeddings and FiLM heads (LoopConditioning)",
     "loop_gate": "the zero-initialised gates of loops 2..K (`identity_loops`, LoopGates)",
+    "loop_delta": "the low-rank deltas of loops 2..K on the recurrent sublayers (`loop_delta_rank`, LoopDeltas)",
 }
 
 
@@ -85,6 +86,7 @@ class ELRModel(nn.Module):
         head: bool = True,
         every_loop: bool = False,
         exit_rule: ExitRule | None = None,
+        loop_exits: bool = False,
     ) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times: an int,
         or a LongTensor [B] of per-row budgets (elr/models/budget.py; each row gets what it gets alone).
@@ -92,7 +94,9 @@ class ELRModel(nn.Module):
         head=False returns the normed final hidden state [B, T, dim] instead, for a loss that applies
         `self.output` itself a chunk of tokens at a time (elr/train/loss.py). every_loop=True (training,
         a prefix-consistent block) runs the output block on the state after each loop i = 1..k, one
-        batch of k x B rows: [k, B, T, ...], the model at every budget up to k in one forward.
+        batch of k x B rows: [k, B, T, ...], the model at every budget up to k in one forward. loop_exits=True
+        reads the same exits from any block: with the budget embedding in the loops, exit i is then loop i of this
+        k-loop forward (with budget i's exit FiLM), not the model at budget i (elr.loop_consistency's students).
 
         With `cache` (inference; the interface is elr/models/cache.py's Cache, elr/infer/cache.py builds
         one) `tokens` continue the cached sequences: each row's positions come from the cache, and the
@@ -103,6 +107,7 @@ class ELRModel(nn.Module):
         each token ran are then `loops_used()`.
         """
         loops = as_loop_budget(loops, tokens.shape[0], tokens.device)
+        every_loop = every_loop or loop_exits
         rope = self.positions(tokens, loops, cache)
         for moe in self.moe_layers():
             moe.aux_loss = None
@@ -110,7 +115,14 @@ class ELRModel(nn.Module):
         for layer in self.input_layers:
             h = layer(h, rope, cache=cache.entry(layer, 1) if cache is not None else None)
         h, exit_films = self.recurrent(
-            h, rope, loops, cache, every_loop=every_loop, exit_rule=exit_rule, readout=self.readout
+            h,
+            rope,
+            loops,
+            cache,
+            every_loop=every_loop,
+            exit_rule=exit_rule,
+            readout=self.readout,
+            any_block=loop_exits,
         )
         if every_loop:
             h = torch.cat(h)
@@ -178,6 +190,7 @@ class ELRModel(nn.Module):
         declare(self.recurrent.step_size, "step_size")
         declare(self.recurrent.conditioning, "conditioning")
         declare(self.recurrent.loop_gates, "loop_gate")
+        declare(self.recurrent.loop_deltas, "loop_delta")
         for module in self.modules():
             if isinstance(module, MoE):
                 declare(module.router, "router")
@@ -262,7 +275,8 @@ class ELRModel(nn.Module):
         heads (once per sequence) and elementwise work (the state norm). The input adapter
         (state_plus_adapted_input) counts once: W h_in is computed once per forward. Under truncated
         backprop (`backprop_loops`) the loops before the window run forward only (a third), and so
-        does the input block when no input is re-injected (no gradient reaches it).
+        does the input block when no input is re-injected (no gradient reaches it). The later loops' low-rank
+        deltas (`loop_delta_rank` r) add 12 r dim per recurrent layer to each loop past the first.
         """
         a = self.args
         n_in, n_rec, _ = a.partition
@@ -278,4 +292,5 @@ class ELRModel(nn.Module):
         forward_only = loops - window if window and loops > window and not every_loop else 0
         if forward_only and a.recurrence.recurrent_input == "state":
             once //= 3
-        return once + (loops - forward_only) * recurrent + forward_only * recurrent // 3 + exits * after
+        deltas = 12 * a.recurrence.loop_delta_rank * a.dim * n_rec * max(loops - 1, 0)
+        return once + (loops - forward_only) * recurrent + forward_only * recurrent // 3 + exits * after + deltas
