@@ -234,3 +234,33 @@ def test_a_healing_window_needs_loop_parameters_and_room_after_the_switch():
     load_config(None, [*switch, "--elr.switch_heal_steps", "10", "--elr.loop_delta_rank", "2"])
     with pytest.raises(ConfigError, match="^elr.k1_anchor: runs under data parallelism only"):
         load_config(None, [*switch, "--elr.k1_anchor", "1", "--parallelism.context_parallel_degree", "2"])
+
+
+@pytest.mark.parametrize("kv_mode, preserved", [("per_loop", True), ("last_loop", False)])
+def test_function_preservation_holds_for_the_full_forward_and_the_per_loop_cache_not_the_last_loop_cache(
+    kv_mode, preserved
+):
+    """At the switch (identity loops after a one-loop phase) a decoded token at k = 2 computes what k = 1 computes
+    through a per-loop cache; through the last-loop cache its first loop attends to keys and values the previous
+    tokens' last loop made (from s_1, not s_0), so it differs (docs/recurrence.md)."""
+    from elr.infer.cache import InferenceCache
+
+    model, x = make(identity_loops=True, **{**RECIPE, "conditioning_first_loop": True}), tokens(B=1)
+    train_one_loop_path(model)
+    model.eval()
+    with torch.no_grad():
+        full = model(x, loops=1)[:, -1]
+        cache = InferenceCache(model, 1, x.shape[1], 2, kv_mode)
+        model(x[:, :-1], 2, cache)
+        decoded = model(x[:, -1:], 2, cache)[:, -1]
+    assert torch.allclose(decoded, full, atol=1e-5) == preserved
+
+
+def test_initial_state_noise_breaks_function_preservation_in_training_forwards_only():
+    model, x = make(identity_loops=True, initial_state_noise=0.5, **RECIPE), tokens()
+    train_one_loop_path(model)
+    with torch.no_grad():
+        one = model(x, loops=1)
+        assert not torch.allclose(model(x, loops=2), one)  # s_0 = h_in + sigma eps at k >= 2 in training
+        model.eval()
+        assert torch.equal(model(x, loops=2), one)
