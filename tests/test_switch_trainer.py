@@ -168,3 +168,26 @@ def test_a_run_with_every_design_resumes_at_and_after_the_switch_exactly(tmp_pat
 @pytest.mark.parametrize("design", list(DESIGNS))
 def test_each_design_resumes_at_and_after_the_switch_exactly(tmp_path, design):
     resume_is_exact(tmp_path, DESIGNS[design])
+
+
+@pytest.mark.slow  # multi-process
+def test_every_design_on_two_ranks_at_different_k_equals_one_process(tmp_path):
+    """FSDP2 on 2 gloo ranks whose loop counts differ (a 50% one-loop override: one rank at k = 1, the other
+    deeper), across the switch, with every design at once: the new parameters reduce on every rank, the anchor's
+    teacher runs on the k = 1 rank alone, and the losses are one process's (tests/test_distributed.py's pairing)."""
+    from trainer_utils import run_script
+
+    designs = [
+        *("--elr.switch_at", "0.5", "--elr.switch_conditioning", "from_start", "--elr.conditioning_exit", "true"),
+        *("--elr.one_loop_override", "0.5", *RESUME_DESIGNS["all_at_once"]),
+    ]
+    run(tmp_path / "seed", 2 * SWITCH, *CKPT, *designs, "--checkpoint.create_seed", "true")
+    for name in ("two", "one"):
+        copy_checkpoint(tmp_path / "seed", 0, tmp_path / name)
+    fp32 = ["--training.mixed_precision_param", "float32"]
+    two = run_script(tmp_path / "two", 2 * SWITCH, *CKPT, *designs, *fp32, "--training.local_batch_size", "2", nproc=2)
+    one = run(tmp_path / "one", 2 * SWITCH, *CKPT, *designs)
+    loops = [r["loops"] for r in records(tmp_path / "two")]
+    assert any(len(set(column)) > 1 for ks in loops[SWITCH:] for column in zip(*ks)), "ranks should differ in k"
+    for step in range(1, 2 * SWITCH + 1):
+        assert two[step] == pytest.approx(one[step], rel=2e-5, abs=2e-5), step
