@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -48,6 +49,7 @@ from elr.train.loss import IGNORE_INDEX, model_loss
 from elr.train.metrics import MetricsLogger, log_run_setup, outputs_line
 from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
 from elr.train.optimizer import (
+    SwitchLR,
     apply_job_settings,
     build_lr_scheduler,
     job_settings,
@@ -61,6 +63,7 @@ from elr.train.run_lock import RunLock
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.stop import StopOnSignal
 from elr.train.stragglers import LoopTimer
+from elr.train.switch_aids import SwitchObjectives
 from elr.train.train_state import ModelState, OptimizerState
 from elr.train.validate import Validator
 
@@ -121,6 +124,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps)
+        self.switch_objectives = SwitchObjectives.of(cfg)  # the k = 1 anchor, the loop consistency
         self.stop = StopOnSignal(self.device, saves=cfg.checkpoint.enable)
 
         # One run per folder, taken before anything is written: the dump folder, and the checkpoint
@@ -232,6 +236,8 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
         self.model = model = self.build_model()
         self.loop_timer = LoopTimer(model.recurrent, self.device)  # per-rank loop time: who waits for whom
+        if self.switch_objectives is not None and self.switch_objectives.anchor and mixed_depth:
+            self.switch_objectives.build_teacher(self.model_args, self.device)  # filled by a load or at the switch
         f1 = model.num_flops_per_token(cfg.training.seq_len, 1)
         self.fixed_cost = f1 / max(model.num_flops_per_token(cfg.training.seq_len, 2) - f1, 1) - 1
         self.optimizer, self.lr_scheduler = self.build_optimizer(model)
@@ -250,7 +256,8 @@ class Trainer:
         """Hook, after build_model at each phase's build: the optimizer and its LR schedule (over
         optimizer_updates() updates); a subclass may choose which parameters train, or how."""
         optimizer = build_optimizer_from_config(model, self.cfg.optimizer, self.cfg.elr)
-        return optimizer, build_lr_scheduler(optimizer, self.cfg.lr_scheduler, self.optimizer_updates())
+        schedule = build_lr_scheduler(optimizer, self.cfg.lr_scheduler, self.optimizer_updates(), SwitchLR.of(self.cfg))
+        return optimizer, schedule
 
     def optimizer_updates(self) -> int:
         """Hook, in build_optimizer: the optimizer updates of the whole run, the schedule's length (one per
@@ -304,10 +311,21 @@ class Trainer:
         one_model = model_args_from_config(self.cfg, self.vocab_size, mixed_depth=mixed_depth) == self.model_args
         if one_model:
             self.mixed_depth = mixed_depth
+            self._teacher_at_switch(step)
             return
         self._build(mixed_depth=mixed_depth)
         if step:
             self._load(step)
+
+    def _teacher_at_switch(self, step: int) -> None:
+        """The k = 1 anchor's teacher (elr.k1_anchor) becomes the model as it is now, once the mixed-depth phase
+        starts at or before the switch step: after that it only ever comes from the checkpoints."""
+        objectives = self.switch_objectives
+        if objectives is None or not objectives.anchor or not self.mixed_depth or step > self.depths.switch_step:
+            return
+        if objectives.teacher is None:
+            objectives.build_teacher(self.model_args, self.device)
+        objectives.copy_model(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True)))
 
     def states(self) -> dict:
         """Hook, at every save and load: what a checkpoint holds, by name (DCP Stateful objects); a subclass
@@ -317,7 +335,12 @@ class Trainer:
             "optimizer": OptimizerState(self.model, self.optimizer),
             "lr_scheduler": self.lr_scheduler,
             "train_state": self,
-        }
+        } | ({"k1_teacher": ModelState(self.teacher)} if self.teacher is not None else {})
+
+    @property
+    def teacher(self) -> nn.Module | None:
+        """The k = 1 anchor's teacher (elr.k1_anchor) once the mixed-depth phase has one, else None."""
+        return self.switch_objectives.teacher if self.switch_objectives is not None else None
 
     def state_dict(self) -> dict:
         """Hook, at every save: the trainer's own state in a checkpoint (JSON values or tensors); a subclass
@@ -340,7 +363,8 @@ class Trainer:
         """The keys a checkpoint from before the late switch lacks and this phase's model has: those of
         the conditioning parameters (weights and optimizer state), which keep their fresh values."""
         names = [name for name, role in self.model.parameter_roles().items() if role == "conditioning"]
-        return lambda key: any(f".{name}." in f".{key}." for name in names)
+        # the k = 1 anchor's teacher is saved from the first mixed-depth update on, so the switch checkpoint lacks it
+        return lambda key: key.startswith("k1_teacher.") or any(f".{name}." in f".{key}." for name in names)
 
     def _load(self, step: int | None) -> int | None:
         """Resume from `step` (None: the newest usable), with this job's optimizer settings; newer
@@ -351,6 +375,7 @@ class Trainer:
             logger.info(f"resumed from {self.checkpointer.folder}/step-{loaded} (step {self.step})")
             self.checkpointer.set_aside_after(loaded)
             apply_job_settings(self.optimizer, self.lr_scheduler, settings)  # logged as config changes
+            self._teacher_at_switch(loaded)
         return loaded
 
     def load_initial_weights(self, path: str, model: nn.Module | None = None) -> None:
@@ -429,6 +454,8 @@ class Trainer:
             if tokens > 0:
                 scalars[f"loss/k{k}"] = loss_sum / tokens
         scalars.update(moe_stats)
+        if self.switch_objectives is not None:
+            scalars.update(self.switch_objectives.report(step))
         if self.model.moe_layers():  # logged whatever the coefficient (unscaled; 1 per routing call if balanced)
             if dist.is_initialized():
                 dist.all_reduce(aux_sum)
@@ -454,8 +481,14 @@ class Trainer:
         summed token loss (plus the MoE balance term); returns that summed loss and the balance loss,
         detached, for the step's report. A subclass may add terms to what is backpropagated."""
         with self._loss_context():
-            loss_sum = self.model_loss(inputs, labels, k, every_loop=every_loop, document_ids=document_ids)
-            micro_loss = loss_sum * loss_scale
+            objectives, step = self.switch_objectives, self.step + 1
+            if objectives is not None and objectives.applies(step, k, self.mixed_depth):
+                # the anchor, the consistency
+                loss_sum, extra = objectives.loss(self.model, inputs, labels, k, step, document_ids)
+                micro_loss = (loss_sum + extra) * loss_scale
+            else:
+                loss_sum = self.model_loss(inputs, labels, k, every_loop=every_loop, document_ids=document_ids)
+                micro_loss = loss_sum * loss_scale
             # Under TP or CP: this rank's share of its sequences' balance loss. FSDP averages over the cp
             # ranks (the token loss is per rank) but the shares add up: hence x cp.
             aux = self.model.moe_aux_loss()
