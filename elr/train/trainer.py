@@ -295,7 +295,7 @@ class Trainer:
         """After a load: a mixture that a resume changed (this one or an earlier one) starts where it was
         changed, each source after the samples it had served (elr/data/mixture.py); this resume's change is
         recorded in its history entry, which config.json and every later checkpoint keep."""
-        dataset = self.train_loader.dataset
+        dataset = getattr(getattr(self, "train_loader", None), "dataset", None)  # RL stages have no loader
         if not hasattr(dataset, "set_origin"):  # a task or conversations: no mixture
             return
         if "data.sources" in self.resume_changes:

@@ -135,7 +135,7 @@ def flops_per_token(config: Path, overrides: dict, steps: int) -> float:
     from elr.models import build_model
     from elr.models.from_config import model_args_from_config
     from elr.text.tokenizer import vocab_size
-    from elr.train.token_files import job_tokenizer_path
+    from elr.data.job_data import job_tokenizer_path
 
     cfg = load_run_config(config, overrides, steps)
     with torch.device("meta"):
