@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_infer import small_model
 
 from elr.infer.generate import AdaptiveDepth, Sampling, generate
@@ -106,13 +108,56 @@ def test_a_stop_string_ends_a_choice_and_is_cut_from_its_text(model):
 
     # held back: a tail that may start a stop string, and an incomplete character
     sequence = Sequence(0, [1])
-    texts = iter(["ab", "abz", "abzz", "abq\ufffd", "abq\ufffd"])
-    decode = lambda ids: next(texts)  # noqa: E731
-    assert sequence.release(decode, ("zzz",), final=False) == ("ab", False)
-    assert sequence.release(decode, ("zzz",), final=False) == ("", False)  # "z" may begin "zzz"
-    assert sequence.release(decode, ("zzz",), final=False) == ("", False)
-    assert sequence.release(decode, (), final=False) == ("q", False)  # a character still to complete
-    assert sequence.release(decode, (), final=True) == ("\ufffd", False)  # the end: it never completed
+    pieces = [b"ab", b"z", b"z", b"q\xc3", b"\xa9", b"\xe2"]
+    decode = lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+    for token, final, want in [
+        (0, False, "ab"),
+        (1, False, ""),
+        (2, False, ""),
+        (3, False, "zzq"),
+        (4, False, "\u00e9"),
+    ]:
+        sequence.tokens.append(token)
+        assert sequence.release(decode, ("zzz", "zzzz"), final) == (want, False), token  # "z", "zz" may begin "zzz"
+    sequence.tokens.append(5)
+    assert sequence.release(decode, ("zzz",), final=True) == ("\ufffd", False)  # the end: it never completed
+
+
+def naive_release(tokens, released, decode, stop, final):
+    """The whole text decoded and searched again at every token: the reference the scheduler's linear
+    release must equal, piece for piece."""
+    text = decode(tokens)
+    longest = max((len(s) for s in stop), default=0)
+    hits = [i for i in (text.find(s, max(0, len(released) - longest)) for s in stop) if i >= 0]
+    if hits:
+        text = text[: min(hits)]
+    elif not final:
+        text = text.rstrip("\ufffd")
+        held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        text = text[: len(text) - held]
+    return text[len(released) :], bool(hits)
+
+
+PIECES = [b"a", b"b", b"ab", b"ba", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"\xff"]
+
+
+@given(
+    tokens=st.lists(st.integers(0, len(PIECES) - 1), min_size=1, max_size=40),
+    stop=st.lists(st.text("ab\u00e9\u20ac", min_size=1, max_size=6), max_size=4).map(tuple),
+)
+@settings(max_examples=300, deadline=None)
+def test_stop_strings_are_found_as_a_search_of_the_whole_text_finds_them(tokens, stop):
+    decode = lambda ids: b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+    sequence, released = Sequence(0, [1]), ""
+    for i, token in enumerate(tokens):
+        sequence.tokens.append(token)
+        final = i == len(tokens) - 1
+        want = naive_release(sequence.tokens, released, decode, stop, final)
+        assert sequence.release(decode, stop, final) == want, (tokens[: i + 1], stop)
+        released += want[0]
+        if want[1]:
+            break
+    assert sequence.scanner.fed <= len(decode(sequence.tokens))  # each character read once: linear in the text
 
 
 def test_limits_are_checked_before_anything_runs(model):
