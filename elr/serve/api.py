@@ -40,6 +40,7 @@ from elr.serve.protocol import (
     Shapes,
     chat_request,
     completion_request,
+    published,
     validation_error,
 )
 from elr.serve.scheduler import Busy, Engine, Refused, Unavailable
@@ -142,7 +143,7 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
     def openapi() -> dict:
         """FastAPI's schema, less the 422 it documents by default: a bad body here is a 400."""
         if app.openapi_schema is None:
-            schema = FastAPI.openapi(app)
+            schema = published(FastAPI.openapi(app), served)
             for path in schema["paths"].values():
                 for operation in path.values():
                     operation.get("responses", {}).pop("422", None)

@@ -28,7 +28,7 @@ from elr.errors import DataError
 from elr.infer.generate import Sampling
 from elr.serve.limits import MAX_STOP, Limits
 from elr.serve.sequence import AUTO, Request, Sequence, TokenLogprob
-from elr.text.chat import check_messages, encode_conversation
+from elr.text.chat import ROLES, check_messages, encode_conversation
 
 MAX_LOGPROBS = 20  # alternatives per token
 # OpenAI fields this server does not implement: refused unless given at their no-op value
@@ -76,14 +76,18 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+STRICT = ConfigDict(extra="allow", strict=True)  # JSON types as the schema says them: no "true" for true, "1" for 1
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class Body(BaseModel):
     """The fields completions and chat share; unknown fields are ignored unless UNSUPPORTED names them."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     model: str
     max_tokens: StrictInt | None = None
     temperature: float | None = None
@@ -103,7 +107,7 @@ class CompletionBody(Body):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     role: str
     content: str | list[dict] | None = None
 
@@ -191,6 +195,42 @@ ALLOWED = {  # each field's values, for the messages of a bad body (formatted by
     "draft_loops": "an integer 1..loop_budget",
     "top_logprobs": "an integer 0..{logprobs}",
 }
+
+
+def published(schema: dict, served: Served) -> dict:
+    """FastAPI's schema with this server's values in it: the model it serves and each field's range."""
+    limits = served.limits
+    ranges = {
+        "model": {"enum": [served.model_name]},
+        "max_tokens": {"minimum": 1, "maximum": served.context - 1},
+        "max_completion_tokens": {"minimum": 1, "maximum": served.context - 1},
+        "n": {"minimum": 1, "maximum": limits.max_choices},
+        "temperature": {"minimum": 0, "maximum": 2},
+        "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+        "seed": {"minimum": 0, "maximum": 2**62 - 1},
+        "loop_budget": {"minimum": 1, "maximum": served.max_loops},
+        "draft_loops": {"minimum": 1, "maximum": served.max_loops},
+        "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+        "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+        "stop": {"minLength": 1, "maxLength": limits.max_stop_chars, "maxItems": MAX_STOP},
+    }
+    keys = {"integer": ("minimum", "maximum"), "number": ("minimum", "maximum", "exclusiveMinimum")}
+    keys.update(string=("minLength", "maxLength", "enum"), array=("maxItems",))
+
+    def narrow(branch: dict, rule: dict) -> None:
+        for key in keys.get(branch.get("type"), ()):
+            if key in rule:
+                branch[key] = rule[key]
+        if branch.get("type") == "array" and "items" in branch:
+            narrow(branch["items"], {k: v for k, v in rule.items() if k != "maxItems"})
+
+    components = schema["components"]["schemas"]
+    for name in ("CompletionBody", "ChatBody"):
+        for field_name, prop in components[name]["properties"].items():
+            for branch in prop.get("anyOf", [prop]):
+                narrow(branch, ranges.get(field_name, {}))
+    components["ChatMessage"]["properties"]["role"]["enum"] = [*ROLES, "developer"]
+    return schema
 
 
 def shown(value) -> str:
