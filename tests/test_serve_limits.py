@@ -153,22 +153,19 @@ def test_a_body_past_the_limit_is_413_while_it_is_read(server):
     assert (
         status == 413 and body["error"]["code"] == "request_too_large" and str(BODY_LIMIT) in body["error"]["message"]
     )
-    # no Content-Length (chunked): refused once the count passes the limit, the rest unsent
+    # no Content-Length (chunked): refused once the count passes the limit. The client sends no more than
+    # that and then reads (one that goes on sending may see the connection reset instead: the server
+    # closes it with the rest unread)
     with connect(url) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
         )
-        chunk = b"1," * 32768
-        try:
-            for _ in range(2 * BODY_LIMIT // len(chunk)):
-                sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-        except OSError:  # the server answered and closed: what it said is still there to read
-            pass
+        chunk = b"1," * 16384
+        for _ in range(BODY_LIMIT // len(chunk) + 1):
+            sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
         status, body = read_response(sock)
     assert status == 413 and body["error"]["type"] == "invalid_request_error"
-    ids = json.dumps({"model": NAME, "prompt": [1] * (BODY_LIMIT // 2)}).encode()  # a plain body of ids
-    assert_openai_error(post(url, "completions", ids), 413)
     assert free(engine) and engine.alive()
 
 
