@@ -330,3 +330,47 @@ def test_a_drain_finishes_the_running_request_and_refuses_new_ones(export, monke
         assert text == library(export, "The king", 3, 20)[0]
         background.thread.join(30)
         assert not background.thread.is_alive()  # it left by itself once the running request was done
+
+
+@pytest.mark.slow  # a server process of its own: imports, loads and binds (~10 s on 2 cores)
+def test_the_command_drains_on_sigterm(export, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx2 as httpx
+    from trainer_utils import ROOT
+
+    folder, _, _ = export
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels")])}
+    flags = ["--port", "0", "--served-model-name", NAME, "--max-concurrent", "1", "--max-wait-s", "0"]
+    flags += ["--drain-timeout-s", "600"]  # time enough on a loaded machine
+    with open(log, "w") as out:
+        command = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--checkpoint", str(folder), *flags]
+        process = subprocess.Popen(command, cwd=tmp_path, stdout=out, stderr=out, env=env)
+    try:
+        wait_for(lambda: "Uvicorn running on" in log.read_text() or process.poll() is not None, 120)
+        url = "http://127.0.0.1:" + log.read_text().split("Uvicorn running on http://127.0.0.1:")[1].split()[0]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        finished = []
+
+        def ask(i):
+            r = client.completions.create(model=NAME, prompt=f"{i}", max_tokens=30, temperature=0)
+            finished.append(r.choices[0].finish_reason)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]  # one row: seconds of work queued
+        for t in threads:
+            t.start()
+        wait_for(lambda: httpx.get(f"{url}/health").json()["waiting"] >= 2, 60)
+        process.send_signal(signal.SIGTERM)
+        wait_for(lambda: "draining" in log.read_text(), 30)
+        assert_openai_error(post(f"{url}/v1", "completions", {"model": NAME, "prompt": "late"}), 503)
+        for t in threads:
+            t.join()
+        assert finished == ["length"] * 6, log.read_text()  # the accepted requests all ran to their end
+        assert process.wait(60) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -130,6 +130,7 @@ class Engine:
         self._lock = threading.Condition()
         self._closed = False
         self._draining = False
+        self._open: set[int] = set()  # ids of the requests submitted and not yet ended
         self._thread: threading.Thread | None = None
 
     def memory_report(self) -> str:
@@ -232,6 +233,7 @@ class Engine:
                 )
             self.queued_tokens += request.cost
             self.backlog.queue(request)
+            self._open.add(id(request))
             self._inbox.append(request)
             self._lock.notify()
 
@@ -259,9 +261,10 @@ class Engine:
             self._draining = True
 
     def idle(self) -> bool:
-        """Nothing accepted is left: no request waiting or running."""
+        """Nothing accepted is left: every request submitted has ended (a request between the queue and
+        its rows, while its prompt is read, counts too)."""
         with self._lock:
-            return not self._inbox and not self.waiting and not self._running()
+            return not self._open
 
     # --- the engine's thread ---
 
@@ -466,7 +469,7 @@ class Engine:
                 pool.leave(sequence.row)
         self._emit(request, Delta(sequence.index, text, logprobs, reason))
         if all(s.finish_reason for s in request.sequences) and not request.finished:
-            request.finished = True
+            self._settle(request)
             self.stats.finished += 1
             self._emit(request, Done())
 
@@ -521,7 +524,7 @@ class Engine:
 
     def _drop(self, request: Request) -> None:
         """Free whatever the request holds, wherever it is."""
-        request.finished = True
+        self._settle(request)
         if request in self.waiting:
             self.waiting.remove(request)
             with self._lock:
@@ -537,6 +540,11 @@ class Engine:
                 if sequence.row is not None and pool.busy.get(sequence.row, (None,))[0] is request:
                     pool.leave(sequence.row)
         self.drafts = [lane for lane in self.drafts if lane.request is not request]
+
+    def _settle(self, request: Request) -> None:
+        request.finished = True
+        with self._lock:
+            self._open.discard(id(request))
 
     def _fail(self, request: Request, message: str, status: int = 500) -> None:
         if request.finished:
