@@ -374,3 +374,12 @@ def test_the_command_drains_on_sigterm(export, tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+@pytest.mark.slow  # a fresh export, a server process, clients for a few seconds, the reference decodings
+def test_the_load_test_runs_clean(capsys):
+    from export_utils import script
+
+    assert script("bench_serve").main(["load", "--clients", "12", "--seconds", "4", "--drop", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert "other errors 0" in out and "0 running, 0 waiting, 12 of 12 rows free; SIGTERM: exit status 0" in out, out
