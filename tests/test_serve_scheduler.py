@@ -172,10 +172,16 @@ def test_limits_are_checked_before_anything_runs(model):
         (2, {"draft_loops": 3}, "draft_loops"),
         (2, {"draft_loops": 1, "sampling": Sampling(0.5)}, "draft_loops"),
         (2, {"draft_loops": 1, "n": 2}, "n"),
+        (2, {"n": 10**18}, "n"),  # refused before a choice is built
+        (2, {"n": 0}, "n"),
+        (2, {"stop": ("z" * 257,)}, "stop"),
+        (2, {"stop": ("a", "b", "c", "d", "e")}, "stop"),
+        (2, {"prompts": [[1] * 64]}, "prompt"),  # the prompt alone fills the context
+        (2, {"prompts": []}, "prompt"),
     ]:
-        kw = {"max_tokens": 4, **kw}
+        kw = {"max_tokens": 4, "prompts": [[1, 2, 3]], **kw}
         with pytest.raises(Refused) as refused:
-            engine.submit(Request([[1, 2, 3]], kw.pop("max_tokens"), loops, **kw))
+            engine.submit(Request(kw.pop("prompts"), kw.pop("max_tokens"), loops, **kw))
         assert refused.value.param == param, (loops, kw, str(refused.value))
     first, _ = submit(engine, [1, 2, 3], 2, 20)  # the queue takes one request whatever its size
     with pytest.raises(Busy):
@@ -223,3 +229,25 @@ def test_a_request_that_fails_fails_alone(model, monkeypatch):
     assert also_good.sequences[0].tokens == generate(model, also_good.prompts, 3, 8, EOT)[0]
     assert [len(r.top) for r in also_good.sequences[0].logprobs] == [2] * 8
     assert engine.stats.failed == 2 and all(len(p.free) == p.rows for p in engine.pools.values())
+
+
+def test_a_step_reads_prompts_within_the_prefill_memory_and_a_long_wait_is_busy(model):
+    probe = engine_for(model)
+    one = probe.memory.prompt_bytes("budgets", 3, 1, 30, 0)
+    engine = engine_for(model, max_prefill_bytes=one + one // 2, max_wait_s=0.5)
+    with pytest.raises(Refused) as refused:  # two prompts of 30 tokens in one request: past the limit
+        engine.submit(Request([[1] * 30, [2] * 30], 4, 2))
+    assert refused.value.param == "prompt" and "--max-prefill-bytes" in str(refused.value)
+    a, _ = submit(engine, [1] * 30, 2, 20)
+    b, _ = submit(engine, [2] * 30, 2, 20)  # each fits alone; both together do not
+    engine.step()
+    pool = engine.pools["budgets"]
+    assert [r for r, _ in pool.busy.values()] == [a] and list(engine.waiting) == [b]
+    engine.step()
+    assert {id(r) for r, _ in pool.busy.values()} == {id(a), id(b)} and not engine.waiting
+    engine.backlog.step_s = 0.1  # as if measured: ~40 tokens owed over 4 rows, about 1 s of work ahead
+    submit(engine, [3], 2, 20)  # rows are free and nobody waits: no wait at all
+    with pytest.raises(Busy) as busy:  # behind it: (38 + 20) tokens / 4 rows x 0.1 s, past 0.5 s
+        submit(engine, [3], 2, 20)
+    assert busy.value.retry_after == 1 and engine.stats.busy == 1 and "wait about 1.4 s" in str(busy.value)
+    engine.close()

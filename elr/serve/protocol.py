@@ -226,10 +226,11 @@ def published(schema: dict, served: Served) -> dict:
 
     components = schema["components"]["schemas"]
     for name in ("CompletionBody", "ChatBody"):
-        for field_name, prop in components[name]["properties"].items():
+        for field_name, prop in components.get(name, {}).get("properties", {}).items():
             for branch in prop.get("anyOf", [prop]):
                 narrow(branch, ranges.get(field_name, {}))
-    components["ChatMessage"]["properties"]["role"]["enum"] = [*ROLES, "developer"]
+    if "ChatMessage" in components:
+        components["ChatMessage"]["properties"]["role"]["enum"] = [*ROLES, "developer"]
     return schema
 
 
