@@ -179,10 +179,14 @@ def main(argv: list[str] | None = None) -> int:
 
         auto = "auto" in budgets
         limits = Limits(
-            max_concurrent=args.clients, max_auto=args.clients if auto else 0, max_draft=0, max_queued_tokens=10**9
+            max_concurrent=args.clients,
+            max_auto=args.clients if auto else 0,
+            max_draft=0,
+            max_queued_tokens=10**9,
+            max_wait_s=0,  # a throughput measure: every request waits its turn
         )
         engine = Engine(model, tokenizer.eot_id, tokenizer.decode, args.kv, limits, rule)
-        served = Served("bench", tokenizer, model.args.max_seq_len, K, K)
+        served = Served("bench", tokenizer, model.args.max_seq_len, K, K, limits)
         with BackgroundServer(create_app(engine, served)) as url:
             client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
             arms = {
