@@ -7,6 +7,8 @@
     python scripts/bench.py sampling --ranks 2 4       # gloo, one thread a rank: what waiting costs
     python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
     python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
+    python scripts/bench.py loader --shards 1000 --seq-len 8192 --batch 8 --steps 200   # elr/tools/data_bench.py
+    python scripts/bench.py prepare --mb 40 --workers 1 2
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """
@@ -529,8 +531,8 @@ def _decoding_model_and_prompts(args):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model, cfg = load_model(args.checkpoint, device)
         eot = load_tokenizer(cfg).eot_id
-        val = Path(cfg["data"]["path"]) / "val.bin"
-        if not cfg["data"].get("task") and val.is_file():
+        val = Path(cfg["data"]["path"]) / "val.bin"  # the val split of the folder (a file, or shards)
+        if not cfg["data"].get("task") and (val.parent / "meta.json").is_file():
             tokens = read_tokens(val)
             return (
                 model,
@@ -640,6 +642,24 @@ def _sampling_rank(rank, world, port, args, results):
     dist.destroy_process_group()
 
 
+def bench_loader(args):
+    """One loader process: start over --shards shards and tokens/s of a 3-source mixture (elr/tools/data_bench.py)."""
+    from elr.tools.data_bench import loader_table
+
+    title, header, rows = loader_table(args)
+    print(title)
+    print_table(header, rows)
+
+
+def bench_prepare(args):
+    """prepare_data.py at each --workers count on the same --mb of text (elr/tools/data_bench.py)."""
+    from elr.tools.data_bench import prepare_table
+
+    title, header, rows = prepare_table(args)
+    print(title)
+    print_table(header, rows)
+
+
 BENCHMARKS = {
     "gdp": bench_gdp,
     "model": bench_model,
@@ -647,6 +667,8 @@ BENCHMARKS = {
     "sampling": bench_sampling,
     "speculative": bench_speculative,
     "rollout": bench_rollout,
+    "loader": bench_loader,
+    "prepare": bench_prepare,
 }
 
 
@@ -673,6 +695,11 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64, help="speculative, rollout: tokens generated per prompt")
     parser.add_argument("--kv", default="per_loop", help="speculative, rollout: KV cache mode")
     parser.add_argument("--json", help="model: also write the results to this JSON file (to compare commits)")
+    parser.add_argument("--shards", type=int, default=1000, help="loader: shards of the largest source")
+    parser.add_argument("--steps", type=int, default=200, help="loader: batches timed")
+    parser.add_argument("--mb", type=float, default=40.0, help="prepare: megabytes of JSONL text to tokenize")
+    parser.add_argument("--shard-mb", type=float, default=1.0, help="prepare: megabytes of text per shard")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="prepare: worker counts to time")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)
 

@@ -37,14 +37,14 @@ import torch
 
 from elr.cli import HelpFormatter
 from elr.config import load_config
+from elr.data.job_data import job_tokenizer_path
+from elr.data.loader import microbatches
 from elr.errors import ConfigError
 from elr.models import build_model
 from elr.models.from_config import check_model_config, model_args_from_config
 from elr.parallel.parallel_dims import ParallelDims
 from elr.text.tokenizer import vocab_size as tokenizer_vocab
-from elr.train.data import microbatches
 from elr.train.loop_sampler import SAMPLING, LoopSampler, expected_wait
-from elr.train.token_files import job_tokenizer_path
 
 FORMULA = "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L\nE[k] = f + (1 - f) * sum_k w_k * k"
 

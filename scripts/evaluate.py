@@ -99,9 +99,10 @@ def evaluate(
                 adaptive[str(rule)][f"{task.name}/{metric}/mean_loops"] = depth.mean_loops
         return cfg, rows, adaptive
     tokenizer = load_tokenizer(cfg, args.tokenizer)
-    data = args.data or cfg["data"]["path"]
-    val_path = Path(data) / "val.bin"
-    if not val_path.is_file():
+    sources = cfg["data"].get("sources") or []  # a mixture's run: its first source's validation split
+    data = args.data or (sources[0].get("val_path") or sources[0]["path"] if sources else cfg["data"]["path"])
+    val_path = Path(data) / "val.bin"  # a split of the folder: the older file, or the val shards
+    if not Path(data).is_dir():
         val_path = Path(__file__).resolve().parents[1] / data / "val.bin"
     chat = is_chat_folder(val_path.parent)  # conversations: the loss on their assistant tokens
     tokens = read_tokens(val_path) if (args.val_batches or args.decoded_windows) and not chat else None
@@ -216,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode for latency (default per_loop)")
     p.add_argument("--tasks", nargs="*", default=[], help="multiple-choice JSONL files")
     p.add_argument("--limit", type=int, default=0, help="first N questions of each task (0: all)")
-    p.add_argument("--data", help="prepared data folder with val.bin (default: the run config's)")
+    p.add_argument(
+        "--data",
+        help="prepared data folder whose val split is read (default: the run config's; a mixture's first source)",
+    )
     p.add_argument("--val-batches", type=int, default=4, help="validation batches (0: skip the loss)")
     p.add_argument(
         "--decoded-windows",

@@ -19,10 +19,11 @@ from pathlib import Path
 
 from elr.cli import HelpFormatter
 from elr.config import JobConfig
+from elr.data.job_data import job_tokenizer_path
+from elr.data.token_files import check_tokenizer
 from elr.errors import UserError
 from elr.infer.evaluate import read_tokens
 from elr.text.tokenizer import Tokenizer, build_tokenizer
-from elr.train.token_files import check_tokenizer, job_tokenizer_path
 
 
 def cloze_items(

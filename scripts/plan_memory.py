@@ -17,11 +17,11 @@ from pathlib import Path
 
 from elr.cli import HelpFormatter
 from elr.config import load_config
+from elr.data.job_data import job_tokenizer_path
 from elr.errors import ConfigError
 from elr.models.from_config import model_args_from_config
 from elr.text.tokenizer import vocab_size
 from elr.tools.memory_plan import plan_memory
-from elr.train.token_files import job_tokenizer_path
 
 
 def main(argv: list[str] | None = None) -> int:

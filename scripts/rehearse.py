@@ -6,8 +6,9 @@
 Keeps what decides whether a job survives its first hour: the parallel layout (TP, CP, EP, HSDP degrees),
 the recurrence options, the loop sampler and its one-loop override, the late switch, checkpointing (async
 saves included) and validation at every k. Shrinks what a laptop cannot hold: the model becomes the
-`debug` flavor (every layer kind), sequences 64 tokens, float32, no compile, the bundled data (the chat
-conversations for an SFT stage) and tokenizer, no initial_load_path. Three runs on gloo ranks:
+`debug` flavor (every layer kind), sequences 64 tokens, float32, no compile, the bundled data (a mixture
+keeps its sources' names and weights on the bundled prose and code folders; the chat conversations for an
+SFT stage) and tokenizer, no initial_load_path. Three runs on gloo ranks:
 
   1. train `--steps` updates on `--ranks` ranks, saving every 2 (the switch, if any, falls inside);
   2. resume from step 2 with the same command: the losses after it must be the first run's, to the bit;
@@ -43,6 +44,7 @@ DEGREES = (
     "context_parallel_degree",
     "tensor_parallel_degree",
 )
+BUNDLED_MIXTURE = (ROOT / "data" / "tinyprose", ROOT / "data" / "code")  # the small mixture the data/ folder ships
 RESHARD_TOLERANCE = 1e-2  # relative: another layout sums in another order, and the override rotates other ranks
 
 
@@ -77,6 +79,10 @@ def overrides(
 ) -> list[str]:
     chat = "sft" in config_name
     data = ROOT / "data" / ("chat" if chat else "tinyprose")
+    # A mixture keeps its names and weights, each source on a bundled folder in turn (BUNDLED_MIXTURE)
+    sources = [
+        f"{s.name}:{s.weight!r}:{BUNDLED_MIXTURE[i % len(BUNDLED_MIXTURE)]}" for i, s in enumerate(cfg.data.sources)
+    ]
     args = {
         "model.flavor": "debug",
         "training.seq_len": "128" if chat else "64",
@@ -86,6 +92,7 @@ def overrides(
         "training.mixed_precision_param": "float32",
         "compile.enable": "false",
         "data.path": str(data),
+        **({"data.sources": ",".join(sources)} if sources else {}),
         "tokenizer.path": str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"),
         "lr_scheduler.warmup_steps": "1",
         "checkpoint.enable": "true",

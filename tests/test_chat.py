@@ -10,11 +10,12 @@ import jinja2
 import pytest
 from trainer_utils import ROOT
 
+from elr.data.loader import build_train_loader
+from elr.data.validation import val_batches
 from elr.errors import DataError
 from elr.text.chat import CHAT_TEMPLATE, encode_conversation, render
 from elr.text.chat_data import IGNORE_INDEX, ChatSplit, prepare_chat
 from elr.text.tokenizer import build_tokenizer
-from elr.train.data import build_train_loader, val_batches
 
 TOKENIZER = str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken")
 TALK = [
@@ -94,7 +95,7 @@ def test_labels_count_exactly_the_assistant_tokens_and_rows_never_share(tmp_path
         assert (labels != IGNORE_INDEX).sum() == sum(scored)  # <|endoftext|> that opens the row is context
     # A row's first input is the conversation's opening <|endoftext|> in every batch the loader serves.
     loader = build_train_loader(str(tmp_path / "d" / "train.bin"), 64, 4, 0, 1, seed=3)
-    inputs, labels = next(iter(loader))
+    inputs, labels, _ = next(iter(loader))
     assert inputs[:, 0].eq(tok.eot_id).all() and inputs[:, 1].ne(tok.eot_id).all()
 
 
@@ -112,7 +113,7 @@ def test_chat_stream_resumes_and_reshards_exactly(tmp_path, tok):
         rows = []
         for _ in range(steps):
             for it in its:
-                inputs, labels = next(it)
+                inputs, labels, _ = next(it)
                 rows += [tuple(x.tolist()) + tuple(y.tolist()) for x, y in zip(inputs, labels)]
         return rows
 
@@ -126,7 +127,7 @@ def test_chat_stream_resumes_and_reshards_exactly(tmp_path, tok):
     state = copy.deepcopy(loader.state_dict())
     one = build_train_loader(path, 48, 4, 0, 1, seed=5)
     one.load_state_dict(state)
-    resumed = [tuple(x.tolist()) + tuple(y.tolist()) for inputs, labels in take(one, 4) for x, y in zip(inputs, labels)]
+    resumed = [tuple(x.tolist()) + tuple(y.tolist()) for b in take(one, 4) for x, y in zip(b.inputs, b.labels)]
     assert resumed == reference[20:36] and one.dataset.position == 36
     assert stream(2, 2, 4, position=36) == reference[36:52]
     batches = list(val_batches(str(tmp_path / "d" / "val.bin"), 48, 2, 2, 0, 1))

@@ -305,7 +305,7 @@ def test_bundled_paths_resolve_from_any_directory(tmp_path, monkeypatch):
 
 
 def test_the_tokenizer_defaults_to_the_one_the_data_records(tmp_path, monkeypatch):
-    from elr.train.token_files import job_tokenizer_path
+    from elr.data.job_data import job_tokenizer_path
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(ROOT / "train_configs" / "debug.toml")

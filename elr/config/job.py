@@ -11,7 +11,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
-from elr.config.keys import check_fields, require
+from elr.config.data import Data
+from elr.config.keys import check_fields, check_sha256, require
 from elr.config.recurrence import RecurrenceOptions
 from elr.config.rl import RL
 
@@ -299,52 +300,6 @@ class LRScheduler:
         require(self.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0", self.warmup_steps)
         require(0 < self.decay_fraction <= 1, "lr_scheduler.decay_fraction", "must lie in (0, 1]", self.decay_fraction)
         require(0 <= self.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "must lie in [0, 1]", self.min_lr_ratio)
-
-
-@dataclass
-class Data:
-    """[data]: each key's meaning is the string under its field."""
-
-    path: str = "data/tinyprose"
-    """folder with train.bin, val.bin, meta.json from scripts/prepare_data.py; a chat folder (`--format chat`,
-    elr/text/chat_data.py) serves one conversation per row, its assistant tokens scored"""
-    shuffle: bool = True
-    """permute windows each epoch (O(1)-memory bijection seeded by seed and epoch)"""
-    task: Literal["", "pointer_chase", "var_chain"] = ""
-    """a depth-bound task generated on the fly instead of token files: `pointer_chase` or `var_chain` (its own
-    vocabulary, loss on the answer only, validation accuracy per difficulty at every k; data parallelism only)"""
-    task_items: int = 8
-    """pairs (pointer_chase) or statements (var_chain) in each example's context"""
-    task_max_difficulty: int = 6
-    """hops (pointer_chase) or binding depth (var_chain) drawn from 1..this"""
-    task_curriculum_steps: int = 0
-    """updates over which the hardest difficulty drawn grows from 1 to the maximum in equal stages; 0: all from
-    the start"""
-    meta_sha256: str = ""
-    """the SHA-256 of `path`'s meta.json (64 hex digits), checked when set; empty: the trainer records it here in
-    config.json, so a resume refuses a data folder that was prepared again since the run began"""
-
-    def check(self) -> None:
-        check_fields(self, "data")
-        check_sha256("data.meta_sha256", self.meta_sha256)
-        if self.task:
-            require(self.task_items >= 2, "data.task_items", "must be >= 2", self.task_items)
-            require(1 <= self.task_max_difficulty, "data.task_max_difficulty", "must be >= 1", self.task_max_difficulty)
-            require(
-                self.task_curriculum_steps >= 0,
-                "data.task_curriculum_steps",
-                "must be >= 0 (0 = off)",
-                self.task_curriculum_steps,
-            )
-
-
-def check_sha256(key: str, sha: str) -> None:
-    require(
-        sha == "" or (len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha)),
-        key,
-        "must be empty or 64 lowercase hex digits",
-        sha,
-    )
 
 
 @dataclass

@@ -49,16 +49,22 @@ BUNDLED_PATHS = ("data.path", "tokenizer.path")  # the shipped configs name file
 
 
 def resolve_bundled_paths(cfg: JobConfig, cwd: Path | None = None) -> None:
-    """A relative data or tokenizer path that does not exist from the working directory but does
+    """A relative data (or data source) or tokenizer path that does not exist from the working directory but does
     under the repository (the bundled data/) is made absolute there, so `python /path/to/train.py`
     works from any directory. What exists from the working directory wins; config.json records the
     path that was used."""
     cwd = cwd or Path.cwd()
+
+    def bundled(value: str) -> str:
+        if value and not Path(value).is_absolute() and not (cwd / value).exists() and (REPOSITORY / value).exists():
+            return str(REPOSITORY / value)
+        return value
+
     for key in BUNDLED_PATHS:
         section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value and not Path(value).is_absolute() and not (cwd / value).exists() and (REPOSITORY / value).exists():
-            setattr(getattr(cfg, section), name, str(REPOSITORY / value))
+        setattr(getattr(cfg, section), name, bundled(getattr(getattr(cfg, section), name)))
+    for source in cfg.data.sources:  # the shipped configs' mixture names bundled folders too
+        source.path, source.val_path = bundled(source.path), bundled(source.val_path)
 
 
 def config_from_dict(raw: dict) -> JobConfig:

@@ -30,7 +30,7 @@ The training forward (`RecurrentBlock.forward`) runs the loop above and nothing 
 the inference concerns (a budget per row, a cache, an exit rule: `RecurrentBlock.elastic_forward`),
 wraps the same loop body, `step`, from outside, holding in place the rows or tokens that stop early.
 What every loop of a forward reads besides the state (h_in, W h_in, RoPE, MoE routes, the budget, the
-cache) is one `LoopContext`, built once per forward.
+cache, the packed documents) is one `LoopContext`, built once per forward.
 
 The block and its loop are one module, so FSDP can make it one unit that is called exactly once
 per microbatch whatever k is (a unit called a different number of times on different ranks
@@ -52,6 +52,7 @@ from elr.config.recurrence import RecurrenceOptions
 from elr.models.args import ModelArgs
 from elr.models.budget import LoopBudget, budget_range
 from elr.models.cache import Cache
+from elr.models.documents import Documents
 from elr.models.early_exit import ExitRule
 from elr.models.ffn import Route
 
@@ -221,9 +222,10 @@ class LoopContext:
     loops: LoopBudget  # k, or one k per row: what the conditioning reads
     most: int  # the loops this forward runs (the largest budget)
     cache: Cache | None = None  # inference: each layer's entry at loop i
+    documents: Documents | None = None  # documents packed into each row (elr/models/documents.py), or None
 
 
-# The output block, norm and head on a state: readout(s, rope, cache, exit_films) -> logits
+# The output block, norm and head on a state: readout(s, rope, cache, exit_films, documents=...) -> logits
 # (ELRModel.readout). Exit rules that compare loops' next-token distributions read every loop through it.
 Readout = Callable[[torch.Tensor, torch.Tensor, Cache | None, list | None], torch.Tensor]
 
@@ -288,18 +290,20 @@ class RecurrentBlock(nn.Module):
         every_loop: bool = False,
         exit_rule: ExitRule | None = None,
         readout: Readout | None = None,
+        documents: Documents | None = None,
     ) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
         """s_0 = h_in; s_i = update(s_{i-1}, L(cond(s~_{i-1}, i, k))) for i = 1..k. Returns (s_k, the
         output block's FiLM for budget k or None without exit heads); with `every_loop`, ([s_1, ..., s_k],
-        each exit's FiLM) (needs a prefix-consistent block).
+        each exit's FiLM) (needs a prefix-consistent block). `documents`: the documents packed into each
+        row, which every loop's token mixers keep apart.
 
         A budget per row (`loops` a LongTensor [B]), a cache, or an exit rule is elastic depth
         (`elastic_forward`): the same loop body, with rows that stop early held in place."""
         if torch.is_tensor(loops) or cache is not None or exit_rule is not None:
-            return self.elastic_forward(h_in, rope, loops, cache, every_loop, exit_rule, readout)
+            return self.elastic_forward(h_in, rope, loops, cache, every_loop, exit_rule, readout, documents)
         self.check_loops(loops, loops, every_loop, per_row=False)
         self._recorded, self.loops_used = [], None
-        ctx = self.loop_context(h_in, rope, loops, loops)
+        ctx = self.loop_context(h_in, rope, loops, loops, documents=documents)
         s, states = self.initial_state(h_in, loops), []
         for i in range(1, loops + 1):
             s = self.step(s, i, ctx)
@@ -315,6 +319,7 @@ class RecurrentBlock(nn.Module):
         every_loop: bool = False,
         exit_rule: ExitRule | None = None,
         readout: Readout | None = None,
+        documents: Documents | None = None,
     ) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
         """Elastic depth: the loop with rows or tokens that stop early, `forward`'s result for three uses
         (never the plain training forward), each wrapping the same `step`:
@@ -341,7 +346,7 @@ class RecurrentBlock(nn.Module):
             exited = torch.zeros(h_in.shape[:2], dtype=torch.bool, device=h_in.device)
             self.loops_used = torch.full_like(exited, most, dtype=torch.long)
         self._recorded = []
-        ctx = self.loop_context(h_in, rope, loops, most, cache)
+        ctx = self.loop_context(h_in, rope, loops, most, cache, documents)
         s, states = self.initial_state(h_in, most), []
         for i in range(1, most + 1):
             running = loops >= i if per_row and i > least else None  # rows still looping (None: all)
@@ -354,7 +359,8 @@ class RecurrentBlock(nn.Module):
             if exited is not None and i < most:
                 logp_next = None
                 if exit_rule.needs_logits:
-                    logp_next = readout(s, rope, cache, self.exit_films(i)).float().log_softmax(-1)
+                    logits = readout(s, rope, cache, self.exit_films(i), documents=documents)
+                    logp_next = logits.float().log_softmax(-1)
                 stop = exit_rule.exits(kept, s, logp, logp_next) & ~exited
                 self.loops_used.masked_fill_(stop, i)
                 exited, logp = exited | stop, logp_next
@@ -367,11 +373,17 @@ class RecurrentBlock(nn.Module):
         return (states if every_loop else s), self.exit_films(budget, h_in.shape[0] if every_loop else 0)
 
     def loop_context(
-        self, h_in: torch.Tensor, rope: torch.Tensor, loops: LoopBudget, most: int, cache: Cache | None = None
+        self,
+        h_in: torch.Tensor,
+        rope: torch.Tensor,
+        loops: LoopBudget,
+        most: int,
+        cache: Cache | None = None,
+        documents: Documents | None = None,
     ) -> LoopContext:
         """What every loop of a forward that runs `most` loops at budget `loops` reads besides the state."""
         injected = self.input_adapter(h_in) if self.input_adapter is not None else None
-        return LoopContext(h_in, injected, rope, self.new_routes(), loops, most, cache)
+        return LoopContext(h_in, injected, rope, self.new_routes(), loops, most, cache, documents)
 
     def step(self, s: torch.Tensor, i: int, ctx: LoopContext, running: torch.Tensor | None = None) -> torch.Tensor:
         """Loop i: s~ = the loop's input from s, r = the layers on s~ conditioned on (i, k), s_i = the
@@ -384,7 +396,7 @@ class RecurrentBlock(nn.Module):
         r = s_in
         for layer, film, route in zip(self.layers, films, ctx.routes):
             entry = ctx.cache.entry(layer, i) if ctx.cache is not None else None
-            r = layer(r, ctx.rope, film=film, route=route, cache=entry)
+            r = layer(r, ctx.rope, film=film, route=route, cache=entry, documents=ctx.documents)
         a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
         s_next = self._update(s, r, a)
         if self.loop_gates is not None and i > 1:
