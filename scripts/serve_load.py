@@ -78,13 +78,13 @@ async def wait_ready(client, base: str, process: subprocess.Popen) -> None:
     raise SystemExit("load: error: the server did not start")
 
 
-async def one_request(client, base: str, ask: dict, drop: bool, rng: random.Random, tally: Counter, outputs: list):
+async def one_request(client, base: str, ask: dict, drop: bool, rng: random.Random, tally, outputs, waits):
     body = {"model": "load", "temperature": 0, **{k: ask[k] for k in ("prompt", "max_tokens", "stream")}}
     body["loop_budget"] = ask["loop_budget"]
     key = (ask["index"], ask["loop_budget"], ask["max_tokens"])
     tally["requests"] += 1
     if ask["stream"]:
-        text = ""
+        text, start = "", time.monotonic()
         async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 await r.aread()
@@ -100,6 +100,8 @@ async def one_request(client, base: str, ask: dict, drop: bool, rng: random.Rand
                 if "error" in chunk:
                     tally[f"error event: {chunk['error']['message'][:60]}"] += 1
                     return r
+                if not text and chunk["choices"][0]["text"]:
+                    waits.append(time.monotonic() - start)
                 text += chunk["choices"][0]["text"]
                 if drop:  # leave after the first chunk
                     tally["dropped"] += 1
@@ -118,7 +120,9 @@ async def one_request(client, base: str, ask: dict, drop: bool, rng: random.Rand
     return r
 
 
-async def client_loop(client, base: str, prompts: list[str], seed: int, drop_rate: float, tally, outputs, stop_at):
+async def client_loop(
+    client, base: str, prompts: list[str], seed: int, drop_rate: float, tally, outputs, waits, stop_at
+):
     rng = random.Random(seed)
     while time.monotonic() < stop_at:
         index = rng.randrange(len(prompts))
@@ -130,7 +134,7 @@ async def client_loop(client, base: str, prompts: list[str], seed: int, drop_rat
             stream=rng.random() < 0.5,
         )
         try:
-            r = await one_request(client, base, ask, rng.random() < drop_rate, rng, tally, outputs)
+            r = await one_request(client, base, ask, rng.random() < drop_rate, rng, tally, outputs, waits)
         except Exception as e:  # a connection refused or reset: an error
             tally[f"{type(e).__name__}: {str(e)[:60]}"] += 1
             continue
@@ -146,13 +150,15 @@ async def client_loop(client, base: str, prompts: list[str], seed: int, drop_rat
 async def drive(base: str, process, prompts: list[str], clients: int, seconds: float, drop_rate: float, seed: int):
     import httpx2 as httpx
 
-    tally, outputs = Counter(), []
+    tally, outputs, waits = Counter(), [], []
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await wait_ready(client, base, process)
         stop_at = time.monotonic() + seconds
         tasks = [
-            asyncio.ensure_future(client_loop(client, base, prompts, seed + i, drop_rate, tally, outputs, stop_at))
+            asyncio.ensure_future(
+                client_loop(client, base, prompts, seed + i, drop_rate, tally, outputs, waits, stop_at)
+            )
             for i in range(clients)
         ]
         done, pending = await asyncio.wait(tasks, timeout=seconds)
@@ -168,7 +174,7 @@ async def drive(base: str, process, prompts: list[str], clients: int, seconds: f
             if health["running"] == 0 and health["waiting"] == 0:
                 break
             await asyncio.sleep(0.1)
-    return tally, outputs, health
+    return tally, outputs, waits, health
 
 
 def memory_of(pid: int) -> dict[str, int]:
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         process, base = start_server(folder, log, args.address_space, args.exit)
         try:
             load_before = os.getloadavg()[0]
-            tally, outputs, health = asyncio.run(
+            tally, outputs, waits, health = asyncio.run(
                 drive(base, process, prompts, args.clients, args.seconds, args.drop, args.seed)
             )
             memory = memory_of(process.pid)
@@ -249,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, count in sorted(errors.items()):
         print(f"  error x{count}: {name}")
+    if waits:
+        waits.sort()
+        p50, p99 = waits[len(waits) // 2], waits[min(len(waits) - 1, int(0.99 * len(waits)))]
+        print(
+            f"first text of a stream after {p50:.2f} s (median), {p99:.2f} s (99th percentile), "
+            f"{waits[-1]:.2f} s at most"
+        )
     print(
         f"server memory: peak resident {human_bytes(memory.get('VmHWM', 0))}, peak virtual "
         f"{human_bytes(memory.get('VmPeak', 0))}"
