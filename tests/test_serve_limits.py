@@ -317,7 +317,7 @@ def test_a_drain_finishes_the_running_request_and_refuses_new_ones(export, monke
 
     engine, background = start(export)
     with background as url:
-        slow_steps(engine, monkeypatch)
+        slow_steps(engine, monkeypatch, 0.2)  # 20 tokens: 4 s of work to finish while draining
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         running = client.completions.create(model=NAME, prompt="The king", max_tokens=20, temperature=0, stream=True)
         chunks = iter(running)
