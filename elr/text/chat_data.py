@@ -29,6 +29,7 @@ import torch
 from elr.errors import DataError
 from elr.text.chat import check_messages, encode_conversation
 from elr.text.chat_formats import read_record
+from elr.text.json_text import parse_json
 from elr.text.tokenizer import Tokenizer, file_sha256
 
 FORMAT = "chat"
@@ -46,11 +47,7 @@ def read_conversations(path: Path) -> Iterator[tuple[list[dict], list[bool], str
                 if not line.strip():
                     continue
                 where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not valid JSON ({e})") from None
-                messages, trained = read_record(record, where)
+                messages, trained = read_record(parse_json(line, where), where)
                 yield check_messages(messages, where), trained, where
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e})") from None
