@@ -18,19 +18,21 @@ from pathlib import Path
 from elr.cli import HelpFormatter
 from elr.config import load_config
 from elr.errors import ConfigError
-from elr.models.from_config import model_args_from_config
-from elr.text.tokenizer import vocab_size
-from elr.tools.memory_plan import plan_memory
-from elr.train.token_files import job_tokenizer_path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--config", required=True, help="TOML job config to plan")
     parser.add_argument("--ngpu", type=int, default=8, help="GPUs the job runs on")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, GiB")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the config tokenizer's")
     args, overrides = parser.parse_known_args(argv)
+
+    from elr.models.from_config import model_args_from_config
+    from elr.text.tokenizer import vocab_size
+    from elr.tools.memory_plan import plan_memory
+    from elr.train.token_files import job_tokenizer_path
+
     try:
         cfg = load_config(args.config, overrides)
         vocab = args.vocab_size or vocab_size(job_tokenizer_path(cfg))

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import tomli
 
-from elr.checkpoint import latest_step
 from elr.console.progress import duration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,6 +115,8 @@ def final_validation(folder: Path, steps: int) -> list[float] | None:
 
 def latest_checkpoint(folder: Path) -> Path:
     """The run's newest committed checkpoint (the trainer's own rule: a half-written one never counts)."""
+    from elr.checkpoint import latest_step
+
     step = latest_step(folder / "checkpoint")
     if step is None:
         raise FileNotFoundError(f"{folder}: no committed checkpoint")
