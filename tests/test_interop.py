@@ -624,3 +624,23 @@ def test_the_adapter_batches_generation_as_it_decodes_one_request(model_and_expo
     batched = ELRHarnessModel(str(folder), loops=2, kv="last_loop", batch_size=3).generate_until(requests)
     alone = ELRHarnessModel(str(folder), loops=2, kv="last_loop", batch_size=1).generate_until(requests)
     assert batched == alone and len(batched) == len(requests) and all("." not in t for t in batched[:4])
+
+
+def test_generating_from_an_export_imports_no_torchao(model_and_export):
+    """torchao (float8 training) logs "Failed to load ..._C_mxfp8 ..." as it is imported: nothing on the way from
+    an export to generated text imports it, so generate.py prints none of that. (transformers' own pipeline
+    imports torchao before an export's code runs; docs/interop.md says so.)"""
+    _, _, folder = model_and_export
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['generate.py', '--checkpoint', {str(folder)!r}, '--max-new-tokens', '2', '--loops', '1']\n"
+        "try:\n"
+        "    runpy.run_path('scripts/generate.py', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "print('torchao imported:', 'torchao' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "torchao imported: False", done.stdout[-1000:]
+    assert "torchao" not in done.stderr, done.stderr[-1000:]
