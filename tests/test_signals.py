@@ -63,8 +63,10 @@ def test_a_second_ctrl_c_during_a_save_leaves_a_run_the_same_command_resumes(tmp
     argv = overrides(dump, STEPS, "--checkpoint.enable", "true", "--checkpoint.interval", str(interval))
     main = train_script().main
     interrupted_twice(monkeypatch, at_step=2)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with caplog.at_level(logging.INFO):
         assert main(argv) == 128 + signal.SIGINT
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # main gave them back
     (line,) = errors(caplog)
     folder = dump / "checkpoint"
     committed = "step-1" if interval == 1 else None
@@ -74,7 +76,6 @@ def test_a_second_ctrl_c_during_a_save_leaves_a_run_the_same_command_resumes(tmp
         assert line.endswith("the same command resumes from checkpoint step-1"), line
     else:
         assert line.endswith("no checkpoint was committed, so the same command starts this run again from step 0")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main gave the handlers back
 
     monkeypatch.undo()
     caplog.clear()
