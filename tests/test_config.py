@@ -195,10 +195,23 @@ def test_a_config_string_over_the_limit_is_named_by_its_size(tmp_path, source):
 
 
 @pytest.mark.parametrize("key, value", [("elr.max_loops", "0"), ("elr.update", "bogus"), ("model.flavor", "bogus")])
-def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, key, value):
+def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, key, value, caplog):
+    """train.py's main in this process (the script's own stderr: the slow test below)."""
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+    dump = tmp_path / "run"
+    assert train_script.main([f"--{key}", value, "--job.dump_folder", str(dump)]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {key}: "), errors
+    assert not dump.exists()
+
+
+@pytest.mark.slow  # a process of its own: python and torch start for one line
+def test_train_py_as_a_script_prints_one_line_and_writes_nothing(tmp_path):
     dump = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "train.py", f"--{key}", value, "--job.dump_folder", str(dump)],
+        [sys.executable, "train.py", "--elr.max_loops", "0", "--job.dump_folder", str(dump)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -206,7 +219,7 @@ def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, key, 
     )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and key in lines[0], result.stderr
+    assert len(lines) == 1 and "elr.max_loops" in lines[0], result.stderr
     assert not dump.exists()
 
 

@@ -19,7 +19,7 @@ from trainer_utils import ROOT, losses, overrides
 import elr.train.checkpointer
 from elr.train.trainer import Trainer
 
-STEPS = 4
+STEPS = 3
 
 
 def train_script():
@@ -90,6 +90,33 @@ def test_a_second_ctrl_c_during_a_save_leaves_a_run_the_same_command_resumes(tmp
         assert aside == ["config.json", "metrics.jsonl"]  # the stopped run's files are kept
     assert sorted(losses(dump)) == list(range(1, STEPS + 1))
     assert (folder / f"step-{STEPS}" / "commit.json").is_file()
+
+
+def test_one_sigterm_saves_after_the_step_exits_zero_and_the_same_command_finishes(tmp_path, monkeypatch, caplog):
+    """A scheduler's preemption: the step ends, a checkpoint of it is saved, exit 0; the same command resumes
+    there and finishes (the slow tier sends a real SIGTERM to a training process: tests/test_train.py)."""
+    dump = tmp_path / "run"
+    argv = overrides(dump, STEPS, "--checkpoint.enable", "true", "--checkpoint.interval", "1000")
+    main = train_script().main
+    train_step = Trainer.train_step
+
+    def step_then_signal(self, step):
+        stats = train_step(self, step)
+        if step == 2:
+            deliver(signal.SIGTERM)
+        return stats
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    with caplog.at_level(logging.INFO):
+        assert main(argv) == 0
+    assert "stopped at step 2; resume with the same command" in [r.getMessage() for r in caplog.records]
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert main(argv) == 0
+    assert f"resumed from {dump / 'checkpoint'}/step-2 (step 2)" in [r.getMessage() for r in caplog.records]
+    assert sorted(losses(dump)) == list(range(1, STEPS + 1))
 
 
 def test_a_killed_first_save_is_cleaned_by_the_next_run(tmp_path, monkeypatch, caplog):
