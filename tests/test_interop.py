@@ -626,18 +626,16 @@ def test_the_adapter_batches_generation_as_it_decodes_one_request(model_and_expo
     assert batched == alone and len(batched) == len(requests) and all("." not in t for t in batched[:4])
 
 
-def test_generating_from_an_export_imports_no_torchao(model_and_export):
-    """torchao (float8 training) logs "Failed to load ..._C_mxfp8 ..." as it is imported: nothing on the way from
-    an export to generated text imports it, so generate.py prints none of that. (transformers' own pipeline
-    imports torchao before an export's code runs; docs/interop.md says so.)"""
+def test_loading_an_export_and_the_inference_code_import_no_torchao(model_and_export):
+    """torchao (float8 training) logs "Failed to load ..._C_mxfp8 ..." as it is imported: loading an export and
+    every module generate.py, evaluate.py and the server decode with import none of it, so they print none of
+    that. (transformers' own pipeline imports torchao before an export's code runs; docs/interop.md says so.)"""
     _, _, folder = model_and_export
     code = (
-        "import runpy, sys\n"
-        f"sys.argv = ['generate.py', '--checkpoint', {str(folder)!r}, '--max-new-tokens', '2', '--loops', '1']\n"
-        "try:\n"
-        "    runpy.run_path('scripts/generate.py', run_name='__main__')\n"
-        "except SystemExit as e:\n"
-        "    assert not e.code, e.code\n"
+        "import sys\n"
+        "from elr.infer.load import load_model\n"
+        f"load_model({str(folder)!r}, note=False)\n"
+        "import elr.infer.chat, elr.infer.evaluate, elr.infer.generate, elr.infer.speculative, elr.serve.scheduler\n"
         "print('torchao imported:', 'torchao' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
