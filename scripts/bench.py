@@ -20,8 +20,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 from elr.cli import HelpFormatter
 
 
@@ -52,6 +50,8 @@ def print_table(header, rows):
 
 def bench_gdp(args):
     """Gated DeltaProduct: on CUDA (or with --tiny) the kernel table; on CPU naive vs chunk."""
+    import torch
+
     if torch.cuda.is_available() or args.tiny:
         bench_gdp_kernels(args)
     else:
@@ -60,6 +60,8 @@ def bench_gdp(args):
 
 def bench_gdp_cpu(args):
     """Forward+backward on CPU: token-loop oracle vs chunked PyTorch form."""
+    import torch
+
     from elr_kernels.gated_delta_product import gated_delta_product
 
     B, T, H, K, V, n_h = 1, args.seq_len, 4, 64, 64, 2
@@ -84,6 +86,8 @@ def bench_gdp_cpu(args):
 
 def gdp_inputs(B, T, H, D, n_h, dtype, device):
     """q, k, v in dtype; g and beta in fp32, as the GDP layer passes them."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape):
@@ -126,6 +130,8 @@ def bench_gdp_kernels(args):
     """Forward and forward+backward time of each implementation at the models' shapes, with
     TFLOP/s and bandwidth against the device's peak and, when flash-linear-attention is
     installed, its chunk_gated_delta_product on the same inputs."""
+    import torch
+
     from elr_kernels.gated_delta_product import gated_delta_product
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -217,6 +223,7 @@ def bench_model(args):
     """
     import dataclasses
 
+    import torch
     import torch.nn.functional as F
 
     from elr.models import build_model, flavors
@@ -304,6 +311,7 @@ def bench_replay(args):
     at fixed k = K and over a mixed-depth draw (the study's synchronized sampling with 15% override)."""
     import dataclasses
 
+    import torch
     import torch.nn.functional as F
 
     from elr.models import build_model, flavors
@@ -460,6 +468,7 @@ def bench_rollout(args):
     timed interleaved; then whether both decoded the same tokens."""
     import tempfile
 
+    import torch
     from transformers import AutoModelForCausalLM
 
     import elr.interop.hf_model  # noqa: F401  (registers the export's classes with transformers)
@@ -524,6 +533,8 @@ def bench_rollout(args):
 def _decoding_model_and_prompts(args):
     """(model, prompts, end-of-text id) for the decoding benchmarks: a checkpoint and windows of its
     validation tokens, or a fresh --flavor and random prompts."""
+    import torch
+
     if args.checkpoint:
         from elr.infer.evaluate import read_tokens
         from elr.infer.load import load_model, load_tokenizer
@@ -585,6 +596,7 @@ def _sampling_rank(rank, world, port, args, results):
     """One rank of bench_sampling: the same draws on every rank (seed, step), its own row of them."""
     import dataclasses
 
+    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -673,7 +685,7 @@ BENCHMARKS = {
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("which", choices=sorted(BENCHMARKS), help="what to time: the GDP op or a model training step")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is reported)")

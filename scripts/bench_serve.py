@@ -31,8 +31,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from elr.cli import HelpFormatter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, when loaded by path (tests, elr-* commands)
@@ -42,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def fresh_export(out: Path, context: int) -> Path:
+    import torch
+
     from elr.config import load_config
     from elr.interop import write_export
     from elr.models import build_model
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import openai
+    import torch
 
     from elr.infer.generate import AdaptiveDepth, generate
     from elr.infer.load import load_model, load_tokenizer, run_config
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def export_decoder(folder: Path, tokenizer, K: int, new_tokens: int, kv: str):
     """transformers' generate on the export, one request at a time, timing its first token by a streamer."""
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 

@@ -26,10 +26,15 @@ import argparse
 import json
 import math
 import os
+import queue
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +117,7 @@ def overrides(
     return [item for key, value in args.items() for item in (f"--{key}", value)]
 
 
-def train(config: Path, ranks: int, extra: list[str], log: Path, timeout: int) -> tuple[bool, str]:
+def train(config: Path, ranks: int, extra: list[str], log: Path, timeout: int, name: str) -> tuple[bool, str]:
     cmd = [
         sys.executable,
         "-m",
@@ -125,13 +130,60 @@ def train(config: Path, ranks: int, extra: list[str], log: Path, timeout: int) -
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    try:
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        log.write_text(f"{' '.join(cmd)}\n{e.stdout or ''}{e.stderr or ''}")
+    returncode, output = stream(cmd, env, log, timeout, lambda line: step_progress(name, line))
+    if returncode is None:
         return False, f"no progress within {timeout} s (a hang: on NCCL a collective mismatch looks like this)"
-    log.write_text(f"{' '.join(cmd)}\n{result.stdout}{result.stderr}")
-    return result.returncode == 0, _what_failed(result.stdout + result.stderr)
+    return returncode == 0, _what_failed(output)
+
+
+def stream(cmd: list[str], env: dict, log: Path, timeout: int, on_line) -> tuple[int | None, str]:
+    """Run `cmd` with its output (stdout and stderr) copied line by line to `log` and handed to `on_line`
+    as it comes; returns (exit code, or None when killed at `timeout` seconds, the whole output)."""
+    lines: queue.Queue = queue.Queue()
+    with open(log, "w") as out:
+        out.write(" ".join(cmd) + "\n")
+        process = subprocess.Popen(  # its own process group: a hung run is stopped with every rank it started
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+
+        def read() -> None:  # in a thread, so that a run silent past `timeout` is still stopped
+            for line in process.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline, output = time.monotonic() + timeout, []
+        while True:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                return None, "".join(output)
+            if line is None:
+                break
+            out.write(line)
+            out.flush()
+            output.append(line)
+            on_line(line)
+        return process.wait(), "".join(output)
+
+
+STEP_LINE = re.compile(r"\] step\s+(\d+)/(\d+) \| loss (\S+)")  # rank 0's line per step (elr/train/step_report.py)
+
+
+def step_progress(run: str, line: str) -> None:
+    """One progress line per training step of a run (rank 0's step line, shortened), as it happens."""
+    if found := STEP_LINE.search(line):
+        step, steps, loss = found.groups()
+        print(f"rehearse: {run} run: step {step}/{steps}, loss {loss}", flush=True)
 
 
 def _what_failed(output: str) -> str:
@@ -160,7 +212,13 @@ def rehearse(config: Path, ranks: int, reshard_ranks: int, steps: int, folder: P
         if name != "train":
             shutil.copytree(folder / "train" / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
         extra = overrides(cfg, config.name, n, degrees, steps, dump, global_batch)
-        ok, what = train(config, n, extra, folder / f"{name}.log", timeout)
+        print(
+            f"rehearse: {name} run ({list(runs).index(name) + 1}/{len(runs)}) on {n} gloo ranks "
+            f"({_layout_line(degrees, n)}), {steps} updates{' from step 2' if name != 'train' else ''}; "
+            f"log {folder / f'{name}.log'}",
+            flush=True,
+        )
+        ok, what = train(config, n, extra, folder / f"{name}.log", timeout, name)
         if not ok:
             raise RuntimeError(
                 f"rehearsal failed in the {name} run ({n} ranks, {_layout_line(degrees, n)}): {what} "

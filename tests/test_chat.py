@@ -5,6 +5,7 @@ of the conversation stream, and bad input refused in one line with nothing writt
 import copy
 import importlib.util
 import json
+import re
 
 import jinja2
 import pytest
@@ -144,6 +145,11 @@ BAD = [
         json.dumps({"messages": [{"role": "user", "content": "a " * 200}, {"role": "assistant", "content": "x"}]}),
         "more than --max-tokens 64",
     ),
+    (  # "\ud800" is half of a UTF-16 pair: JSON decodes it, UTF-8 cannot encode it
+        json.dumps({"messages": [{"role": "user", "content": "hi \ud800"}, {"role": "assistant", "content": "x"}]}),
+        "holds the lone surrogate \\ud800",
+    ),
+    ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested deeper than the parser reads"),
 ]
 
 
@@ -208,3 +214,19 @@ def test_prepare_data_chat_command_writes_a_folder_the_trainer_reads(tmp_path, p
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert meta["format"] == "chat" and sum(s["conversations"] for s in meta["splits"].values()) == 40
     assert not list((tmp_path / "d").glob(".*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[{"role": "user", "content": "hi \\ud800"}]', "holds the lone surrogate \\ud800"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested deeper than the parser reads"),
+    ],
+)
+def test_generate_messages_with_a_lone_surrogate_or_deep_nesting_is_one_error(tmp_path, text, message):
+    from elr.infer.chat import read_messages
+
+    path = tmp_path / "chat.json"
+    path.write_text(text)
+    with pytest.raises(DataError, match=re.escape(f"--messages {path}: {message}")):
+        read_messages(path)

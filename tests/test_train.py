@@ -267,6 +267,7 @@ def test_nonfinite_updates_are_skipped_then_abort(tmp_path):
     assert math.isnan(logged[2]) and math.isfinite(logged[3])
 
 
+@pytest.mark.slow  # a process of its own and a real SIGTERM (tests/test_signals.py: the same in this process)
 def test_sigterm_saves_a_resumable_checkpoint_and_exits_zero(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.Popen(

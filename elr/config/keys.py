@@ -20,6 +20,8 @@ from typing import Literal
 
 from elr.errors import ConfigError
 
+MAX_STRING = 16_384  # characters: a path (Linux allows 4,096 bytes), a name, a description; more is a mistake
+
 
 def require(ok: bool, key: str, message: str, value) -> None:
     """The one form of a config error: `section.key: message (got value)`, raised unless ok."""
@@ -100,6 +102,10 @@ def coerce(key: str, value, typ):
             raise ConfigError(f"{key}: expected a finite number below 2^63 in size, got {value!r}")
         return typ(value)
     if typ is str:
+        if isinstance(value, str) and len(value) > MAX_STRING:  # named by its size: never echoed
+            raise ConfigError(
+                f"{key}: a string of {len(value):,} characters; a config string is at most {MAX_STRING:,}"
+            )
         if isinstance(value, str) and "\x00" not in value:
             return value
         raise ConfigError(f"{key}: expected a string without NUL characters, got {value!r}")

@@ -120,7 +120,8 @@ class Trainer:
         if self.planned_step is not None:
             self._check_resume(self.planned_step)
         self.checkpointer.config = run_config(cfg, self.resume_history)
-        folder_line = claim_line(cfg, checkpoint_folder, self.planned_step)  # refuses a run it would restart
+        # refuses a run it would restart; `restart`: the earlier run's files go aside first
+        folder_line, restart = claim_line(cfg, checkpoint_folder, self.planned_step)
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps)
@@ -136,8 +137,8 @@ class Trainer:
         try:
             if cfg.job.start_over:
                 self.checkpointer.set_aside_after(-1)
-                if self.rank == 0:
-                    set_aside_run_files(self.dump_folder)
+            if restart and self.rank == 0:
+                set_aside_run_files(self.dump_folder)
             if folder_line:
                 logger.info(folder_line)
             self._build_and_resume()

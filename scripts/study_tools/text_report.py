@@ -6,8 +6,6 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from elr.tools.route_diagnostics import route_drift
-
 from .aids_report import aids_section
 from .paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS, paper_difference, paper_rows
 from .protocol import PROTOCOL_KEYS
@@ -74,6 +72,8 @@ def mean_per_key(dicts: list[dict]) -> dict:
 
 
 def collect(runs: list[Run], variants: dict, data: Path, stats_batches: int, val_steps: int | None) -> dict:
+    from elr.tools.route_diagnostics import route_drift
+
     results = {}
     for variant, spec in variants.items():
         # every finished seed counts: a grid cut short reports each variant over the seeds it has
