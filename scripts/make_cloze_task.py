@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSONL task file to write")
     args = p.parse_args(argv)
 
-    from elr.infer.evaluate import read_tokens
     from elr.data.job_data import job_tokenizer_path
     from elr.data.token_files import check_tokenizer
+    from elr.infer.evaluate import read_tokens
 
     try:
         if args.items < 1 or args.choices < 2 or args.context_tokens < 1 or args.option_tokens < 1:

@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the config tokenizer's")
     args, overrides = parser.parse_known_args(argv)
 
+    from elr.data.job_data import job_tokenizer_path
     from elr.models.from_config import model_args_from_config
     from elr.text.tokenizer import vocab_size
     from elr.tools.memory_plan import plan_memory, traced_layer_calls
-    from elr.data.job_data import job_tokenizer_path
 
     try:
         cfg = load_config(args.config, overrides)

@@ -132,10 +132,10 @@ def flops_per_token(config: Path, overrides: dict, steps: int) -> float:
     import torch
 
     from elr.config import switch_step
+    from elr.data.job_data import job_tokenizer_path
     from elr.models import build_model
     from elr.models.from_config import model_args_from_config
     from elr.text.tokenizer import vocab_size
-    from elr.data.job_data import job_tokenizer_path
 
     cfg = load_run_config(config, overrides, steps)
     with torch.device("meta"):
