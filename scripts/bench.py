@@ -8,6 +8,8 @@
     python scripts/bench.py decode --checkpoint outputs/study/.../step-N --batches 1 8 64 --new-tokens 32
     python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
     python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
+    python scripts/bench.py loader --shards 1000 --seq-len 8192 --batch 8 --steps 200   # elr/tools/data_bench.py
+    python scripts/bench.py prepare --mb 40 --workers 1 2
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """
@@ -19,8 +21,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-from bench_tools.decoding import bench_decode, bench_rollout, bench_speculative
 from bench_tools.timing import interleaved_medians, print_table, time_call
 
 from elr.cli import HelpFormatter
@@ -28,6 +28,8 @@ from elr.cli import HelpFormatter
 
 def bench_gdp(args):
     """Gated DeltaProduct: on CUDA (or with --tiny) the kernel table; on CPU naive vs chunk."""
+    import torch
+
     if torch.cuda.is_available() or args.tiny:
         bench_gdp_kernels(args)
     else:
@@ -36,6 +38,8 @@ def bench_gdp(args):
 
 def bench_gdp_cpu(args):
     """Forward+backward on CPU: token-loop oracle vs chunked PyTorch form."""
+    import torch
+
     from elr_kernels.gated_delta_product import gated_delta_product
 
     B, T, H, K, V, n_h = 1, args.seq_len, 4, 64, 64, 2
@@ -60,6 +64,8 @@ def bench_gdp_cpu(args):
 
 def gdp_inputs(B, T, H, D, n_h, dtype, device):
     """q, k, v in dtype; g and beta in fp32, as the GDP layer passes them."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape):
@@ -102,6 +108,8 @@ def bench_gdp_kernels(args):
     """Forward and forward+backward time of each implementation at the models' shapes, with
     TFLOP/s and bandwidth against the device's peak and, when flash-linear-attention is
     installed, its chunk_gated_delta_product on the same inputs."""
+    import torch
+
     from elr_kernels.gated_delta_product import gated_delta_product
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,6 +201,7 @@ def bench_model(args):
     """
     import dataclasses
 
+    import torch
     import torch.nn.functional as F
 
     from elr.models import build_model, flavors
@@ -280,6 +289,7 @@ def bench_replay(args):
     at fixed k = K and over a mixed-depth draw (the study's synchronized sampling with 15% override)."""
     import dataclasses
 
+    import torch
     import torch.nn.functional as F
 
     from elr.models import build_model, flavors
@@ -390,6 +400,27 @@ def bench_sampling(args):
         )
 
 
+def bench_decode(args):
+    """Decoding: eager, compiled and transformers' generate at several batches and k (bench_tools/decoding.py)."""
+    from bench_tools.decoding import bench_decode as run
+
+    run(args)
+
+
+def bench_speculative(args):
+    """Self-speculative against plain decoding, eager and compiled (bench_tools/decoding.py)."""
+    from bench_tools.decoding import bench_speculative as run
+
+    run(args)
+
+
+def bench_rollout(args):
+    """The RLVR stage's batched rollouts against transformers' generate (bench_tools/decoding.py)."""
+    from bench_tools.decoding import bench_rollout as run
+
+    run(args)
+
+
 def _gather(results, procs) -> list[dict]:
     """One result per rank process; a rank that dies (out of memory, say) ends the benchmark with one
     line instead of leaving the others waiting in a collective."""
@@ -423,6 +454,7 @@ def _sampling_rank(rank, world, port, args, results):
     """One rank of bench_sampling: the same draws on every rank (seed, step), its own row of them."""
     import dataclasses
 
+    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -480,6 +512,24 @@ def _sampling_rank(rank, world, port, args, results):
     dist.destroy_process_group()
 
 
+def bench_loader(args):
+    """One loader process: start over --shards shards and tokens/s of a 3-source mixture (elr/tools/data_bench.py)."""
+    from elr.tools.data_bench import loader_table
+
+    title, header, rows = loader_table(args)
+    print(title)
+    print_table(header, rows)
+
+
+def bench_prepare(args):
+    """prepare_data.py at each --workers count on the same --mb of text (elr/tools/data_bench.py)."""
+    from elr.tools.data_bench import prepare_table
+
+    title, header, rows = prepare_table(args)
+    print(title)
+    print_table(header, rows)
+
+
 BENCHMARKS = {
     "gdp": bench_gdp,
     "model": bench_model,
@@ -488,11 +538,13 @@ BENCHMARKS = {
     "decode": bench_decode,
     "speculative": bench_speculative,
     "rollout": bench_rollout,
+    "loader": bench_loader,
+    "prepare": bench_prepare,
 }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("which", choices=sorted(BENCHMARKS), help="what to time: the GDP op or a model training step")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is reported)")
@@ -525,6 +577,11 @@ def main():
     )
     parser.add_argument("--kv", default="per_loop", help="decode, speculative, rollout: KV cache mode")
     parser.add_argument("--json", help="model: also write the results to this JSON file (to compare commits)")
+    parser.add_argument("--shards", type=int, default=1000, help="loader: shards of the largest source")
+    parser.add_argument("--steps", type=int, default=200, help="loader: batches timed")
+    parser.add_argument("--mb", type=float, default=40.0, help="prepare: megabytes of JSONL text to tokenize")
+    parser.add_argument("--shard-mb", type=float, default=1.0, help="prepare: megabytes of text per shard")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="prepare: worker counts to time")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)
 

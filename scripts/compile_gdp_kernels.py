@@ -15,17 +15,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from elr.cli import HelpFormatter
-from elr_kernels.gated_delta_product import triton_chunk as tc
-from elr_kernels.gated_delta_product import triton_decode as td
 
 
 def kernels(dtype, D, C, resets):
     """(kernel, argument types, constexprs, launch options) as the launchers use them."""
+    from elr_kernels.gated_delta_product import triton_chunk as tc
+    from elr_kernels.gated_delta_product import triton_decode as td
+
     x, f = f"*{dtype}", "*fp32"
     ints = dict(T="i32", H="i32", n_h="i32")
     opts = dict(num_warps=tc.NUM_WARPS)
@@ -107,7 +104,7 @@ def kernels(dtype, D, C, resets):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
     parser.add_argument(
         "--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype the kernels are compiled for"
@@ -116,6 +113,11 @@ def main():
     parser.add_argument("--chunk", type=int, default=64, help="chunk size of the chunked kernels")
     parser.add_argument("--resets", action="store_true", help="the chunked kernels with document resets")
     args = parser.parse_args()
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     target = GPUTarget("cuda", args.arch, 32)

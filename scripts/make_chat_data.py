@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 from elr.cli import HelpFormatter
-from elr.rl.prompts import from_question, is_held_out
 from elr.text import arithmetic
 
 WORDS = (
@@ -90,6 +89,8 @@ def letters(rng: random.Random) -> tuple[str, str]:
 
 def three_term_sum(rng: random.Random) -> tuple[str, str]:
     """A sum the RLVR stage asks (never one it holds out), answered with its partial sums or directly."""
+    from elr.rl.prompts import from_question, is_held_out
+
     while True:
         terms = arithmetic.draw_sum(rng)
         question = arithmetic.question(terms)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from trainer_utils import model_args
 
+from elr.data.loader import Batch
 from elr.models import ELRModel, flavors
 from elr.models.documents import document_layout
 from elr.models.early_exit import ExitRule
@@ -210,11 +211,14 @@ def test_the_trainers_slice_carries_document_ids():
     """Trainer._slice gives this CP rank's slice of the ids beside its inputs and labels; None passes through."""
     tokens, labels, ids = packed_batch()
     trainer = SimpleNamespace(dims=SimpleNamespace(cp=2, cp_rank=1), device=torch.device("cpu"))
-    inputs, labels_mine, ids_mine, nothing = Trainer._slice(trainer, tokens, labels, ids, None)
-    assert torch.equal(ids_mine, ids[:, 12:]) and torch.equal(inputs, tokens[:, 12:]) and nothing is None
+    inputs, labels_mine, ids_mine = Trainer._slice(trainer, Batch(tokens, labels, ids))
+    assert torch.equal(ids_mine, ids[:, 12:]) and torch.equal(inputs, tokens[:, 12:])
     assert torch.equal(labels_mine, labels[:, 12:])
+    assert Trainer._slice(trainer, Batch(tokens, labels)).document_ids is None
     trainer.dims.cp = 1
-    assert all(torch.equal(a, b) for a, b in zip(Trainer._slice(trainer, tokens, labels, ids), (tokens, labels, ids)))
+    assert all(
+        torch.equal(a, b) for a, b in zip(Trainer._slice(trainer, Batch(tokens, labels, ids)), (tokens, labels, ids))
+    )
 
 
 def test_bad_document_ids_and_caches_are_refused():

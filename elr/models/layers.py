@@ -63,7 +63,8 @@ class Layer(nn.Module):
     In the recurrent block a FiLM triple (scale, shift, gate) from the loop conditioning turns
     this into x + (1 + gate) * sublayer(norm(x) * (1 + scale) + shift); all zeros is the plain layer.
     The sublayer is handed what its kind takes beside its input (`LayerKind.inputs`); `documents`
-    (elr/models/documents.py) gives "document_mask" and "document_positions", None without masking.
+    (elr/models/documents.py) gives "document_mask" and "document_positions", None without masking. `delta` (a
+    later loop's own low-rank map, elr/models/recurrence.py's LoopDeltas) adds delta(h) to the sublayer's output.
     """
 
     def __init__(self, kind: str, args: ModelArgs):
@@ -78,7 +79,14 @@ class Layer(nn.Module):
         self.sublayer.init_weights(out_std)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, film=None, route=None, cache=None, documents: Documents | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        film=None,
+        route=None,
+        cache=None,
+        documents: Documents | None = None,
+        delta=None,
     ) -> torch.Tensor:
         h = self.norm(x)
         gate = None
@@ -90,6 +98,8 @@ class Layer(nn.Module):
         if documents is not None:
             given.update(document_mask=documents.mask, document_positions=documents.positions)
         y = self.sublayer(h, *[given[name] for name in self.inputs])
+        if delta is not None:
+            y = y + delta(h)
         return x + (y if gate is None else (1 + gate) * y)
 
 

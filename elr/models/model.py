@@ -35,6 +35,7 @@ PARAMETER_ROLES = {
     "step_size": "the ELR adaptive step's parameters (elr/models/recurrence.py, AdaptiveStep)",
     "conditioning": "the loop conditioning's embeddings and FiLM heads (LoopConditioning)",
     "loop_gate": "the zero-initialised gates of loops 2..K (`identity_loops`, LoopGates)",
+    "loop_delta": "the low-rank deltas of loops 2..K on the recurrent sublayers (`loop_delta_rank`, LoopDeltas)",
 }
 
 
@@ -87,6 +88,7 @@ class ELRModel(nn.Module):
         every_loop: bool = False,
         exit_rule: ExitRule | None = None,
         document_ids: torch.Tensor | None = None,
+        loop_exits: bool = False,
     ) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times: an int,
         or a LongTensor [B] of per-row budgets (elr/models/budget.py; each row gets what it gets alone).
@@ -98,7 +100,9 @@ class ELRModel(nn.Module):
         head=False returns the normed final hidden state [B, T, dim] instead, for a loss that applies
         `self.output` itself a chunk of tokens at a time (elr/train/loss.py). every_loop=True (training,
         a prefix-consistent block) runs the output block on the state after each loop i = 1..k, one
-        batch of k x B rows: [k, B, T, ...], the model at every budget up to k in one forward.
+        batch of k x B rows: [k, B, T, ...], the model at every budget up to k in one forward. loop_exits=True
+        reads the same exits from any block: with the budget embedding in the loops, exit i is then loop i of this
+        k-loop forward (with budget i's exit FiLM), not the model at budget i (elr.loop_consistency's students).
 
         With `cache` (inference; the interface is elr/models/cache.py's Cache, elr/infer/cache.py builds
         one) `tokens` continue the cached sequences: each row's positions come from the cache, and the
@@ -109,6 +113,7 @@ class ELRModel(nn.Module):
         each token ran are then `loops_used()`.
         """
         loops = as_loop_budget(loops, tokens.shape[0], tokens.device)
+        every_loop = every_loop or loop_exits
         documents = self.documents(tokens, document_ids, cache)
         rope = self.positions(tokens, loops, cache, documents)
         for moe in self.moe_layers():
@@ -125,6 +130,7 @@ class ELRModel(nn.Module):
             exit_rule=exit_rule,
             readout=self.readout,
             documents=documents,
+            any_block=loop_exits,
         )
         if every_loop:
             h = torch.cat(h)
@@ -222,6 +228,7 @@ class ELRModel(nn.Module):
         declare(self.recurrent.step_size, "step_size")
         declare(self.recurrent.conditioning, "conditioning")
         declare(self.recurrent.loop_gates, "loop_gate")
+        declare(self.recurrent.loop_deltas, "loop_delta")
         for module in self.modules():
             if isinstance(module, MoE):
                 declare(module.router, "router")
@@ -306,7 +313,8 @@ class ELRModel(nn.Module):
         heads (once per sequence) and elementwise work (the state norm). The input adapter
         (state_plus_adapted_input) counts once: W h_in is computed once per forward. Under truncated
         backprop (`backprop_loops`) the loops before the window run forward only (a third), and so
-        does the input block when no input is re-injected (no gradient reaches it).
+        does the input block when no input is re-injected (no gradient reaches it). The later loops' low-rank
+        deltas (`loop_delta_rank` r) add 12 r dim per recurrent layer to each loop past the first.
         """
         a = self.args
         n_in, n_rec, _ = a.partition
@@ -322,4 +330,5 @@ class ELRModel(nn.Module):
         forward_only = loops - window if window and loops > window and not every_loop else 0
         if forward_only and a.recurrence.recurrent_input == "state":
             once //= 3
-        return once + (loops - forward_only) * recurrent + forward_only * recurrent // 3 + exits * after
+        deltas = 12 * a.recurrence.loop_delta_rank * a.dim * n_rec * max(loops - 1, 0)
+        return once + (loops - forward_only) * recurrent + forward_only * recurrent // 3 + exits * after + deltas

@@ -36,8 +36,8 @@ def decoding_setup(args, rows: int):
 
         model, cfg = load_model(args.checkpoint, device)
         tokenizer = load_tokenizer(cfg)
-        val = Path(cfg["data"]["path"]) / "val.bin"
-        if not cfg["data"].get("task") and val.is_file():
+        val = Path(cfg["data"]["path"]) / "val.bin"  # the val split of the folder (a file, or shards)
+        if not cfg["data"].get("task") and (val.parent / "meta.json").is_file():
             tokens = read_tokens(val)
             windows = [tokens[i * 997 : i * 997 + args.seq_len].astype("int64").tolist() for i in range(rows)]
             return model.eval(), windows, tokenizer.eot_id, tokenizer, cfg

@@ -20,7 +20,8 @@ from pathlib import Path
 PROTOCOL_KEYS = ("baseline", "k1_control", "flops_of", "flops_vs_baseline")
 
 # The keys that only a mixed-depth phase uses: how loop counts are drawn, the late switch and what opens the
-# later loops after it. A member's k = 1-only control drops them; every other key is the member's own.
+# later loops after it, the parameters and objectives that act from loop 2 on or after the switch only. A member's
+# k = 1-only control drops them; every other key is the member's own.
 ONE_LOOP_DROPS = frozenset(
     {
         "elr.sampling",
@@ -36,6 +37,15 @@ ONE_LOOP_DROPS = frozenset(
         "elr.loop_gate_lr_scale",
         "elr.loop_fade_steps",
         "elr.initial_state_noise",
+        "elr.loop_gate",
+        "elr.loop_gate_floor",
+        "elr.loop_delta_rank",
+        "elr.switch_warmup_steps",
+        "elr.switch_heal_steps",
+        "elr.switch_heal_lr_scale",
+        "elr.k1_anchor",
+        "elr.k1_anchor_steps",
+        "elr.loop_consistency",
     }
 )
 
@@ -116,21 +126,33 @@ def load_run_config(config: Path, overrides: dict, steps: int):
 
 def flops_per_token(config: Path, overrides: dict, steps: int) -> float:
     """Expected training FLOPs per token over a run of `steps` updates (model.num_flops_per_token at each
-    update's expected loop counts; the model built on the meta device)."""
+    update's expected loop counts; the model built on the meta device), with what the switch's objectives add:
+    every exit of a k >= 2 forward under `loop_consistency`, the teacher's forward at k = 1 while `k1_anchor`
+    weighs."""
     import torch
 
+    from elr.config import switch_step
+    from elr.data.job_data import job_tokenizer_path
     from elr.models import build_model
     from elr.models.from_config import model_args_from_config
     from elr.text.tokenizer import vocab_size
-    from elr.train.token_files import job_tokenizer_path
 
     cfg = load_run_config(config, overrides, steps)
     with torch.device("meta"):
         model = build_model(model_args_from_config(cfg, vocab_size=vocab_size(job_tokenizer_path(cfg))))
-    seq = cfg.training.seq_len
-    per_k = {k: model.num_flops_per_token(seq, k) for k in range(1, cfg.elr.max_loops + 1)}
-    shares = expected_loop_counts(cfg)
-    return sum(sum(p * per_k[k] for k, p in share.items()) for share in shares) / len(shares)
+    e, seq = cfg.elr, cfg.training.seq_len
+    switch = switch_step(cfg) if e.switch_at else 0
+    anchor_steps = e.k1_anchor_steps or max(steps - switch, 1)
+    total = 0.0
+    for step, share in enumerate(expected_loop_counts(cfg), start=1):
+        mixed = step - 1 >= switch
+        for k, p in share.items():
+            # the consistency term reads every exit of a k >= 2 forward; the anchor adds its teacher's forward
+            flops = model.num_flops_per_token(seq, k, every_loop=mixed and k >= 2 and e.loop_consistency > 0)
+            if mixed and k == 1 and e.k1_anchor and step - switch - 1 < anchor_steps:
+                flops += model.num_flops_per_token(seq, 1) / 3
+            total += p * flops
+    return total / steps
 
 
 def plan(

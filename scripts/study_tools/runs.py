@@ -21,7 +21,6 @@ from pathlib import Path
 
 import tomli
 
-from elr.checkpoint import latest_step
 from elr.console.progress import duration
 
 from .protocol import check_protocols
@@ -123,6 +122,8 @@ def final_validation(folder: Path, steps: int) -> list[float] | None:
 
 def latest_checkpoint(folder: Path) -> Path:
     """The run's newest committed checkpoint (the trainer's own rule: a half-written one never counts)."""
+    from elr.checkpoint import latest_step
+
     step = latest_step(folder / "checkpoint")
     if step is None:
         raise FileNotFoundError(f"{folder}: no committed checkpoint")

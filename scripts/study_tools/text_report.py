@@ -6,8 +6,6 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from elr.tools.route_diagnostics import route_drift
-
 from .aids_report import aids_section
 from .paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS, paper_difference, paper_rows
 from .protocol import PROTOCOL_KEYS
@@ -19,7 +17,7 @@ from .switch_report import switch_section
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
-    from elr.train.data import val_batches
+    from elr.data.validation import val_batches
 
     t = cfg["training"]
     return val_batches(str(data / "val.bin"), t["seq_len"], t["local_batch_size"], batches, 0, 1)
@@ -36,7 +34,7 @@ def loop_statistics(model, batches) -> dict[str, list[float]]:
     model.record_loop_statistics(True)
     sums: dict[str, list[float | None]] = {}  # None: the loop has no such statistic (an unconditioned loop's gate)
     with torch.no_grad():
-        for inputs, _ in batches:
+        for inputs, *_ in batches:
             model(inputs, loops=loops)
             for i, stats in enumerate(model.loop_statistics()):
                 for name, value in stats.items():
@@ -56,7 +54,7 @@ def replay_at_inference_loss(model, batches) -> float:
     model.route_replay = True
     total = count = 0.0
     with torch.no_grad():
-        for inputs, labels in batches:
+        for inputs, labels, *_ in batches:
             total += summed_loss(model(inputs, loops=model.args.recurrence.max_loops), labels).item()
             count += labels.numel()
     model.route_replay = False
@@ -74,6 +72,8 @@ def mean_per_key(dicts: list[dict]) -> dict:
 
 
 def collect(runs: list[Run], variants: dict, data: Path, stats_batches: int, val_steps: int | None) -> dict:
+    from elr.tools.route_diagnostics import route_drift
+
     results = {}
     for variant, spec in variants.items():
         # every finished seed counts: a grid cut short reports each variant over the seeds it has
