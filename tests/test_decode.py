@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 from elr.infer.cache import InferenceCache
 from elr.infer.decode import DecodeStep, capacity_for
-from elr.infer.generate import AdaptiveDepth, generate, left_pad
+from elr.infer.generate import AdaptiveDepth, Sampling, generate, left_pad
 from elr.infer.speculative import speculative_generate
 from elr.infer.static_cache import StaticCache
 from elr.models.cache import Cache
@@ -107,6 +107,25 @@ def test_static_rows_join_and_leave_by_index_and_decode_as_alone(mode):
     decode()
     for name, logits in got.items():
         torch.testing.assert_close(torch.stack(logits), alone(name, len(logits) - 1), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_sampled_rollouts_at_mixed_budgets_through_the_static_cache_equal_the_reference():
+    """The RLVR stage's call (rl.rollout_compile): a k per row, top-p sampling from the batch's own draws,
+    the last-loop KV cache, rows ending at different steps: the reference's completions."""
+    model = small_model()
+    prompts, loops = PROMPTS * 2, [3, 3, 1, 1, 2, 2]
+
+    def uniforms(t: int) -> torch.Tensor:
+        return torch.rand(len(prompts), generator=torch.Generator().manual_seed(t), dtype=torch.float64)
+
+    sampling = Sampling(temperature=1.0, top_p=0.9)
+    want = generate(model, prompts, loops, 10, EOT, "last_loop_kv", sampling, uniforms=uniforms)
+    got = generate(
+        model, prompts, loops, 10, EOT, "last_loop_kv", sampling, uniforms=uniforms, compile=eager_step(model)
+    )
+    assert got == want
+    assert len({tuple(c) for c in want}) > 3  # the draws differ per row: not one completion repeated
 
 
 @torch.no_grad()
