@@ -18,7 +18,7 @@ from test_infer import OnlyTheProtocol, small_model
 from torch._dynamo.utils import counters
 
 from elr.infer.cache import InferenceCache
-from elr.infer.decode import DecodeStep, capacity_for
+from elr.infer.decode import DecodeStep, capacity_for, prefill_width
 from elr.infer.generate import AdaptiveDepth, Sampling, generate, left_pad
 from elr.infer.speculative import speculative_generate
 from elr.infer.static_cache import StaticCache
@@ -217,6 +217,11 @@ def test_capacity_is_bucketed_within_the_models_positions():
         StaticCache(big, 1, 201, 3)
 
 
+def test_a_compiled_prefill_is_bucketed_within_the_context_left():
+    assert [prefill_width(n, 100) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+    assert [prefill_width(n, 40) for n in (17, 33, 45)] == [32, 40, 45]  # never past the limit, nor below the prompt
+
+
 @torch.no_grad()
 def test_a_forward_past_the_caches_loop_count_is_refused():
     model = small_model()
@@ -254,9 +259,10 @@ def graphs_built() -> int:
 
 @torch.no_grad()
 def check_compiled_decoding(model, step: DecodeStep, mode: str, caps: list[int], loops: list) -> None:
-    """Each budget of `loops`, compiled, gives the reference's tokens. Warm-up builds one graph per loop cap
-    (generate's caches are built for their call's cap, a pool's for the largest); after it no budget mix,
-    batch composition or row joining or leaving compiles again (a recompile raises)."""
+    """Each budget of `loops`, compiled, gives the reference's tokens. Warm-up builds a prefill and a decode
+    graph per loop cap (generate's caches are built for their call's cap, a pool's for the largest); after it
+    no budget mix, prompt length within the prefill's width, batch composition or row joining or leaving
+    compiles again (a recompile raises)."""
     tokens, pad = left_pad(PROMPTS, EOT, "cpu")
     capacity = capacity_for(tokens.shape[1] + 8, model)
     for cap in caps:
@@ -268,6 +274,10 @@ def check_compiled_decoding(model, step: DecodeStep, mode: str, caps: list[int],
         for budget in loops:
             want = generate(model, PROMPTS, budget, 8, EOT, mode)
             assert generate(model, PROMPTS, budget, 8, EOT, mode, compile=step) == want, budget
+        shorter = [p[1:] for p in PROMPTS]  # other lengths, the same prefill width: no new graph
+        assert generate(model, shorter, loops[-1], 8, EOT, mode, compile=step) == generate(
+            model, shorter, loops[-1], 8, EOT, mode
+        )
         compiled = pool_logits(model, step, pool, tokens, pad, caps)
     twin = StaticCache(model, len(PROMPTS), capacity, max(caps), mode)
     eager = pool_logits(model, eager_step(model), twin, tokens, pad, caps)

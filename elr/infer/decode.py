@@ -33,6 +33,7 @@ from elr.models.early_exit import ExitRule
 # a few chunk widths and batch geometries, exit rules, several models in one test session.
 RECOMPILE_LIMIT = 64
 SMALLEST_CAPACITY = 64  # caches are sized in powers of two from this, so prompts of nearby lengths share a graph
+SMALLEST_PREFILL = 16  # a compiled prefill left-pads its prompts to a power of two from this (a graph per width)
 
 
 # Decoding steps (forwards of one token per row) from which compiling pays for itself, by device type: the
@@ -71,6 +72,15 @@ def capacity_for(columns: int, model) -> int:
     attention reads the whole capacity, at most twice what it needs)."""
     rounded = max(SMALLEST_CAPACITY, 1 << (columns - 1).bit_length())
     return max(columns, min(rounded, model.args.max_seq_len))
+
+
+def prefill_width(longest: int, limit: int) -> int:
+    """The width a batch of prompts whose longest has `longest` tokens is left-padded to for a compiled
+    prefill: the next power of two from SMALLEST_PREFILL, so prompts of nearby lengths share a graph (padding
+    columns are masked: positions count from each row's start), within `limit` columns (the context left
+    after the new tokens), never below `longest`."""
+    rounded = max(SMALLEST_PREFILL, 1 << (longest - 1).bit_length())
+    return max(longest, min(rounded, limit))
 
 
 class DecodeStep:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from elr.infer.cache import InferenceCache
-from elr.infer.decode import DecodeStep, capacity_for
+from elr.infer.decode import DecodeStep, capacity_for, prefill_width
 from elr.infer.static_cache import StaticCache
 from elr.models.budget import LoopBudget, as_loop_budget, budget_range
 from elr.models.early_exit import ExitRule
@@ -73,11 +73,14 @@ def sample(
     return picked.clamp(max=logits.shape[-1] - 1)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows right-aligned in one [B, L] tensor, and each row's count of padding columns."""
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows right-aligned in one [B, L] tensor (L: the longest prompt, or `width`), and each row's
+    count of padding columns."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
+    width = max(len(p) for p in prompts) if width is None else width
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     for row, p in enumerate(prompts):
         tokens[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
@@ -139,10 +142,13 @@ def generate(
     rule = adaptive.rule if adaptive is not None else None
     columns = tokens.shape[1] + max_new_tokens
     if compile:
-        cache = StaticCache(model, len(prompts), capacity_for(columns, model), cap, kv_mode)
-        cache.start.copy_(pad)
-        logits = model(tokens, loops, cache)[:, -1]  # the prompts, eagerly, into the static cache
         decode = compile if isinstance(compile, DecodeStep) else DecodeStep(model)
+        # The prompts through the compiled step too, left-padded to a bucketed width (a graph per width).
+        width = prefill_width(tokens.shape[1], model.args.max_seq_len - max_new_tokens)
+        tokens, pad = left_pad(prompts, eot_id, device, width)
+        cache = StaticCache(model, len(prompts), capacity_for(width + max_new_tokens, model), cap, kv_mode)
+        cache.start.copy_(pad)
+        logits = decode(cache, tokens, loops, cap)[:, -1]
         budgets = (
             loops if torch.is_tensor(loops) or rule is not None else torch.full((len(prompts),), loops, device=device)
         )

@@ -18,12 +18,12 @@ k = K token for token (up to floating-point ties). In the shared modes (`last_lo
 a token decoded alone reads earlier tokens' final-loop keys while a chunk reads them loop by loop, so
 speculative output is greedy decoding of the chunked cache: it may differ from plain decoding there.
 
-With `compile`, the prompt is read into a StaticCache and the forwards are the compiled decode step
-(elr/infer/decode.py): a round's n drafts in one call (`DecodeStep.draft`: the n forwards and their
-argmaxes in one graph, read back once; drafts past an end-of-text are dropped, as eager never makes
-them), the verify of the usual width (n + 1 tokens) in another; the rarer widths (the last round, a draft
-cut at end-of-text, the GDP re-feed) run the same forward eagerly, so no round waits for a compile. The
-same tokens as eager.
+With `compile`, the prompt is read into a StaticCache through the compiled decode step (left-padded to
+a power-of-two width, `prefill_width`) and the forwards are that step (elr/infer/decode.py): a round's n
+drafts in one call (`DecodeStep.draft`: the n forwards and their argmaxes in one graph, read back once;
+drafts past an end-of-text are dropped, as eager never makes them), the verify of the usual width (n + 1
+tokens) in another; the rarer widths (the last round, a draft cut at end-of-text, the GDP re-feed) run
+the same forward eagerly, so no round waits for a compile. The same tokens as eager.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from elr.infer.cache import InferenceCache
-from elr.infer.decode import DecodeStep, capacity_for
+from elr.infer.decode import DecodeStep, capacity_for, prefill_width
 from elr.infer.static_cache import StaticCache
 
 
@@ -111,11 +111,14 @@ def speculative_rounds(
     if not prompt:
         raise ValueError("every prompt needs at least one token")
     device = model.output.weight.device
-    columns = len(prompt) + max_new_tokens
     if compile:
-        cache = StaticCache(model, 1, capacity_for(columns, model), loops, kv_mode)
+        # The prompt through the compiled step, left-padded to a bucketed width (a graph per width).
+        width = prefill_width(len(prompt), model.args.max_seq_len - max_new_tokens)
+        cache = StaticCache(model, 1, capacity_for(width + max_new_tokens, model), loops, kv_mode)
+        cache.start.fill_(width - len(prompt))
         compiled = compile if isinstance(compile, DecodeStep) else DecodeStep(model)
         eager = DecodeStep(model, compile=False)
+        first = compiled(cache, torch.tensor([[0] * (width - len(prompt)) + prompt], device=device), loops)
 
         def forward(tokens: list[int], k: int) -> torch.Tensor:
             step = compiled if len(tokens) in (1, draft_tokens + 1) else eager
@@ -125,7 +128,8 @@ def speculative_rounds(
             cache.lengths.copy_(saved[0] + kept)
 
     else:
-        cache = InferenceCache(model, 1, columns, loops, kv_mode)
+        cache = InferenceCache(model, 1, len(prompt) + max_new_tokens, loops, kv_mode)
+        first = model(torch.tensor([prompt], device=device), loops, cache)
 
         def forward(tokens: list[int], k: int) -> torch.Tensor:
             return model(torch.tensor([tokens], device=device), k, cache)[0]
@@ -134,7 +138,7 @@ def speculative_rounds(
             cache.length = saved[0] + kept
 
     rewind_by_length = cache.rewind_by_length()
-    current = int(model(torch.tensor([prompt], device=device), loops, cache)[0, -1].argmax())
+    current = int(first[0, -1].argmax())
     if current == eot_id:
         return
     yield [current]
