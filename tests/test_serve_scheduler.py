@@ -265,3 +265,20 @@ def test_a_step_reads_prompts_within_the_prefill_memory_and_a_long_wait_is_busy(
         submit(engine, [3], 2, 20)
     assert busy.value.retry_after == 1 and engine.stats.busy == 1 and "wait about 1.4 s" in str(busy.value)
     engine.close()
+
+
+def test_a_step_that_compiled_a_graph_is_not_the_step_time_the_wait_is_estimated_by(model, monkeypatch):
+    """A compiled engine builds a graph the first time a step needs it (minutes on a CPU): that step's time
+    is the compiler's, so the wait estimate (429 past --max-wait-s) leaves it out and times the next."""
+    import elr.serve.scheduler
+
+    engine = engine_for(model)
+    built = iter(range(100))
+    monkeypatch.setattr(elr.serve.scheduler, "graphs_built", lambda: next(built))  # every step compiles one
+    request, _ = submit(engine, [5, 9, 2], 2, 6)
+    run(engine, [request], steps=3)
+    assert engine.backlog.step_s is None
+    monkeypatch.setattr(elr.serve.scheduler, "graphs_built", lambda: 7)  # the graphs are built
+    run(engine, [request], steps=1)
+    assert engine.backlog.step_s is not None
+    engine.close()

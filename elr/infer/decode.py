@@ -60,6 +60,13 @@ def _draft(model, cache: StaticCache, token: torch.Tensor, budgets: torch.Tensor
     return torch.cat(drafted, 1)
 
 
+def graphs_built() -> int:
+    """Graphs dynamo has built in this process so far: a call that raised it compiled (its time is no step's)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def use_compile_cache(folder: str | Path = "outputs/inductor-cache") -> None:
     """Keep inductor's compiled kernels in `folder` (unless TORCHINDUCTOR_CACHE_DIR is set already), so a
     cold compile is paid once per machine, not once per process."""

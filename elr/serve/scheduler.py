@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elr.infer.chat import DEFAULT_EXIT
-from elr.infer.decode import DecodeStep
+from elr.infer.decode import DecodeStep, graphs_built
 from elr.infer.generate import sample
 from elr.infer.memory import check_fits, free_bytes, human_bytes, inference_state_bytes
 from elr.infer.speculative import SpeculationStats, speculative_rounds
@@ -309,7 +309,7 @@ class Engine:
     def step(self) -> None:
         """One iteration: drop cancelled requests, decode a token for every running choice, admit."""
         self.stats.steps += 1
-        start = time.perf_counter()
+        start, graphs = time.perf_counter(), graphs_built()
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
@@ -326,7 +326,7 @@ class Engine:
             decoded = True
         self._admit()
         with self._lock:  # what the client's side reads to estimate a new request's wait
-            if decoded:
+            if decoded and graphs_built() == graphs:  # a step that compiled a graph times the compiler
                 self.backlog.timed(time.perf_counter() - start)
             for name, pool in self.pools.items():
                 self.backlog.running[name] = sum(r.max_tokens - len(q.tokens) for r, q in pool.busy.values())
