@@ -9,9 +9,9 @@ updates), on CUDA with `mode="reduce-overhead"` (CUDA graphs). What stays data, 
 every batch composition: the tokens, each row's loop budget (a LongTensor [B]; rows past their budget
 are masked, never branched on), each row's length and start, which rows are free. What a graph is
 built for: the loop cap (the most loops any row runs, so a batch at k = 1 does not pay for K loops),
-the chunk width (1 for decoding; the drafts of self-speculative decoding), the batch and capacity, the
-KV mode and an exit rule: a handful of graphs per process, each compiled on first use (`warm_up`
-compiles them ahead). The eager path (InferenceCache, elr/infer/cache.py) stays the reference the
+the chunk width (1 for decoding; a verify's n + 1; a prefill's width, prompts left-padded to a power of
+two by `prefill_width`), the batch and capacity, the KV mode and an exit rule: a handful of graphs per
+process, each compiled on first use (`warm_up` compiles them ahead). The eager path (InferenceCache, elr/infer/cache.py) stays the reference the
 tests hold this one to, token for token.
 
 Compiling costs seconds to minutes on a CPU, once: inductor keeps its outputs in TORCHINDUCTOR_CACHE_DIR
@@ -37,8 +37,9 @@ SMALLEST_PREFILL = 16  # a compiled prefill left-pads its prompts to a power of 
 
 
 # Decoding steps (forwards of one token per row) from which compiling pays for itself, by device type: the
-# compile's time over what a step saves, measured on this project's machines (docs/benchmarks.md). Most
-# one-shot commands on a CPU decode fewer; a server, the RLVR rollouts and a chat session decode more.
+# compile's time over what a step saves. An estimate (a cold compile of minutes on a 2-core CPU against a few
+# milliseconds saved per step) until `scripts/bench.py decode` is run on idle cores (docs/benchmarks.md).
+# Most one-shot commands on a CPU decode fewer; a server, the RLVR rollouts and a chat session decode more.
 COMPILE_PAYS_AFTER = {"cpu": 2000, "cuda": 2000}
 
 
