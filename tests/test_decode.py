@@ -313,3 +313,18 @@ def test_inductor_compiled_adaptive_exit_and_self_speculative_decoding_equal_eag
     got, got_stats = speculative_generate(model, PROMPTS, 3, 9, EOT, "per_loop", 1, 3, compile=step)
     assert got == want
     assert got_stats.accepted == want_stats.accepted
+
+
+@pytest.mark.slow  # traces a prefill and a decode graph
+def test_the_latency_rows_time_the_compiled_prefill_and_steps_without_a_compile_in_them():
+    """evaluate.py --compile-latency: the warm-up run builds the graphs, the timed runs build none."""
+    from elr.infer.evaluate import measure_latency
+
+    model = compact_model(max_loops=2)
+    step = DecodeStep(model, backend="aot_eager")
+    before = graphs_built()
+    measure_latency(model, [5, 9, 2, 33], 2, "per_loop", new_tokens=3, repeats=0, compile=step)
+    assert graphs_built() == before + 2  # the prompt's width and the decode step
+    with torch.compiler.set_stance("fail_on_recompile"):
+        times = measure_latency(model, [5, 9, 2, 33], 2, "per_loop", new_tokens=3, repeats=2, compile=step)
+    assert times["ttft_s"] > 0 and times["decode_s_per_token"] > 0

@@ -11,8 +11,8 @@ are masked, never branched on), each row's length and start, which rows are free
 built for: the loop cap (the most loops any row runs, so a batch at k = 1 does not pay for K loops),
 the chunk width (1 for decoding; a verify's n + 1; a prefill's width, prompts left-padded to a power of
 two by `prefill_width`), the batch and capacity, the KV mode and an exit rule: a handful of graphs per
-process, each compiled on first use (`warm_up` compiles them ahead). The eager path (InferenceCache, elr/infer/cache.py) stays the reference the
-tests hold this one to, token for token.
+process, each compiled on first use (`warm_up` compiles them ahead). The eager path (InferenceCache,
+elr/infer/cache.py) stays the reference the tests hold this one to, token for token.
 
 Compiling costs seconds to minutes on a CPU, once: inductor keeps its outputs in TORCHINDUCTOR_CACHE_DIR
 (`use_compile_cache` points it under outputs/ for the scripts), so later processes load them.

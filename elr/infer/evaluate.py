@@ -297,14 +297,20 @@ def _sync(device) -> None:
 
 @torch.no_grad()
 def measure_latency(
-    model, prompt: list[int], loops: int, kv_mode: str, new_tokens: int = 16, repeats: int = 3, compile: bool = False
+    model,
+    prompt: list[int],
+    loops: int,
+    kv_mode: str,
+    new_tokens: int = 16,
+    repeats: int = 3,
+    compile: bool | DecodeStep = False,
 ) -> dict[str, float]:
     """Time to first token (prefill of `prompt` and its first token) and mean per-token decode time,
     in seconds: the best of `repeats` runs after one warm-up (which compiles, with `compile`: the decode
-    steps then run through the compiled step over a static cache, elr/infer/decode.py)."""
+    steps then run through the compiled step over a static cache, elr/infer/decode.py, or this DecodeStep)."""
     device = model.output.weight.device
     tokens = torch.tensor([prompt], device=device)
-    decode = DecodeStep(model) if compile else None
+    decode = compile if isinstance(compile, DecodeStep) else DecodeStep(model) if compile else None
     best_ttft = best_decode = math.inf
     for run in range(repeats + 1):
         if compile:
