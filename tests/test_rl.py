@@ -429,7 +429,16 @@ def test_bad_inputs_are_one_line_before_any_weight_changes(tmp_path, sft_model, 
 
 
 @pytest.mark.slow  # multi-process: the slow tier
-def test_two_ranks_equal_one_process(tmp_path, sft_model):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        # two minibatches of whole groups (the same groups on any number of ranks), each completion's mean, and
+        # the shared cache's importance weights with their ratios reduced over the ranks
+        ["--rl.group_size", "2", "--rl.minibatches", "2", "--rl.loss_type", "grpo", "--rl.rollout_kv", "last_loop_kv"],
+    ],
+)
+def test_two_ranks_equal_one_process(tmp_path, sft_model, extra):
     """Each rank samples its share of the groups with the batch's own draws: the same completions, rewards
     and updates as one process (FSDP on gloo)."""
     args = [
@@ -438,6 +447,7 @@ def test_two_ranks_equal_one_process(tmp_path, sft_model):
         *[a for a in RL],
         "--training.mixed_precision_param",
         "float32",
+        *extra,
     ]
     run_script(tmp_path / "one", 2, *args)
     run_script(tmp_path / "two", 2, *args, "--training.local_batch_size", "2", nproc=2)
@@ -446,3 +456,7 @@ def test_two_ranks_equal_one_process(tmp_path, sft_model):
         assert a["rl/reward"] == pytest.approx(b["rl/reward"], abs=1e-9) and a["rl/length"] == b["rl/length"]
         assert a["loss/train"] == pytest.approx(b["loss/train"], rel=2e-5, abs=2e-6), step
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4), step
+        ratios = sorted(k for k in a if k.startswith("rl/is_"))
+        assert ratios == sorted(k for k in b if k.startswith("rl/is_"))
+        for key in ratios:
+            assert a[key] == pytest.approx(b[key], rel=1e-4), (step, key)

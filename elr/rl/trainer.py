@@ -72,17 +72,18 @@ class RLTrainer(Trainer):
                 f"training.global_batch_size: {self.global_batch} completions are {self.n_groups} groups "
                 f"of {r.group_size}, which {self.dp_world} data-parallel ranks cannot share evenly"
             )
-        if self.n_micro % r.minibatches:
+        groups = self.n_groups // self.dp_world
+        if groups % r.minibatches or self.n_micro % r.minibatches:
             raise ConfigError(
-                f"rl.minibatches: {r.minibatches} must divide the {self.n_micro} microbatches of "
-                f"training.local_batch_size = {cfg.training.local_batch_size} completions each rank trains per step"
+                f"rl.minibatches: {r.minibatches} must divide each rank's {groups} groups and its {self.n_micro} "
+                f"microbatches of training.local_batch_size = {cfg.training.local_batch_size} completions "
+                "(a minibatch is whole groups, whole microbatches)"
             )
-        share = self.global_batch // self.dp_world // r.minibatches
-        if r.loop_credit != "last" and (r.group_size % cfg.training.local_batch_size or share % r.group_size):
+        if r.loop_credit != "last" and r.group_size % cfg.training.local_batch_size:
             raise ConfigError(
                 f"training.local_batch_size: with rl.loop_credit = {r.loop_credit} a microbatch must hold one "
                 f"group's completions (one k): {cfg.training.local_batch_size} must divide rl.group_size = "
-                f"{r.group_size}, and each minibatch ({share} completions per rank) hold whole groups"
+                f"{r.group_size}"
             )
         self.validator = RLEvaluator(self)
 

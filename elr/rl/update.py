@@ -1,6 +1,7 @@
 """The RLVR update on one batch of rollouts: its minibatches and microbatches, and the loss of a microbatch.
 
-The batch is cut into `rl.minibatches` shares of every rank's completions, one optimizer update each, passed over
+The batch is cut into `rl.minibatches` shares of whole groups (the same on any number of ranks), one optimizer
+update each, passed over
 `rl.updates_per_batch` times (TRL's steps_per_generation and num_iterations). Within a share the completions go in
 order of k, `training.local_batch_size` to a forward (the deepest row sets a microbatch's cost). A microbatch's loss:
 
@@ -42,10 +43,11 @@ class Micro:
     advantages: torch.Tensor  # [b]
 
 
-def minibatch_rows(n_rows: int, minibatches: int) -> list[list[int]]:
-    """The rank's rows (in group order) cut into `minibatches` equal contiguous shares."""
-    size = n_rows // minibatches
-    return [list(range(m * size, (m + 1) * size)) for m in range(minibatches)]
+def minibatch_rows(n_rows: int, group_size: int, minibatches: int) -> list[list[int]]:
+    """The rank's rows (in group order) in `minibatches` shares of whole groups, group i in share i mod
+    `minibatches`: a rank's first group is a multiple of its group count, itself a multiple of `minibatches`, so a
+    share is the same groups of the whole batch on any number of ranks."""
+    return [[i for i in range(n_rows) if (i // group_size) % minibatches == m] for m in range(minibatches)]
 
 
 def plan(
@@ -61,7 +63,7 @@ def plan(
     rows, starts, ends = batch.sequences(eot_id, r.max_new_tokens)
     dropped = batch.truncated(r.max_new_tokens) if r.mask_truncated_completions else [False] * len(rows)
     out = []
-    for share in minibatch_rows(len(rows), r.minibatches):
+    for share in minibatch_rows(len(rows), r.group_size, r.minibatches):
         share = sorted(share, key=lambda i: batch.loops[i])
         micros = []
         for first in range(0, len(share), cfg.training.local_batch_size):
