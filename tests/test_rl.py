@@ -162,6 +162,28 @@ def test_the_depth_tasks_in_words_have_the_answers_a_solver_finds(source, solve)
     assert train_prompts and held
 
 
+def test_the_sft_data_for_variable_chains_follows_the_chain_or_answers_directly(tmp_path):
+    """make_chat_data.py --kinds var_chain: questions the RLVR stage trains on (none it holds out), answered by
+    writing out the bindings from the queried name to its value, or with the value alone, about half each."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_chat_data", ROOT / "scripts" / "make_chat_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "chains.jsonl"
+    assert script.main(["--kinds", "var_chain", "--count", "200", "--out", str(out)]) == 0
+    worked = 0
+    for line in out.read_text().splitlines():
+        question, answer = (m["content"] for m in json.loads(line)["messages"])
+        value = solve_var_chain(question)
+        assert answer.endswith(f"The answer is {value}.") and not is_held_out(from_question(question, value))
+        if answer != f"The answer is {value}.":
+            worked += 1
+            steps = answer.removesuffix(f" The answer is {value}.").split(" ")
+            assert steps[0] == question.split("What is ")[1].rstrip("?") and steps[-1] == f"{value}."
+    assert 60 < worked < 140
+
+
 def test_the_cache_modes_of_the_config_are_the_caches():
     assert set(choices(rl_config.RL, "rollout_kv")) == set(MODES)
 
