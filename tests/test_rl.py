@@ -455,9 +455,13 @@ def test_bad_inputs_are_one_line_before_any_weight_changes(tmp_path, sft_model, 
     "extra",
     [
         [],
-        # two minibatches of whole groups (the same groups on any number of ranks), each completion's mean, and
-        # the shared cache's importance weights with their ratios reduced over the ranks
-        ["--rl.group_size", "2", "--rl.minibatches", "2", "--rl.loss_type", "grpo", "--rl.rollout_kv", "last_loop_kv"],
+        # two minibatches of whole groups (the same groups on any number of ranks), each completion's mean, the
+        # shared cache's importance weights with their ratios reduced over the ranks, and dynamic sampling (every
+        # rank decodes as many refill groups as the rank that needs most)
+        [
+            *("--rl.group_size", "2", "--rl.minibatches", "2", "--rl.loss_type", "grpo"),
+            *("--rl.rollout_kv", "last_loop_kv", "--rl.dynamic_sampling_rounds", "2"),
+        ],
     ],
 )
 def test_two_ranks_equal_one_process(tmp_path, sft_model, extra):
@@ -478,6 +482,7 @@ def test_two_ranks_equal_one_process(tmp_path, sft_model, extra):
         assert a["rl/reward"] == pytest.approx(b["rl/reward"], abs=1e-9) and a["rl/length"] == b["rl/length"]
         assert a["loss/train"] == pytest.approx(b["loss/train"], rel=2e-5, abs=2e-6), step
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4), step
+        assert a["rl/refilled_frac"] == b["rl/refilled_frac"]
         ratios = sorted(k for k in a if k.startswith("rl/is_"))
         assert ratios == sorted(k for k in b if k.startswith("rl/is_"))
         for key in ratios:
