@@ -454,9 +454,9 @@ def bench_speculative(args):
 
 def bench_rollout(args):
     """The RLVR stage's rollouts: its in-process batched decoding (elr/infer/generate.py, the --kv cache: the
-    stage's default is per_loop, one batch) against transformers' `generate` on the same model exported to the Hugging Face format,
-    the same prompts (the stage's arithmetic, chat-encoded and left-padded), batch, k and greedy decoding,
-    timed interleaved; then whether both decoded the same tokens."""
+    stage's default is per_loop, one batch) against transformers' `generate` on the same model exported to the
+    Hugging Face format, the same prompts (the stage's arithmetic, chat-encoded and left-padded), batch, k and
+    greedy decoding, timed interleaved; then whether both decoded the same tokens."""
     import tempfile
 
     from transformers import AutoModelForCausalLM

@@ -408,10 +408,18 @@ def test_several_updates_per_batch_move_the_ratio_and_dr_grpo_runs(tmp_path, sft
         "uniform",
         "--metrics.enable_tensorboard",
         "true",
+        # every other option of the update at once: two minibatches, the sampling temperature and nucleus, a
+        # shared cache's per-token correction, DAPO's punishment and refill (its filter would drop every row here:
+        # six tokens are too few for this model to stop)
+        *("--rl.minibatches", "2", "--rl.temperature", "0.7", "--rl.top_p", "0.9"),
+        *("--rl.rollout_kv", "last_loop_kv", "--rl.rollout_correction", "token_truncate"),
+        *("--rl.overlong_buffer", "2", "--rl.dynamic_sampling_rounds", "1"),
     )
     assert any((tmp_path / "ppo" / "tb").iterdir())  # the samples table beside the scalars
     assert run[1]["rl/kl"] > 0  # after the first update the policy has left the reference
     assert run[1]["rl/clip_frac"] > 0  # lr 1e-2 over three updates moves some ratios past the clip
+    assert {"rl/is_ratio_mean_k1", "rl/is_capped", "rl/refilled_frac"} <= set(run[1])
+    assert math.isfinite(run[1]["loss/train"]) and run[1]["grad_norm"] > 0
 
 
 @pytest.mark.parametrize(
