@@ -1,9 +1,9 @@
 """The RLVR update on one batch of rollouts: its minibatches and microbatches, and the loss of a microbatch.
 
 The batch is cut into `rl.minibatches` shares of whole groups (the same on any number of ranks), one optimizer
-update each, passed over
-`rl.updates_per_batch` times (TRL's steps_per_generation and num_iterations). Within a share the completions go in
-order of k, `training.local_batch_size` to a forward (the deepest row sets a microbatch's cost). A microbatch's loss:
+update each, passed over `rl.updates_per_batch` times (TRL's steps_per_generation and num_iterations). Within a
+share the completions go in order of k, `training.local_batch_size` to a forward (the deepest row sets a
+microbatch's cost). A microbatch's loss:
 
     per token   w_IS * surrogate(pi / pi_old, A)  (+ kl_coeff * k3(pi, pi_ref))   summed with the loss type's
                 token weights (elr/rl/objective.py), scaled by world / the update's denominator (FSDP averages)
