@@ -15,8 +15,21 @@ import logging
 import os
 import sys
 
+from elr.console.interrupt import Interrupted, interruptible
+
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C or SIGTERM from here on is one line and exit 130 / 143 (elr/console/interrupt.py); once training
+    # runs, the first one stops after the step with a checkpoint and a second one stops at once.
+    with interruptible():
+        try:
+            return _main(argv)
+        except Interrupted as e:  # before training began (a run stopped during training says more, below)
+            print(f"error: interrupted by {e.name} during startup, before the first step", file=sys.stderr)
+            return e.exit_code
+
+
+def _main(argv: list[str] | None) -> int:
     from elr.config import DEFAULT_CONFIG
     from elr.config.reference import help_text
 
@@ -51,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from elr.rl.trainer import RLTrainer
     from elr.train.nonfinite import NonFiniteLossError
     from elr.train.resume import finished_step
+    from elr.train.stop import interrupted_line
     from elr.train.trainer import Trainer
 
     # A user's mistake (bad config, missing or mismatched files, unusable checkpoint) is one line and
@@ -73,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         logging.error(f"error: {e}")
         return 1
+    except Interrupted as e:  # a second signal: the interrupted save removed its partial folder
+        checkpoints = trainer.cfg.checkpoint.enable
+        newest = trainer.checkpointer.latest_step() if checkpoints and trainer.rank == 0 else None
+        logging.error(f"error: {interrupted_line(e, trainer.step, checkpoints, newest)}")
+        return e.exit_code
     finally:
         trainer.close()
     return 0

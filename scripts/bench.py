@@ -8,6 +8,8 @@
     python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
     python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
     python scripts/bench.py rl_cache --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
+    python scripts/bench.py loader --shards 1000 --seq-len 8192 --batch 8 --steps 200   # elr/tools/data_bench.py
+    python scripts/bench.py prepare --mb 40 --workers 1 2
 
 Each benchmark is one function registered in BENCHMARKS; it prints a small table.
 """
@@ -18,8 +20,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-
-import torch
 
 from elr.cli import HelpFormatter
 
@@ -51,6 +51,8 @@ def print_table(header, rows):
 
 def bench_gdp(args):
     """Gated DeltaProduct: on CUDA (or with --tiny) the kernel table; on CPU naive vs chunk."""
+    import torch
+
     if torch.cuda.is_available() or args.tiny:
         bench_gdp_kernels(args)
     else:
@@ -59,6 +61,8 @@ def bench_gdp(args):
 
 def bench_gdp_cpu(args):
     """Forward+backward on CPU: token-loop oracle vs chunked PyTorch form."""
+    import torch
+
     from elr_kernels.gated_delta_product import gated_delta_product
 
     B, T, H, K, V, n_h = 1, args.seq_len, 4, 64, 64, 2
@@ -83,6 +87,8 @@ def bench_gdp_cpu(args):
 
 def gdp_inputs(B, T, H, D, n_h, dtype, device):
     """q, k, v in dtype; g and beta in fp32, as the GDP layer passes them."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape):
@@ -125,6 +131,8 @@ def bench_gdp_kernels(args):
     """Forward and forward+backward time of each implementation at the models' shapes, with
     TFLOP/s and bandwidth against the device's peak and, when flash-linear-attention is
     installed, its chunk_gated_delta_product on the same inputs."""
+    import torch
+
     from elr_kernels.gated_delta_product import gated_delta_product
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -216,6 +224,7 @@ def bench_model(args):
     """
     import dataclasses
 
+    import torch
     import torch.nn.functional as F
 
     from elr.models import build_model, flavors
@@ -303,6 +312,7 @@ def bench_replay(args):
     at fixed k = K and over a mixed-depth draw (the study's synchronized sampling with 15% override)."""
     import dataclasses
 
+    import torch
     import torch.nn.functional as F
 
     from elr.models import build_model, flavors
@@ -459,6 +469,7 @@ def bench_rollout(args):
     greedy decoding, timed interleaved; then whether both decoded the same tokens."""
     import tempfile
 
+    import torch
     from transformers import AutoModelForCausalLM
 
     import elr.interop.hf_model  # noqa: F401  (registers the export's classes with transformers)
@@ -527,6 +538,8 @@ def bench_rl_cache(args):
     log-probs are from the training forward's (per token, and the sequence ratios TRL's `sequence_mask` weighs
     by, with the share its cap of 3 drops); then the training forward a non-exact cache adds when a batch has
     several updates (its rollout policy's log-probs), timed beside an update's forward and backward."""
+    import torch
+
     from elr.infer.generate import Sampling, generate
     from elr.infer.load import load_model, load_tokenizer
     from elr.infer.memory import inference_state_bytes
@@ -614,6 +627,8 @@ def bench_rl_cache(args):
 def _decoding_model_and_prompts(args):
     """(model, prompts, end-of-text id) for the decoding benchmarks: a checkpoint and windows of its
     validation tokens, or a fresh --flavor and random prompts."""
+    import torch
+
     if args.checkpoint:
         from elr.infer.evaluate import read_tokens
         from elr.infer.load import load_model, load_tokenizer
@@ -621,8 +636,8 @@ def _decoding_model_and_prompts(args):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model, cfg = load_model(args.checkpoint, device)
         eot = load_tokenizer(cfg).eot_id
-        val = Path(cfg["data"]["path"]) / "val.bin"
-        if not cfg["data"].get("task") and val.is_file():
+        val = Path(cfg["data"]["path"]) / "val.bin"  # the val split of the folder (a file, or shards)
+        if not cfg["data"].get("task") and (val.parent / "meta.json").is_file():
             tokens = read_tokens(val)
             return (
                 model,
@@ -675,6 +690,7 @@ def _sampling_rank(rank, world, port, args, results):
     """One rank of bench_sampling: the same draws on every rank (seed, step), its own row of them."""
     import dataclasses
 
+    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -732,6 +748,24 @@ def _sampling_rank(rank, world, port, args, results):
     dist.destroy_process_group()
 
 
+def bench_loader(args):
+    """One loader process: start over --shards shards and tokens/s of a 3-source mixture (elr/tools/data_bench.py)."""
+    from elr.tools.data_bench import loader_table
+
+    title, header, rows = loader_table(args)
+    print(title)
+    print_table(header, rows)
+
+
+def bench_prepare(args):
+    """prepare_data.py at each --workers count on the same --mb of text (elr/tools/data_bench.py)."""
+    from elr.tools.data_bench import prepare_table
+
+    title, header, rows = prepare_table(args)
+    print(title)
+    print_table(header, rows)
+
+
 BENCHMARKS = {
     "gdp": bench_gdp,
     "model": bench_model,
@@ -740,11 +774,13 @@ BENCHMARKS = {
     "speculative": bench_speculative,
     "rollout": bench_rollout,
     "rl_cache": bench_rl_cache,
+    "loader": bench_loader,
+    "prepare": bench_prepare,
 }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("which", choices=sorted(BENCHMARKS), help="what to time: the GDP op or a model training step")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is reported)")
@@ -769,6 +805,11 @@ def main():
     parser.add_argument("--kv", default="per_loop", help="speculative, rollout: KV cache mode")
     parser.add_argument("--micro-rows", type=int, default=8, help="rl_cache: completions per timed training forward")
     parser.add_argument("--json", help="model: also write the results to this JSON file (to compare commits)")
+    parser.add_argument("--shards", type=int, default=1000, help="loader: shards of the largest source")
+    parser.add_argument("--steps", type=int, default=200, help="loader: batches timed")
+    parser.add_argument("--mb", type=float, default=40.0, help="prepare: megabytes of JSONL text to tokenize")
+    parser.add_argument("--shard-mb", type=float, default=1.0, help="prepare: megabytes of text per shard")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="prepare: worker counts to time")
     args = parser.parse_args()
     BENCHMARKS[args.which](args)
 

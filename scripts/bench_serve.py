@@ -3,6 +3,7 @@
     python scripts/bench_serve.py                                   # a fresh debug-flavor export, 8 clients
     python scripts/bench_serve.py --clients 8 --requests 32 --new-tokens 48 --budgets 1,2,3
     python scripts/bench_serve.py --checkpoint outputs/debug-hf --budgets 1,3,auto --kv last_loop_kv
+    python scripts/bench_serve.py load --clients 256 --seconds 60   # the bounded load test (scripts/serve_load.py)
 
 Every arm runs the same requests (prompts cut from the bundled validation text, the budgets given in
 turn), greedy, in this one process, so the ratios between arms are what count:
@@ -30,8 +31,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from elr.cli import HelpFormatter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, when loaded by path (tests, elr-* commands)
@@ -41,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def fresh_export(out: Path, context: int) -> Path:
+    import torch
+
     from elr.config import load_config
     from elr.interop import write_export
     from elr.models import build_model
@@ -127,6 +128,11 @@ def run_local_arm(decode_one, requests) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["load"]:  # the load test: many clients, some leaving, a server process of its own
+        from serve_load import main as load
+
+        return load(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", help="a Hugging Face export folder (default: a fresh debug-flavor export)")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients (and the server's rows per pool)")
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import openai
+    import torch
 
     from elr.infer.generate import AdaptiveDepth, generate
     from elr.infer.load import load_model, load_tokenizer, run_config
@@ -173,10 +180,14 @@ def main(argv: list[str] | None = None) -> int:
 
         auto = "auto" in budgets
         limits = Limits(
-            max_concurrent=args.clients, max_auto=args.clients if auto else 0, max_draft=0, max_queued_tokens=10**9
+            max_concurrent=args.clients,
+            max_auto=args.clients if auto else 0,
+            max_draft=0,
+            max_queued_tokens=10**9,
+            max_wait_s=0,  # a throughput measure: every request waits its turn
         )
         engine = Engine(model, tokenizer.eot_id, tokenizer.decode, args.kv, limits, rule)
-        served = Served("bench", tokenizer, model.args.max_seq_len, K, K)
+        served = Served("bench", tokenizer, model.args.max_seq_len, K, K, limits)
         with BackgroundServer(create_app(engine, served)) as url:
             client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
             arms = {
@@ -238,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def export_decoder(folder: Path, tokenizer, K: int, new_tokens: int, kv: str):
     """transformers' generate on the export, one request at a time, timing its first token by a streamer."""
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 

@@ -13,16 +13,15 @@ for fp32. Exits 1 if any tensor is off. scripts/gpu_check.sh runs it.
 import argparse
 import sys
 
-import torch
-import torch.nn.functional as F
-
 from elr.cli import HelpFormatter
-from elr_kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
 
 
 def make_inputs(B, T, H, D, n_h, dtype, device, seed=0):
+    import torch
+    import torch.nn.functional as F
+
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -39,6 +38,10 @@ def make_inputs(B, T, H, D, n_h, dtype, device, seed=0):
 
 
 def run(impl, inputs, n_h, use_state, upcast):
+    import torch
+
+    from elr_kernels.gated_delta_product import gated_delta_product
+
     inputs = [x.detach().clone() for x in inputs]
     if upcast:
         inputs = [x.float() for x in inputs]
@@ -67,7 +70,7 @@ def relative_error(a, e):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="B=1, T=37, H=2, D=16 (interpreter)")
     parser.add_argument(
         "--dtype",
@@ -76,6 +79,11 @@ def main():
         help="dtype of the Triton run, compared with the fp32 naive op",
     )
     args = parser.parse_args()
+
+    import torch
+
+    from elr_kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
+
     dtype = getattr(torch, args.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     B, T, H, D = (1, 37, 2, 16) if args.tiny else (2, 300, 4, 128)

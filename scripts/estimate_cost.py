@@ -25,6 +25,11 @@ over the same work without waiting, from the config's own sampler at `--gpus` GP
 = GPUs / (tp x cp), microbatches from the batch sizes) over 200 updates; `depths/update` is the mean
 number of distinct loop counts in an update; `run x (time)` is the run's GPU time against the
 baseline's, FLOPs and waiting together.
+
+Totals: `tokens` is training.steps x the global batch x seq_len; `FLOPs` is the run's training compute
+(its k = 1 FLOPs per token x tokens x `run x (FLOPs)`), beside the same run mixed-depth from the first
+step (`no switch`) and the non-recurrent baseline's. `GPU-hours` divide each by --mfu x --peak-tflops,
+the mixed phase's waiting included: an estimate at an assumed utilisation, not a measurement.
 """
 
 from __future__ import annotations
@@ -33,23 +38,26 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from elr.cli import HelpFormatter
 from elr.config import load_config
 from elr.errors import ConfigError
-from elr.models import build_model
-from elr.models.from_config import check_model_config, model_args_from_config
-from elr.parallel.parallel_dims import ParallelDims
-from elr.text.tokenizer import vocab_size as tokenizer_vocab
-from elr.train.data import microbatches
-from elr.train.loop_sampler import SAMPLING, LoopSampler, expected_wait
-from elr.train.token_files import job_tokenizer_path
 
 FORMULA = "cost / baseline = s + (1 - s) * (L_in + E[k] * L_rec + L_out) / L\nE[k] = f + (1 - f) * sum_k w_k * k"
 
 
-def estimate(config_path: str, vocab_size: int | None = None, gpus: int = 8) -> dict:
+def estimate(
+    config_path: str, vocab_size: int | None = None, gpus: int = 8, peak_tflops: float = 989.0, mfu: float = 0.4
+) -> dict:
+    import torch
+
+    from elr.data.job_data import job_tokenizer_path
+    from elr.data.loader import microbatches
+    from elr.models import build_model
+    from elr.models.from_config import check_model_config, model_args_from_config
+    from elr.parallel.parallel_dims import ParallelDims
+    from elr.text.tokenizer import vocab_size as tokenizer_vocab
+    from elr.train.loop_sampler import SAMPLING, LoopSampler, expected_wait
+
     cfg = load_config(config_path)
     check_model_config(cfg)
     vocab_size = vocab_size or tokenizer_vocab(job_tokenizer_path(cfg))
@@ -77,7 +85,7 @@ def estimate(config_path: str, vocab_size: int | None = None, gpus: int = 8) -> 
         tp=p.tensor_parallel_degree,
     )
     try:
-        _, n_micro = microbatches(cfg.training, dims.dp_world)
+        global_batch, n_micro = microbatches(cfg.training, dims.dp_world)
     except ConfigError as err:
         raise ConfigError(f"{Path(config_path).name} at --gpus {gpus}: {err}") from None
     waits = {
@@ -93,6 +101,9 @@ def estimate(config_path: str, vocab_size: int | None = None, gpus: int = 8) -> 
         for mode in SAMPLING
     }
     wait, depths = waits[e.sampling]
+    tokens = cfg.training.steps * global_batch * cfg.training.seq_len
+    baseline_flops = tokens * f1  # k = 1 everywhere: the non-recurrent stack (the conditioning heads left out)
+    per_hour = peak_tflops * 1e12 * mfu * 3600
     params = sum(p.numel() for p in model.parameters())
     experts = sum(m.w1.numel() + m.w2.numel() for m in model.moe_layers())
     active = params - experts + experts * args.moe_top_k / max(args.moe_experts, 1)
@@ -114,6 +125,13 @@ def estimate(config_path: str, vocab_size: int | None = None, gpus: int = 8) -> 
         "wait x": wait,
         "depths/update": depths,
         "run x (time)": s + (1 - s) * mixed_flops * wait,
+        "tokens": f"{tokens:.3g}",
+        "FLOPs": f"{baseline_flops * (s + (1 - s) * mixed_flops):.3g}",
+        "FLOPs no switch": f"{baseline_flops * mixed_flops:.3g}",
+        "FLOPs baseline": f"{baseline_flops:.3g}",
+        "GPU-hours": f"{baseline_flops * (s + (1 - s) * mixed_flops * wait) / per_hour:,.0f}",
+        "GPU-hours no switch": f"{baseline_flops * mixed_flops * wait / per_hour:,.0f}",
+        "GPU-hours baseline": f"{baseline_flops / per_hour:,.0f}",
         "vocab": vocab_size,
         "params": human(params),
         "active": human(active),
@@ -126,7 +144,7 @@ def human(n: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("configs", nargs="*", help="TOML job configs")
     parser.add_argument("--config", action="append", default=[], help="a TOML job config (repeatable; as train.py)")
     parser.add_argument("--gpus", type=int, default=8, help="world size to cost the loop sampling's waiting at")
@@ -136,12 +154,18 @@ def main() -> int:
         default=None,
         help="vocabulary to size the embedding/head with (default: the config tokenizer's)",
     )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="one GPU's dense bf16 peak, TFLOP/s (H100 SXM: 989)"
+    )
+    parser.add_argument("--mfu", type=float, default=0.4, help="the model FLOPs utilisation the GPU-hours assume")
     args = parser.parse_args()
+    if not (args.peak_tflops > 0 and 0 < args.mfu <= 1):
+        parser.error("--peak-tflops must be positive and --mfu in (0, 1]")
     configs = args.configs + args.config
     if not configs:
         parser.error("name at least one config (--config FILE)")
     try:
-        rows = [estimate(path, args.vocab_size, args.gpus) for path in configs]
+        rows = [estimate(path, args.vocab_size, args.gpus, args.peak_tflops, args.mfu) for path in configs]
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -155,6 +179,9 @@ def main() -> int:
     col = [max(len(c[j]) for j in range(len(names))) for c in cells]
     for i, name in enumerate(names):
         print(name.ljust(width) + "".join("  " + c[i].rjust(w) for c, w in zip(cells, col)))
+    print(
+        f"GPU-hours at {args.mfu:.0%} of {args.peak_tflops:g} TFLOP/s per GPU (--mfu, --peak-tflops), waiting included"
+    )
     for row, waits in zip(rows, modes):
         others = ", ".join(f"{mode} {w:.2f}x" for mode, w in waits.items() if mode != row["sampling"])
         print(

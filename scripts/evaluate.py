@@ -26,28 +26,16 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from elr.cli import HelpFormatter, argument_type
+from elr.cli import HelpFormatter
 from elr.console.progress import Progress
 from elr.errors import UserError
-from elr.infer.cache import MODES
-from elr.infer.evaluate import (
-    chat_validation_loss,
-    decoded_loss,
-    load_task,
-    measure_latency,
-    read_tokens,
-    score_multiple_choice,
-    task_accuracy,
-    validation_loss,
-)
-from elr.infer.generate import AdaptiveDepth
-from elr.infer.load import load_model, load_tokenizer
-from elr.models.early_exit import ExitRule
+from elr.infer.kv_modes import MODES
 from elr.text.chat_data import is_chat_folder
-from elr.text.tasks import build_task
+
+if TYPE_CHECKING:
+    from elr.models.early_exit import ExitRule
 
 LATENCY_TEXT = "The old king walked slowly through the quiet garden, thinking of the years behind him. "
 
@@ -64,6 +52,22 @@ def evaluate(
 ) -> tuple[dict, dict[str, dict[int, float]], dict[str, dict[str, float]]]:
     """Run config, {metric: {k: value}} for one checkpoint (loops None: every k in 1..K) and, per exit
     rule capped at the largest k, {rule: {metric: value, metric/mean_loops: loops}}."""
+    import torch
+
+    from elr.infer.evaluate import (
+        chat_validation_loss,
+        decoded_loss,
+        load_task,
+        measure_latency,
+        read_tokens,
+        score_multiple_choice,
+        task_accuracy,
+        validation_loss,
+    )
+    from elr.infer.generate import AdaptiveDepth
+    from elr.infer.load import load_model, load_tokenizer
+    from elr.text.tasks import build_task
+
     model, cfg = load_model(checkpoint, args.device, getattr(torch, args.dtype))
     if args.route_replay:
         model.route_replay = True
@@ -99,9 +103,10 @@ def evaluate(
                 adaptive[str(rule)][f"{task.name}/{metric}/mean_loops"] = depth.mean_loops
         return cfg, rows, adaptive
     tokenizer = load_tokenizer(cfg, args.tokenizer)
-    data = args.data or cfg["data"]["path"]
-    val_path = Path(data) / "val.bin"
-    if not val_path.is_file():
+    sources = cfg["data"].get("sources") or []  # a mixture's run: its first source's validation split
+    data = args.data or (sources[0].get("val_path") or sources[0]["path"] if sources else cfg["data"]["path"])
+    val_path = Path(data) / "val.bin"  # a split of the folder: the older file, or the val shards
+    if not Path(data).is_dir():
         val_path = Path(__file__).resolve().parents[1] / data / "val.bin"
     chat = is_chat_folder(val_path.parent)  # conversations: the loss on their assistant tokens
     tokens = read_tokens(val_path) if (args.val_batches or args.decoded_windows) and not chat else None
@@ -216,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode for latency (default per_loop)")
     p.add_argument("--tasks", nargs="*", default=[], help="multiple-choice JSONL files")
     p.add_argument("--limit", type=int, default=0, help="first N questions of each task (0: all)")
-    p.add_argument("--data", help="prepared data folder with val.bin (default: the run config's)")
+    p.add_argument(
+        "--data",
+        help="prepared data folder whose val split is read (default: the run config's; a mixture's first source)",
+    )
     p.add_argument("--val-batches", type=int, default=4, help="validation batches (0: skip the loss)")
     p.add_argument(
         "--decoded-windows",
@@ -239,20 +247,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--exit",
         nargs="*",
-        type=argument_type(ExitRule.parse),
         default=[],
         metavar="RULE:T",
         help="adaptive depth: also score under each exit rule (state:T, kl:T), capped at the largest k",
     )
     p.add_argument("--baseline", help="checkpoint of a non-recurrent baseline, evaluated at k=1")
     p.add_argument("--route-replay", action="store_true", help="force MoE route replay on at inference")
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)"
-    )
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument("--out", type=Path, help="write the results JSON here and the table beside it (.md)")
     args = p.parse_args(argv)
+
+    import torch
+
+    from elr.models.early_exit import ExitRule
+
+    try:  # parsed once the arguments are known: --help and usage errors need no torch
+        args.exit = [ExitRule.parse(rule) for rule in args.exit]
+    except ValueError as e:
+        p.error(f"argument --exit: {e}")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     try:
         _, rows, adaptive = evaluate(args.checkpoint, args.loops, args, args.exit)

@@ -18,14 +18,9 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
 from elr.cli import HelpFormatter
 from elr.errors import CheckpointError, UserError
-from elr.infer.cache import MODES
-from elr.infer.load import load_model, load_tokenizer
-from elr.interop import check_export, is_export, write_export
-from elr.interop.hf_hashes import seal_folder
+from elr.infer.kv_modes import MODES
 
 _SIZE = re.compile(r"(\d+)\s*(B|KB|MB|GB|KiB|MiB|GiB)?", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -66,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     args = p.parse_args(argv)
+
+    import torch
+
+    from elr.infer.load import load_model, load_tokenizer
+    from elr.interop import write_export
+
     if args.seal:
         return seal_main(args.seal)
     if not args.checkpoint or not args.out:
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def seal_main(folder: Path) -> int:
     """--seal: hash the export's files as they are now, then run the checks a loader runs."""
+    from elr.interop import check_export, is_export
+    from elr.interop.hf_hashes import seal_folder
+
     try:
         if not is_export(folder):
             raise CheckpointError(f"{folder} is not an ELR export (no config.json with model_type elr)")

@@ -21,24 +21,17 @@ lm-eval paths begin them).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-from elr.checkpoint import latest_step
-from elr.cli import HelpFormatter, argument_type
+# Only what the arguments need is imported here: --help and a usage error come in a moment. torch and the
+# model code are imported once the arguments are known (`heavy`).
+from elr.cli import HelpFormatter
 from elr.config import DEFAULT_CONFIG, load_config
 from elr.errors import UserError
-from elr.infer import chat
-from elr.infer.cache import MODES
-from elr.infer.generate import AdaptiveDepth, Sampling, generate
-from elr.infer.load import load_model, load_tokenizer, run_config
-from elr.infer.memory import check_fits, memory_table
-from elr.infer.speculative import speculative_generate
-from elr.models import flavors
-from elr.models.early_exit import ExitRule
+from elr.infer.kv_modes import MODES
 
 DEFAULT_PROMPT = "Once upon a time"
 
@@ -48,7 +41,11 @@ def quick_start_checkpoint() -> Path | None:
     dump folder), so generating right after the quick start needs no flags; None if there is none."""
     cfg = load_config(DEFAULT_CONFIG)
     folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-    step = latest_step(folder) if folder.is_dir() else None
+    if not folder.is_dir() or not any(re.fullmatch(r"step-\d+", p.name) for p in folder.iterdir()):
+        return None  # found without importing torch: the usage error says so at once
+    from elr.checkpoint import latest_step
+
+    step = latest_step(folder)
     return folder / f"step-{step}" if step is not None else None
 
 
@@ -89,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--exit",
-        type=argument_type(ExitRule.parse),
         metavar="RULE:THRESHOLD",
         help="adaptive depth: each new token stops looping when the rule says (state:T, kl:T), "
         "capped at each --loops k; in --chat, the rule of /loops auto",
@@ -106,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="force MoE route replay on (on anyway when the model was trained with it)",
     )
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)"
-    )
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument(
@@ -117,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TOKENS",
         help="print KV-cache and GDP-state bytes per request of TOKENS tokens and exit",
     )
-    p.add_argument("--flavor", choices=sorted(flavors), help="with --memory: a named flavor instead of a checkpoint")
+    p.add_argument("--flavor", help="with --memory: a named flavor instead of a checkpoint (elr/models/args.py)")
     p.add_argument("--chat", action="store_true", help="chat on stdin with the chat template (elr/infer/chat.py)")
     p.add_argument("--messages", help="JSON list of messages: print the assistant's reply at each k")
     args = p.parse_args(argv)
@@ -128,17 +122,29 @@ def main(argv: list[str] | None = None) -> int:
     if not -(2**63) <= args.seed < 2**64:  # what torch's generator takes
         p.error(f"--seed must lie in -2^63..2^64-1, not {args.seed}")
     if (args.chat or args.messages) and args.checkpoint:
-        return chat_main(args)
-    if args.memory is not None and args.flavor:
-        dtype = getattr(torch, args.dtype)
-        flavor = flavors[args.flavor]
-        print(memory_table(flavor, max(args.loops or [flavor.recurrence.max_loops]), args.memory, dtype))
-        return 0
-    if not args.checkpoint:
+        return chat_main(args, p)
+    if not args.checkpoint and not (args.memory is not None and args.flavor):
         args.checkpoint = quick_start_checkpoint()
         if args.checkpoint is None:
             p.error("--checkpoint is required (or --memory with --flavor); `python train.py` run here saves one")
         print(f"generate: no --checkpoint given: the quick start's newest, {args.checkpoint}", file=sys.stderr)
+
+    import torch  # the arguments are known: now the model code
+
+    from elr.infer.generate import AdaptiveDepth, Sampling, generate
+    from elr.infer.load import load_model, load_tokenizer, run_config
+    from elr.infer.memory import check_fits, memory_table
+    from elr.infer.speculative import speculative_generate
+    from elr.models import flavors
+
+    parse_exit_and_device(args, p)
+    if args.memory is not None and args.flavor:
+        if args.flavor not in flavors:
+            p.error(f"--flavor: unknown flavor {args.flavor!r}; one of {', '.join(sorted(flavors))}")
+        dtype = getattr(torch, args.dtype)
+        flavor = flavors[args.flavor]
+        print(memory_table(flavor, max(args.loops or [flavor.recurrence.max_loops]), args.memory, dtype))
+        return 0
     if not args.prompt and not args.memory:
         args.prompt = [DEFAULT_PROMPT]
 
@@ -219,8 +225,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def chat_main(args) -> int:
+def parse_exit_and_device(args, p: argparse.ArgumentParser) -> None:
+    """--exit as an ExitRule (a usage error if it is none) and --device's default, once torch is imported."""
+    import torch
+
+    from elr.models.early_exit import ExitRule
+
+    if args.exit is not None:
+        try:
+            args.exit = ExitRule.parse(args.exit)
+        except ValueError as e:
+            p.error(f"argument --exit: {e}")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def chat_main(args, p: argparse.ArgumentParser) -> int:
     """--chat (a REPL at k = the first --loops, `/loops N` to change it) or --messages FILE."""
+    import torch
+
+    from elr.infer import chat
+    from elr.infer.generate import Sampling
+    from elr.infer.load import load_model, load_tokenizer, run_config
+
+    parse_exit_and_device(args, p)
     try:
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be at least 1")

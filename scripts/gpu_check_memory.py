@@ -22,17 +22,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from elr.cli import HelpFormatter
 from elr.config import load_config
-from elr.models import build_model, flavors
-from elr.parallel.activation_checkpoint import apply_activation_checkpointing
-from elr.tools.activation_memory import live_activation_bytes
-from elr.tools.memory_plan import GiB, microbatch_bytes
-from elr.train.loss import summed_loss
-from elr.train.trainer import Trainer
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = ROOT / "train_configs" / "debug.toml"
@@ -40,6 +36,8 @@ AC_MODES = [("none", "op"), ("selective", "op"), ("selective", "2"), ("full", "o
 
 
 def train_losses(steps: int, extra: list[str], dump: Path) -> list[float]:
+    from elr.train.trainer import Trainer
+
     trainer = Trainer(
         load_config(
             DEBUG_TOML,
@@ -68,6 +66,8 @@ def train_losses(steps: int, extra: list[str], dump: Path) -> list[float]:
 
 def reduced_koi(seq_len: int, dry_run: bool):
     """koi_4b's widths with 8 layers (2 in, 4 recurrent, 2 out); in a dry run, the debug widths."""
+    from elr.models import flavors
+
     base = flavors["debug"] if dry_run else flavors["koi_4b"]
     return dataclasses.replace(
         base,
@@ -79,6 +79,14 @@ def reduced_koi(seq_len: int, dry_run: bool):
 
 
 def memory_rows(dry_run: bool, device: torch.device, peak_tflops: float) -> list[list[str]]:
+    import torch
+
+    from elr.models import build_model
+    from elr.parallel.activation_checkpoint import apply_activation_checkpointing
+    from elr.tools.activation_memory import live_activation_bytes
+    from elr.tools.memory_plan import GiB, microbatch_bytes
+    from elr.train.loss import summed_loss
+
     seq_len, loops = (64, 4) if dry_run else (8192, 4)
     dtype = torch.float32 if dry_run else torch.bfloat16
     args = reduced_koi(seq_len, dry_run)
@@ -151,7 +159,10 @@ def memory_rows(dry_run: bool, device: torch.device, peak_tflops: float) -> list
 
 def grouped_moe_row(device: torch.device) -> tuple[list[str], bool]:
     """The MoE's grouped-GEMM experts against the per-expert loop, forward and backward, in bf16."""
+    import torch
+
     import elr.models.ffn as ffn
+    from elr.models import flavors
     from elr.models.experts import grouped_experts, looped_experts
 
     torch.manual_seed(0)
@@ -179,10 +190,13 @@ def grouped_moe_row(device: torch.device) -> tuple[list[str], bool]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few steps")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak for MFU")
     args = parser.parse_args()
+
+    import torch
+
     dry = args.dry_run or not torch.cuda.is_available()
     device = torch.device("cpu" if dry else "cuda")
     ok = True

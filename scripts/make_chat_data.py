@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 from elr.cli import HelpFormatter
-from elr.rl.prompts import from_question, is_held_out
 from elr.text import arithmetic, depth_questions
 
 WORDS = (
@@ -92,6 +91,8 @@ def letters(rng: random.Random) -> tuple[str, str]:
 
 def three_term_sum(rng: random.Random) -> tuple[str, str]:
     """A sum the RLVR stage asks (never one it holds out), answered with its partial sums or directly."""
+    from elr.rl.prompts import from_question, is_held_out
+
     while True:
         terms = arithmetic.draw_sum(rng)
         question = arithmetic.question(terms)
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--kinds {alone[0]} stands alone (the RLVR stage's prompts, one user turn each)")
     pool = []
     if args.kinds == ["var_chain"]:
+        from elr.rl.prompts import from_question, is_held_out  # imports torch: after --help
+
         pool = [(q, a) for q, a in depth_questions.questions("var_chain") if not is_held_out(from_question(q, a))]
     rng = random.Random(args.seed)
     lines = [json.dumps(conversation(rng, args.kinds, pool)) for _ in range(args.count)]

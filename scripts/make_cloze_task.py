@@ -20,9 +20,7 @@ from pathlib import Path
 from elr.cli import HelpFormatter
 from elr.config import JobConfig
 from elr.errors import UserError
-from elr.infer.evaluate import read_tokens
 from elr.text.tokenizer import Tokenizer, build_tokenizer
-from elr.train.token_files import check_tokenizer, job_tokenizer_path
 
 
 def cloze_items(
@@ -79,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="draws the wrong options and the answer's place")
     p.add_argument("--out", type=Path, required=True, help="JSONL task file to write")
     args = p.parse_args(argv)
+
+    from elr.data.job_data import job_tokenizer_path
+    from elr.data.token_files import check_tokenizer
+    from elr.infer.evaluate import read_tokens
+
     try:
         if args.items < 1 or args.choices < 2 or args.context_tokens < 1 or args.option_tokens < 1:
             raise ValueError("--items, --context-tokens and --option-tokens must be positive, --choices at least 2")

@@ -1,44 +1,45 @@
 #!/usr/bin/env python
-"""Tokenize local text into memory-mapped token files for training.
+"""Tokenize local text into a sharded token folder for training, in parallel on one machine.
 
 Inputs are .txt files (one document per file) and .jsonl files (one document per line, in field
---text-field), named directly or found in directories (recursively, in sorted order). Writes to
---out:
+--text-field), named directly or found in directories (recursively, in sorted order). Writes to --out
+(elr/data/folders.py's layout, elr/data/prepare.py's work):
 
-    train.bin, val.bin   flat token streams; every document (or part of one, with --split tail)
-                         is followed by <|endoftext|>
-    meta.json            dtype, vocab size, tokenizer file and sha256, split kind, documents /
-                         tokens / UTF-8 text bytes / largest token id per split, val fraction, sources
+    train-00000.bin, val-00000.bin, ...   the shards' tokens (uint16, or uint32 past 65,536 ids): whole
+                                          documents (or parts, with --split tail), each followed by <|endoftext|>
+    train-00000.starts, ...               int64: where each document starts in its shard
+    meta.json                             dtype, vocab size, tokenizer file and sha256, split kind, val fraction,
+                                          documents / tokens / UTF-8 text bytes / largest id per split, every
+                                          shard's token and document counts, the input files
+
+The inputs are cut into units of about --shard-mb megabytes of text; unit i becomes shard i of each split.
+--workers N tokenizes N units at a time, each in its own process; the shards do not depend on N (token for
+token the same as --workers 1). A progress line gives tokens/s and the time left.
+
+Resumable: finished shards wait in --out/.partial until every unit is done; an interrupted run (Ctrl-C,
+SIGTERM: it stops within a second, prints one line and exits 130 / 143, leaving no temporary file) is
+continued by the same command, which keeps every finished shard whose input files have not changed.
+--append adds new inputs' shards to a prepared folder without rewriting the old ones; --replace prepares the
+folder anew (the old dataset stays readable until the new one is complete).
 
 --split auto (the default): tail for a single .txt file (one document: a document split would leave
-one of the splits empty), document otherwise.
+one of the splits empty), document otherwise. --split document (right for large corpora): a document goes
+to val when a hash of its text falls below --val-fraction, the same on every run and machine whatever the
+input order. --split tail (right for a small corpus of few, long documents): the last floor(n *
+val_fraction) of every document's n tokens go to val (a cut inside a UTF-8 character moves to the next
+boundary), each part followed by <|endoftext|>; each shard's val parts are ordered by a hash of their
+document's text, so its first windows mix the sources.
 
---split document (right for large corpora): a document goes to val when a hash of
-its text falls below --val-fraction. The split is the same on every run and machine whatever the
-input order, and no document straddles the two splits.
-
---split tail (right for a small corpus of few, long documents, where a handful of whole documents
-would make val a different domain from train): every document is cut at a token boundary; its
-last floor(n * val_fraction) of n tokens go to val and the rest to train, each part followed by
-<|endoftext|>. A cut that would fall inside a UTF-8 character moves later to the next character
-boundary, so both parts decode to text; a document too short to give val a token stays whole in
-train. Train parts are written in input order (the loader shuffles windows); val parts are held
-in memory and written in the order of a hash of their document's text, so that the first windows
-of val.bin (which validation reads) mix the sources, and val.bin does not depend on input order.
-
---format chat reads .jsonl conversations, one per line: {"messages": [{"role": "system|user|assistant|tool",
-"content": ...}, ...]}, ShareGPT {"conversations": [{"from": "human|gpt|...", "value": ...}]} or
-{"prompt": ..., "completion": ...} (strings, or lists of messages), with tool calls (elr/text/chat_formats.py:
-the shapes, and which turns train); renders them with elr/text/chat.py's template and writes token,
-scored-flag and offset files per split (elr/text/chat_data.py; split by a hash of each conversation);
---max-tokens refuses a conversation longer than the training row (seq_len + 1), naming its line.
-
-Outputs are written under temporary names and renamed only when complete.
+--record-documents FOLDER writes the document starts of an older single-file folder (train.bin / val.bin)
+from its <|endoftext|> tokens, so `data.document_masking` can read it. --format chat reads .jsonl
+conversations (elr/text/chat_formats.py: messages, ShareGPT, prompt/completion, tool calls) into
+elr/text/chat_data.py's files; --max-tokens refuses a conversation longer than the training row.
 
     python scripts/prepare_data.py --tokenizer data/tokenizer/elr8k.tiktoken \\
-        --out data/tinyprose path/to/texts/ more.jsonl
-    python scripts/prepare_data.py --tokenizer data/tokenizer/elr8k.tiktoken \\
-        --out data/tinyprose --split tail --val-fraction 0.02 path/to/texts/
+        --out data/mycorpus --workers 8 path/to/texts/ more.jsonl
+    python scripts/prepare_data.py --out data/mycorpus --append --workers 8 new_texts/
+    python scripts/prepare_data.py --out data/mybook --split tail --val-fraction 0.02 book.txt
+    python scripts/prepare_data.py --record-documents data/tinyprose
     python scripts/prepare_data.py --format chat --tokenizer data/tokenizer/elr8k.tiktoken \\
         --out data/chat --val-fraction 0.15 --max-tokens 129 data/chat/conversations.jsonl
 """
@@ -46,111 +47,50 @@ Outputs are written under temporary names and renamed only when complete.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
+import multiprocessing
 import os
+import shutil
+import signal
 import sys
 import time
-from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
-from typing import BinaryIO
-
-import numpy as np
 
 from elr.cli import HelpFormatter
 from elr.console.progress import duration
+from elr.data.folders import META, SHARDED, STARTS, record_document_starts, shard_name
+from elr.data.prepare import (
+    SPLITS,
+    Piece,
+    Settings,
+    count,
+    folder_meta,
+    list_input_files,
+    plan_units,
+    remove_temporary,
+    start_worker,
+    work,
+    write_json,
+    write_unit,
+)
+from elr.data.token_files import read_meta
 from elr.errors import DataError
-from elr.text.chat_data import prepare_chat
-from elr.text.tokenizer import Tokenizer, build_tokenizer, file_sha256
+from elr.text.tokenizer import build_tokenizer, file_sha256
 
-SPLITS = ("train", "val")
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "elr8k.tiktoken"
 SPLIT_KINDS = ("document", "tail")
 SPLIT_CHOICES = ("auto", *SPLIT_KINDS)
-TEXT_SUFFIXES = (".txt", ".jsonl")
+STAGING = ".partial"  # finished shards wait here until every unit is done
+SETTINGS_COMPARED = ("dtype", "vocab_size", "tokenizer_sha256", "split", "val_fraction", "text_field")
 
 
-class InputError(Exception):
-    """A problem with the user's inputs; reported as one line and exit status 1."""
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM: the one line to print, and the exit status."""
 
-
-def list_input_files(inputs: list[str]) -> list[tuple[str, list[Path]]]:
-    """Each command-line input with the text files it stands for."""
-    groups = []
-    for name in inputs:
-        path = Path(name)
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-            if not files:
-                raise InputError(f"{name}: directory holds no .txt or .jsonl files")
-        elif path.is_file():
-            if path.suffix not in TEXT_SUFFIXES:
-                raise InputError(f"{name}: expected a .txt or .jsonl file or a directory")
-            files = [path]
-        else:
-            raise InputError(f"{name}: no such file or directory")
-        groups.append((name, files))
-    return groups
-
-
-def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
-    """The non-blank documents of one file: the whole of a .txt, one per line of a .jsonl."""
-    try:
-        if path.suffix == ".txt":
-            text = path.read_text(encoding="utf-8")
-            if text.strip():
-                yield text
-            return
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)[text_field]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise InputError(f"{path}:{lineno}: not a JSON object with a {text_field!r} field ({e})") from None
-                if not isinstance(text, str):
-                    raise InputError(f"{path}:{lineno}: field {text_field!r} is not a string")
-                if text.strip():
-                    yield text
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not valid UTF-8 ({e})") from None
-
-
-def iter_all_documents(groups: list[tuple[str, list[Path]]], text_field: str = "text") -> Iterator[str]:
-    """Every document of every input (from `list_input_files`), failing on one with none."""
-    for name, files in groups:
-        count = 0
-        for path in files:
-            for text in read_documents(path, text_field):
-                count += 1
-                yield text
-        if count == 0:
-            raise InputError(f"{name}: no non-empty documents")
-
-
-def text_hash(text: str) -> int:
-    """Stable per-document number in [0, 2^64): the first 8 bytes of a hash of the text."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
-
-
-def is_val(text: str, val_fraction: float) -> bool:
-    """Stable per-document coin: the text's hash, read as a fraction, below val_fraction."""
-    return text_hash(text) / 2**64 < val_fraction
-
-
-def tail_cut(ids: list[int], val_fraction: float, token_bytes) -> int:
-    """Where --split tail cuts a document's ids: the last floor(n * val_fraction) go to val,
-    the cut moved later past tokens that continue a UTF-8 character (`token_bytes(id)` gives a
-    token's bytes). Returns len(ids) when val gets nothing; never 0, as val_fraction < 1."""
-    cut = len(ids) - int(len(ids) * val_fraction)
-    while cut < len(ids) and token_bytes(ids[cut])[0] & 0xC0 == 0x80:
-        cut += 1
-    return cut
-
-
-def token_dtype(n_vocab: int) -> np.dtype:
-    return np.dtype(np.uint16 if n_vocab <= 2**16 else np.uint32)
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 def display_path(path: Path) -> str:
@@ -162,162 +102,277 @@ def display_path(path: Path) -> str:
         return str(resolved)
 
 
+# ---- the run ----
+
+
+class ProgressLine:
+    """`prepare_data: 3/12 shards, 1,234,567 tokens (540,000 tokens/s), 41.0 of 120.0 MB | 12s, eta 24s`: redrawn
+    in place on a terminal, a line every 5 s into a file. Rates and the time left count this run's work."""
+
+    def __init__(self, shards: int, done: int, total_bytes: int):
+        self.shards, self.done, self.total_bytes = shards, done, total_bytes
+        self.start = self.last = time.monotonic()
+        self.tty, self.ended = sys.stderr.isatty(), False
+
+    def update(self, done: int, text_bytes: int, tokens: int, final: bool = False) -> None:
+        """The line for `done` shards in all and this run's input bytes and tokens; `final`: the last line of a
+        run that printed one, whatever the time since (and ended, on a terminal)."""
+        done += self.done
+        now = time.monotonic()
+        if now - self.last < (0.5 if self.tty else 5.0) and not (final and self.last > self.start):
+            return  # a run shorter than one interval prints nothing
+        self.last, elapsed = now, max(now - self.start, 1e-9)
+        rate = text_bytes / elapsed
+        eta = (self.total_bytes - text_bytes) / rate if rate > 0 else 0.0
+        line = (
+            f"prepare_data: {done}/{self.shards} shards, {tokens:,} tokens ({tokens / elapsed:,.0f} tokens/s), "
+            f"{text_bytes / 1e6:,.1f} of {self.total_bytes / 1e6:,.1f} MB | {duration(elapsed)}, eta {duration(eta)}"
+        )
+        sys.stderr.write("\r" + line + "\033[K" + ("\n" if final else "") if self.tty else line + "\n")
+        sys.stderr.flush()
+        self.ended = final
+
+    def end(self) -> None:
+        """After an interruption: end a line redrawn in place, so the next message starts its own."""
+        if self.tty and self.last > self.start and not self.ended:
+            sys.stderr.write("\n")
+
+
+def run_units(todo: list[tuple[int, list[Piece]]], workers: int, tokenizer_path: str, settings, staging, progress):
+    """Write every unit of `todo`, `workers` at a time; Ctrl-C / SIGTERM end them within a second."""
+    ctx = multiprocessing.get_context("fork")
+    counters = (ctx.Value("q", 0), ctx.Value("q", 0))  # text bytes, tokens done in this run
+    finished = 0
+    if workers == 1:  # in this process: Ctrl-C interrupts the shard being written, which removes its files
+        tokenizer = build_tokenizer(tokenizer_path)
+
+        def report(text_bytes: int, tokens: int) -> None:
+            count(counters, text_bytes, tokens)
+            progress.update(finished, counters[0].value, counters[1].value)
+
+        for index, pieces in todo:
+            write_unit(index, pieces, tokenizer, settings, staging, report)
+            finished += 1
+        progress.update(finished, counters[0].value, counters[1].value, final=bool(todo))
+        return
+    with ctx.Pool(workers, start_worker, (tokenizer_path, settings, staging, counters)) as pool:
+        try:
+            pending = [pool.apply_async(work, unit) for unit in todo]
+            while pending:
+                time.sleep(0.1)
+                for result in [r for r in pending if r.ready()]:
+                    result.get()  # a worker's error (a bad input line) stops the run here
+                    pending.remove(result)
+                    finished += 1
+                progress.update(finished, counters[0].value, counters[1].value)
+            progress.update(finished, counters[0].value, counters[1].value, final=True)
+        except BaseException:
+            pool.terminate()  # SIGTERM to every worker: they stop mid-shard
+            pool.join()
+            raise
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt(signum)
+
+
 def prepare(
     inputs: list[str],
     tokenizer_path: str,
     out_dir: str,
     val_fraction: float = 0.05,
     text_field: str = "text",
-    chunk_docs: int = 256,
     split: str = "auto",
+    workers: int = 1,
+    shard_mb: float = 256.0,
+    replace: bool = False,
+    append: bool = False,
 ) -> dict:
-    """Tokenize `inputs` into `out_dir`; returns the meta.json contents."""
+    """Tokenize `inputs` into the sharded folder `out_dir`; returns its meta.json."""
     if not 0.0 < val_fraction < 1.0:
-        raise InputError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    if split not in SPLIT_CHOICES:
-        raise InputError(f"--split must be one of {', '.join(SPLIT_CHOICES)}, got {split!r}")
-    tokenizer: Tokenizer = build_tokenizer(tokenizer_path)
-    dtype = token_dtype(tokenizer.n_vocab)
+        raise DataError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    if workers < 1 or shard_mb <= 0:
+        raise DataError(f"--workers must be >= 1 and --shard-mb > 0 (got {workers}, {shard_mb})")
+    tokenizer = build_tokenizer(tokenizer_path)
     groups = list_input_files(inputs)  # fail on a missing input before any work
     if split == "auto":
         files = [f for _, group in groups for f in group]
         split = "tail" if len(files) == 1 and files[0].suffix == ".txt" else "document"
+    tok_file = Path(tokenizer_path)
+    settings = Settings(
+        tokenizer_path, file_sha256(tok_file) if tok_file.is_file() else "", split, val_fraction, text_field
+    )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    tmp: dict[str, BinaryIO] = {}
-    done = False
+    previous = read_meta(out) if append else None
+    if previous:  # before any work: the new shards must be made as the old ones were
+        appended(previous, folder_meta([], tokenizer, settings, [], None))
+    first = len(previous["splits"]["train"]["shards"]) if previous else 0
+    units = plan_units(groups, max(int(shard_mb * 2**20), 1))
+    staging = out / STAGING
+    staging.mkdir(parents=True, exist_ok=True)
+    remove_temporary(staging)
+    records = reusable_records(staging, units, first, settings)
+    todo = [(first + k, unit) for k, unit in enumerate(units) if first + k not in records]
+    progress = ProgressLine(len(units), len(records), sum(p.end - p.start for _, unit in todo for p in unit))
+    handlers = {s: signal.signal(s, _stop) for s in (signal.SIGTERM,)}
     try:
-        for name in (*SPLITS, "meta"):  # hidden names of this process; "x" never shares a file
-            tmp[name] = open(out / f".{name}.{os.getpid()}.tmp", "xb")
-        # max_token_id: checked against vocab_size whenever the data is opened (elr/train/data.py)
-        counts = {s: {"documents": 0, "tokens": 0, "text_bytes": 0, "max_token_id": 0} for s in SPLITS}
-        start = last_report = time.monotonic()
-        tty = sys.stderr.isatty()  # on a terminal one line redrawn in place, else a line every 5 s
-        token_bytes = tokenizer.encoding.decode_single_token_bytes
-        tails: list[tuple[int, np.ndarray]] = []  # --split tail: (document hash, val part)
-
-        def add(part: str, ids: list[int], text_bytes: int) -> np.ndarray:
-            """Count one document (or part) of `part`, with its <|endoftext|>; its tokens."""
-            tokens = np.asarray([*ids, tokenizer.eot_id], dtype=dtype)
-            c = counts[part]
-            c["documents"] += 1
-            c["tokens"] += len(tokens)
-            c["text_bytes"] += text_bytes
-            c["max_token_id"] = max(c["max_token_id"], int(tokens.max()))
-            return tokens
-
-        def flush(texts: list[str]) -> None:
-            for text, ids in zip(texts, tokenizer.encode_batch(texts)):
-                n_bytes = len(text.encode("utf-8"))
-                if split == "document":
-                    part = "val" if is_val(text, val_fraction) else "train"
-                    add(part, ids, n_bytes).tofile(tmp[part])
-                    continue
-                cut = tail_cut(ids, val_fraction, token_bytes)
-                val_bytes = sum(len(token_bytes(t)) for t in ids[cut:])
-                add("train", ids[:cut], n_bytes - val_bytes).tofile(tmp["train"])
-                if cut < len(ids):
-                    tails.append((text_hash(text), add("val", ids[cut:], val_bytes)))
-            texts.clear()
-
-        pending: list[str] = []
-        for text in iter_all_documents(groups, text_field):
-            pending.append(text)
-            if len(pending) >= chunk_docs:
-                flush(pending)
-            if time.monotonic() - last_report > (0.5 if tty else 5.0):  # the progress counter
-                last_report = time.monotonic()
-                mb = sum(c["text_bytes"] for c in counts.values()) / 1e6
-                line = (
-                    f"prepare_data: {sum(c['documents'] for c in counts.values()):,} documents, "
-                    f"{sum(c['tokens'] for c in counts.values()):,} tokens, {mb:,.1f} MB "
-                    f"({mb / (last_report - start):.1f} MB/s) | {duration(last_report - start)}"
-                )
-                sys.stderr.write("\r" + line + "\033[K" if tty else line + "\n")
-                sys.stderr.flush()
-        flush(pending)
-        if tty and last_report > start:
-            sys.stderr.write("\n")
-        # Sorted by hash alone, a tie is two identical documents with identical tails.
-        for _, tokens in sorted(tails, key=lambda t: t[0]):
-            tokens.tofile(tmp["val"])
-        for part in SPLITS:
-            if counts[part]["documents"] > 0:
-                continue
-            if split == "document":
-                total = sum(c["documents"] for c in counts.values())
-                raise InputError(
-                    f"no document fell into the {part} split ({total} documents, val fraction "
-                    f"{val_fraction}); add documents or change --val-fraction, or use --split tail (the end "
-                    "of every document goes to val: right for a few long documents)"
-                )
-            raise InputError(  # tail: train always gets a part, val may not
-                f"no document is long enough to give the val split a token with --split tail "
-                f"({counts['train']['documents']} documents, val fraction {val_fraction}); add "
-                "text or raise --val-fraction"
-            )
-
-        tok_file = Path(tokenizer_path)
-        meta = {
-            "dtype": dtype.name,
-            "vocab_size": tokenizer.n_vocab,
-            "eot_id": tokenizer.eot_id,
-            "tokenizer": tok_file.name if tok_file.is_file() else tokenizer_path,
-            "tokenizer_path": str(tok_file.resolve()) if tok_file.is_file() else None,  # the trainer's default
-            "tokenizer_sha256": file_sha256(tok_file) if tok_file.is_file() else None,
-            "split": split,
-            "val_fraction": val_fraction,
-            "text_field": text_field,
-            "splits": {s: {"file": f"{s}.bin", **counts[s]} for s in SPLITS},
-            "sources": [display_path(p) for _, files in groups for p in files],
-        }
-        tmp["meta"].write(json.dumps(meta, indent=2).encode() + b"\n")
-        for f in tmp.values():
-            f.close()
-        # A stale meta.json beside half-renamed token files must not look valid: drop it first
-        # and put the new one in place last.
-        (out / "meta.json").unlink(missing_ok=True)
-        for part in SPLITS:
-            os.replace(tmp[part].name, out / f"{part}.bin")
-        os.replace(tmp["meta"].name, out / "meta.json")
-        done = True
-        return meta
+        run_units(todo, workers, tokenizer_path, settings, staging, progress)
+    except KeyboardInterrupt as e:
+        progress.end()
+        remove_temporary(staging)
+        done = sum(1 for k in range(len(units)) if (staging / record_name(first + k)).is_file())
+        signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+        raise Interrupted(
+            f"interrupted: {done} of {len(units)} shards are finished and kept in {staging}; the same command "
+            "continues from them",
+            128 + int(signum),
+        ) from None
+    except BaseException:
+        progress.end()
+        remove_temporary(staging)
+        if not any(staging.glob("shard-*.json")):
+            shutil.rmtree(staging, ignore_errors=True)  # nothing finished to keep
+        raise
     finally:
-        if not done:
-            for f in tmp.values():
-                f.close()
-                Path(f.name).unlink(missing_ok=True)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    records = [json.loads((staging / record_name(first + k)).read_text()) for k in range(len(units))]
+    try:
+        check_content(groups, records, settings)
+    except DataError:
+        shutil.rmtree(staging, ignore_errors=True)  # these inputs and options cannot make a dataset
+        raise
+    sources = [display_path(p) for _, files in groups for p in files]
+    meta = folder_meta(records, tokenizer, settings, sources, display_path(tok_file) if tok_file.is_file() else None)
+    if previous:
+        meta = appended(previous, meta)
+    commit(out, staging, records, meta, replace)
+    return meta
 
 
-def check_out(out: Path, replace: bool) -> None:
-    """--out must be a folder to write into: not a file, and not a prepared dataset unless --replace."""
+def record_name(index: int) -> str:
+    return f"shard-{index:05d}.json"
+
+
+def reusable_records(staging: Path, units: list[list[Piece]], first: int, settings: Settings) -> dict[int, dict]:
+    """The finished shards of an earlier, interrupted run that this plan would make alike (same pieces of
+    unchanged files, same options); any other finished shard there is deleted."""
+    kept = {}
+    planned = {first + k: [asdict(p) for p in unit] for k, unit in enumerate(units)}
+    for path in sorted(staging.glob("shard-*.json")):
+        record = json.loads(path.read_text())
+        index = record.get("index")
+        if record.get("settings") == asdict(settings) and planned.get(index) == record.get("pieces"):
+            kept[index] = record
+            continue
+        for split in SPLITS:
+            for suffix in (".bin", STARTS):
+                (staging / (shard_name(split, index) + suffix)).unlink(missing_ok=True)
+        path.unlink()
+    return kept
+
+
+def check_content(groups, records: list[dict], settings: Settings) -> None:
+    """Every input gave a document, and both splits got one (else a line saying which option to change)."""
+    per_group = [0] * len(groups)
+    for record in records:
+        for group, n in record["documents_per_input"].items():
+            per_group[int(group)] += n
+    for (name, _), n in zip(groups, per_group):
+        if n == 0:
+            raise DataError(f"{name}: no non-empty documents")
+    counts = {s: sum(r["splits"][s]["documents"] for r in records) for s in SPLITS}
+    for part in SPLITS:
+        if counts[part] > 0:
+            continue
+        if settings.split == "document":
+            raise DataError(
+                f"no document fell into the {part} split ({sum(counts.values())} documents, val fraction "
+                f"{settings.val_fraction}); add documents or change --val-fraction, or use --split tail (the end "
+                "of every document goes to val: right for a few long documents)"
+            )
+        raise DataError(  # tail: train always gets a part, val may not
+            f"no document is long enough to give the val split a token with --split tail "
+            f"({counts['train']} documents, val fraction {settings.val_fraction}); add text or raise --val-fraction"
+        )
+
+
+def appended(previous: dict, new: dict) -> dict:
+    """meta.json of a folder whose shards are the previous ones, then the new ones."""
+    for key in SETTINGS_COMPARED:
+        if previous.get(key) != new.get(key):
+            raise DataError(
+                f"--append: the folder was prepared with {key} = {previous.get(key)!r}, this run would use "
+                f"{new.get(key)!r}; use the same options, or prepare another folder"
+            )
+    new = {**new, "splits": {split: dict(entry) for split, entry in new["splits"].items()}}
+    for split in SPLITS:
+        old, add = previous["splits"][split], new["splits"][split]
+        for key in ("documents", "tokens", "text_bytes"):
+            add[key] += old[key]
+        add["max_token_id"] = max(add["max_token_id"], old["max_token_id"])
+        add["shards"] = old["shards"] + add["shards"]
+    new["sources"] = previous.get("sources", []) + new["sources"]
+    return new
+
+
+def commit(out: Path, staging: Path, records: list[dict], meta: dict, replace: bool) -> None:
+    """Move the finished shards into the folder and write meta.json last. Replacing, the old meta.json goes
+    first (a stale one beside half-moved shards must not look valid), then the old token files."""
+    if replace:
+        (out / META).unlink(missing_ok=True)
+        for split in SPLITS:
+            for old in [out / f"{split}.bin", out / f"{split}{STARTS}", *out.glob(f"{split}-[0-9]*")]:
+                old.unlink(missing_ok=True)
+    for record in records:
+        for split in SPLITS:
+            for suffix in (".bin", STARTS):
+                name = shard_name(split, record["index"]) + suffix
+                os.replace(staging / name, out / name)
+    write_json(out / META, meta)
+    shutil.rmtree(staging)
+
+
+def check_out(out: Path, replace: bool, append: bool) -> None:
+    """--out must be a folder to write into: not a file, and not a prepared dataset unless --replace or
+    --append (a sharded one)."""
     if out.exists() and not out.is_dir():
-        raise InputError(f"--out: {out} is a file, not a folder")
-    if (out / "meta.json").exists() and not replace:
-        raise InputError(
+        raise DataError(f"--out: {out} is a file, not a folder")
+    if replace and append:
+        raise DataError("--replace and --append: choose one")
+    prepared = (out / META).exists()
+    if append:
+        if not prepared:
+            raise DataError(f"--append: {out} holds no prepared dataset (meta.json) to add to")
+        if read_meta(out).get("format") != SHARDED:
+            raise DataError(
+                f"--append: {out} is a single-file folder; prepare its inputs and the new ones anew (--replace)"
+            )
+    elif prepared and not replace:
+        raise DataError(
             f"--out: {out} already holds a prepared dataset (meta.json); pass --replace to write "
-            "over it, or choose another folder"
+            "over it, --append to add shards to it, or choose another folder"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("inputs", nargs="+", help=".txt / .jsonl files or directories")
+    parser.add_argument("inputs", nargs="*", help=".txt / .jsonl files or directories")
     parser.add_argument(
         "--tokenizer",
         default=str(BUNDLED_TOKENIZER),
         help="ranks file or tiktoken encoding name (default: the bundled 8k BPE, %(default)s)",
     )
-    parser.add_argument(
-        "--out", required=True, help="output directory (a new or empty one, or a prepared one with --replace)"
-    )
+    parser.add_argument("--out", help="output directory (new or empty, or prepared with --replace / --append)")
+    parser.add_argument("--workers", type=int, default=1, help="processes tokenizing shards at once")
+    parser.add_argument("--shard-mb", type=float, default=256.0, help="megabytes of input text per shard")
     parser.add_argument(
         "--replace",
         action="store_true",
-        help="write over the prepared dataset --out already holds (default: refuse; runs that "
-        "trained on it could no longer resume on the same data)",
+        help="prepare the dataset --out holds anew (default: refuse; runs that trained on it could no longer "
+        "resume on the same data)",
     )
+    parser.add_argument("--append", action="store_true", help="add the inputs' shards to the folder --out holds")
     parser.add_argument(
         "--split",
         choices=SPLIT_CHOICES,
@@ -346,12 +401,27 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="chat: refuse a conversation longer than this (training.seq_len + 1; 0: no limit)",
     )
+    parser.add_argument(
+        "--record-documents",
+        metavar="FOLDER",
+        help="write an older single-file folder's document starts (from its <|endoftext|> tokens) and exit",
+    )
     args = parser.parse_args(argv)
 
     start = time.monotonic()
+    if args.record_documents:
+        try:
+            found = record_document_starts(Path(args.record_documents))
+        except (DataError, FileNotFoundError) as e:
+            print(f"prepare_data: error: {e}", file=sys.stderr)
+            return 1
+        print(", ".join(f"{split}: {n:,} documents" for split, n in found.items()) + f" -> {args.record_documents}")
+        return 0
+    if not args.inputs or not args.out:
+        parser.error("give the inputs and --out (or --record-documents FOLDER)")
     try:
-        check_out(Path(args.out), args.replace)
-    except InputError as e:
+        check_out(Path(args.out), args.replace, args.append)
+    except DataError as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 1
     if args.format == "chat":
@@ -363,32 +433,41 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             args.val_fraction,
             args.text_field,
-            split=args.split,
+            args.split,
+            args.workers,
+            args.shard_mb,
+            args.replace,
+            args.append,
         )
-    except (InputError, FileNotFoundError, RuntimeError, ValueError) as e:
+    except Interrupted as e:
+        print(f"prepare_data: {e}", file=sys.stderr)
+        return e.status
+    except (DataError, FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 1
     for split, c in meta["splits"].items():
         print(
             f"{split}: {c['documents']:,} documents, {c['tokens']:,} tokens "
-            f"({c['text_bytes'] / c['tokens']:.2f} bytes/token) -> {Path(args.out) / c['file']}"
+            f"({c['text_bytes'] / max(c['tokens'], 1):.2f} bytes/token) in {len(c['shards'])} shards"
         )
-    print(f"{meta['dtype']}, vocab {meta['vocab_size']}, {time.monotonic() - start:.1f} s")
+    print(f"{meta['dtype']}, vocab {meta['vocab_size']}, {time.monotonic() - start:.1f} s -> {args.out}")
     return 0
 
 
 def main_chat(args, start: float) -> int:
     """--format chat: conversations -> elr/text/chat_data.py's files; errors name the file and line."""
+    from elr.text.chat_data import prepare_chat  # torch: only chat folders need it
+
     try:
         if not 0.0 < args.val_fraction < 1.0:
-            raise InputError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+            raise DataError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
         files = [p for _, group in list_input_files(args.inputs) for p in group]
         if any(p.suffix != ".jsonl" for p in files):
-            raise InputError(f"--format chat reads .jsonl files, not {next(p for p in files if p.suffix != '.jsonl')}")
+            raise DataError(f"--format chat reads .jsonl files, not {next(p for p in files if p.suffix != '.jsonl')}")
         meta = prepare_chat(
             files, build_tokenizer(args.tokenizer), args.tokenizer, args.out, args.val_fraction, args.max_tokens
         )
-    except (InputError, DataError, FileNotFoundError) as e:
+    except (DataError, FileNotFoundError) as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 1
     for split, c in meta["splits"].items():

@@ -6,8 +6,9 @@
 Keeps what decides whether a job survives its first hour: the parallel layout (TP, CP, EP, HSDP degrees),
 the recurrence options, the loop sampler and its one-loop override, the late switch, checkpointing (async
 saves included) and validation at every k. Shrinks what a laptop cannot hold: the model becomes the
-`debug` flavor (every layer kind), sequences 64 tokens, float32, no compile, the bundled data (the chat
-conversations for an SFT stage) and tokenizer, no initial_load_path. Three runs on gloo ranks:
+`debug` flavor (every layer kind), sequences 64 tokens, float32, no compile, the bundled data (a mixture
+keeps its sources' names and weights on the bundled prose and code folders; the chat conversations for an
+SFT stage) and tokenizer, no initial_load_path. Three runs on gloo ranks:
 
   1. train `--steps` updates on `--ranks` ranks, saving every 2 (the switch, if any, falls inside);
   2. resume from step 2 with the same command: the losses after it must be the first run's, to the bit;
@@ -25,10 +26,15 @@ import argparse
 import json
 import math
 import os
+import queue
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +49,7 @@ DEGREES = (
     "context_parallel_degree",
     "tensor_parallel_degree",
 )
+BUNDLED_MIXTURE = (ROOT / "data" / "tinyprose", ROOT / "data" / "code")  # the small mixture the data/ folder ships
 RESHARD_TOLERANCE = 1e-2  # relative: another layout sums in another order, and the override rotates other ranks
 
 
@@ -77,6 +84,10 @@ def overrides(
 ) -> list[str]:
     chat = "sft" in config_name
     data = ROOT / "data" / ("chat" if chat else "tinyprose")
+    # A mixture keeps its names and weights, each source on a bundled folder in turn (BUNDLED_MIXTURE)
+    sources = [
+        f"{s.name}:{s.weight!r}:{BUNDLED_MIXTURE[i % len(BUNDLED_MIXTURE)]}" for i, s in enumerate(cfg.data.sources)
+    ]
     args = {
         "model.flavor": "debug",
         "training.seq_len": "128" if chat else "64",
@@ -86,6 +97,7 @@ def overrides(
         "training.mixed_precision_param": "float32",
         "compile.enable": "false",
         "data.path": str(data),
+        **({"data.sources": ",".join(sources)} if sources else {}),
         "tokenizer.path": str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken"),
         "lr_scheduler.warmup_steps": "1",
         "checkpoint.enable": "true",
@@ -105,7 +117,7 @@ def overrides(
     return [item for key, value in args.items() for item in (f"--{key}", value)]
 
 
-def train(config: Path, ranks: int, extra: list[str], log: Path, timeout: int) -> tuple[bool, str]:
+def train(config: Path, ranks: int, extra: list[str], log: Path, timeout: int, name: str) -> tuple[bool, str]:
     cmd = [
         sys.executable,
         "-m",
@@ -118,13 +130,60 @@ def train(config: Path, ranks: int, extra: list[str], log: Path, timeout: int) -
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    try:
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        log.write_text(f"{' '.join(cmd)}\n{e.stdout or ''}{e.stderr or ''}")
+    returncode, output = stream(cmd, env, log, timeout, lambda line: step_progress(name, line))
+    if returncode is None:
         return False, f"no progress within {timeout} s (a hang: on NCCL a collective mismatch looks like this)"
-    log.write_text(f"{' '.join(cmd)}\n{result.stdout}{result.stderr}")
-    return result.returncode == 0, _what_failed(result.stdout + result.stderr)
+    return returncode == 0, _what_failed(output)
+
+
+def stream(cmd: list[str], env: dict, log: Path, timeout: int, on_line) -> tuple[int | None, str]:
+    """Run `cmd` with its output (stdout and stderr) copied line by line to `log` and handed to `on_line`
+    as it comes; returns (exit code, or None when killed at `timeout` seconds, the whole output)."""
+    lines: queue.Queue = queue.Queue()
+    with open(log, "w") as out:
+        out.write(" ".join(cmd) + "\n")
+        process = subprocess.Popen(  # its own process group: a hung run is stopped with every rank it started
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+
+        def read() -> None:  # in a thread, so that a run silent past `timeout` is still stopped
+            for line in process.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline, output = time.monotonic() + timeout, []
+        while True:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                return None, "".join(output)
+            if line is None:
+                break
+            out.write(line)
+            out.flush()
+            output.append(line)
+            on_line(line)
+        return process.wait(), "".join(output)
+
+
+STEP_LINE = re.compile(r"\] step\s+(\d+)/(\d+) \| loss (\S+)")  # rank 0's line per step (elr/train/step_report.py)
+
+
+def step_progress(run: str, line: str) -> None:
+    """One progress line per training step of a run (rank 0's step line, shortened), as it happens."""
+    if found := STEP_LINE.search(line):
+        step, steps, loss = found.groups()
+        print(f"rehearse: {run} run: step {step}/{steps}, loss {loss}", flush=True)
 
 
 def _what_failed(output: str) -> str:
@@ -153,7 +212,13 @@ def rehearse(config: Path, ranks: int, reshard_ranks: int, steps: int, folder: P
         if name != "train":
             shutil.copytree(folder / "train" / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
         extra = overrides(cfg, config.name, n, degrees, steps, dump, global_batch)
-        ok, what = train(config, n, extra, folder / f"{name}.log", timeout)
+        print(
+            f"rehearse: {name} run ({list(runs).index(name) + 1}/{len(runs)}) on {n} gloo ranks "
+            f"({_layout_line(degrees, n)}), {steps} updates{' from step 2' if name != 'train' else ''}; "
+            f"log {folder / f'{name}.log'}",
+            flush=True,
+        )
+        ok, what = train(config, n, extra, folder / f"{name}.log", timeout, name)
         if not ok:
             raise RuntimeError(
                 f"rehearsal failed in the {name} run ({n} ranks, {_layout_line(degrees, n)}): {what} "

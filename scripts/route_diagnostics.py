@@ -13,7 +13,6 @@ from pathlib import Path
 
 from elr.cli import HelpFormatter
 from elr.errors import UserError
-from elr.tools.route_diagnostics import drift_for_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=4, help="validation microbatches")
     p.add_argument("--json", type=Path, help="also write the numbers here")
     args = p.parse_args(argv)
+
+    from elr.tools.route_diagnostics import drift_for_checkpoint
+
     try:
         drift = drift_for_checkpoint(args.checkpoint, args.data, args.batches)
     except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line

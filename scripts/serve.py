@@ -12,8 +12,11 @@ Then any OpenAI client works, the budget as an extra body field:
     client.chat.completions.create(model=..., messages=[...], extra_body={"loop_budget": "auto"})
 
 The server binds 127.0.0.1 unless --host says otherwise. It prints the inference memory it holds
-(rows x one request's state at the full context) before it starts; a request past the queue's limit
-gets 429, a malformed one 400 (docs/serving.md lists every field and error).
+(rows x one request's state at the full context) before it starts. Every request is bounded before
+anything is allocated for it (the --max-* flags; docs/serving.md lists every field, limit and error): a
+malformed one gets 400, a body past --max-body-bytes 413, a request that would wait past --max-wait-s
+429 with a Retry-After. SIGTERM or Ctrl-C drains: new requests get 503, the running ones finish (up to
+--drain-timeout-s); a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from elr.errors import UserError
 from elr.infer.cache import MODES
 from elr.infer.chat import DEFAULT_EXIT
 from elr.models.early_exit import ExitRule
-from elr.serve.scheduler import Engine, Limits
+from elr.serve.limits import Limits
+from elr.serve.scheduler import Engine
 
 
 def parse_budget(text: str) -> int | str:
@@ -86,6 +90,37 @@ def main(argv: list[str] | None = None) -> int:
         default=Limits.max_queued_tokens,
         help="prompt + max_tokens of the waiting requests past which a request gets 429",
     )
+    p.add_argument(
+        "--max-wait-s",
+        type=float,
+        default=Limits.max_wait_s,
+        help="expected wait for a row (the work ahead at the measured step time) past which a request gets 429 "
+        "with a Retry-After (0: no such check)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=Limits.max_body_bytes,
+        help="bytes of a request body, counted as it is read: past them 413",
+    )
+    p.add_argument(
+        "--max-prompt-tokens", type=int, help="tokens of one prompt or conversation (default: the context less one)"
+    )
+    p.add_argument(
+        "--max-stop-chars", type=int, default=Limits.max_stop_chars, help="characters of one stop string (up to 4)"
+    )
+    p.add_argument(
+        "--max-prefill-bytes",
+        type=int,
+        help="memory the prompts read in one step may hold beside the rows (prefill cache and logits); a request "
+        "needing more gets 400 (default: one prompt at the full context)",
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=Limits.drain_timeout_s,
+        help="after SIGTERM or Ctrl-C, how long the running requests may take to finish (new ones get 503)",
+    )
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (docs/inference.md)")
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)"
@@ -98,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from elr.serve.api import create_app
+        from elr.serve.api import Server, create_app
         from elr.serve.protocol import Served
     except ImportError as e:
         if (e.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn"):
@@ -108,22 +143,37 @@ def main(argv: list[str] | None = None) -> int:
     from elr.infer.load import load_model, load_tokenizer, run_config
 
     try:
-        counts = (args.max_concurrent, args.max_auto, args.max_draft, args.max_queued_tokens)
-        if args.max_concurrent < 1 or min(counts) < 0 or args.draft_tokens < 1:
-            raise ValueError("--max-concurrent and --draft-tokens must be at least 1, the other limits at least 0")
+        limits = Limits(
+            args.max_concurrent,
+            args.max_auto,
+            args.max_draft,
+            args.max_queued_tokens,
+            args.draft_tokens,
+            args.max_wait_s,
+            args.max_body_bytes,
+            args.max_prompt_tokens,
+            args.max_stop_chars,
+            args.max_prefill_bytes,
+            args.drain_timeout_s,
+        )
+        limits.check()  # before the model is loaded
         tokenizer = load_tokenizer(run_config(args.checkpoint), args.tokenizer)
         model, _ = load_model(args.checkpoint, args.device, getattr(torch, args.dtype))
         max_loops = model.args.recurrence.max_loops
         default = args.default_loop_budget or max_loops
         if default != "auto" and default > max_loops:
             raise ValueError(f"--default-loop-budget {default} is past the model's K = {max_loops}")
-        limits = Limits(args.max_concurrent, args.max_auto, args.max_draft, args.max_queued_tokens, args.draft_tokens)
         engine = Engine(model, tokenizer.eot_id, tokenizer.decode, args.kv, limits, args.exit)
     except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
     served = Served(
-        args.served_model_name or model_name(args.checkpoint), tokenizer, model.args.max_seq_len, max_loops, default
+        args.served_model_name or model_name(args.checkpoint),
+        tokenizer,
+        model.args.max_seq_len,
+        max_loops,
+        default,
+        limits,
     )
     print(
         f"serve: {served.model_name} (K={max_loops}, context {served.context}, default loop budget {default}) on "
@@ -131,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(create_app(engine, served), host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(create_app(engine, served), host=args.host, port=args.port, log_level=args.log_level)
+    Server(config, engine, limits.drain_timeout_s).run()
     return 0
 
 

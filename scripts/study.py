@@ -25,9 +25,11 @@ from pathlib import Path
 
 from study_tools import depth_report, text_report
 from study_tools.byte_data import bundled_prose_as_bytes, python_source_as_bytes
+from study_tools.protocol import plan
 from study_tools.runs import ROOT, SUITES, Run, Suite, earlier_rows, log, train_all
 
 from elr.cli import HelpFormatter
+from elr.errors import ConfigError
 
 COMMITTED = {"text": ROOT / "docs/study/text", "depth": ROOT / "docs/study/depth"}
 
@@ -80,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(suite.variants))
     if unknown:
         p.error(f"unknown variants {unknown}; the {args.suite} suite has {', '.join(suite.variants)}")
-    variants = {v: suite.variants[v] for v in names}
+    try:  # each protocol member's FLOPs against its group's baseline, a FLOPs-matched run's updates
+        variants = plan(suite.config, suite.variants, suite.protocols, names, steps)
+    except ConfigError as e:
+        p.error(str(e))
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     code = args.suite == "text" and args.corpus == "code"
     full_grid = not args.quick and args.variants is None and steps == suite.steps and not code
@@ -107,17 +112,21 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--data {data}: no meta.json (make it with scripts/prepare_data.py)")
 
     # seed by seed, so a grid cut short still has every variant at its first seeds
-    runs = [Run(v, s, runs_dir / v / f"seed{s}", spec["overrides"]) for s in seeds for v, spec in variants.items()]
-    failed = [] if args.report_only else train_all(runs, suite.config, data, steps, args.jobs, args.val_steps)
+    runs = [
+        Run(v, s, runs_dir / v / f"seed{s}", spec["overrides"], spec.get("steps", steps))
+        for s in seeds
+        for v, spec in variants.items()
+    ]
+    failed = [] if args.report_only else train_all(runs, suite.config, data, args.jobs, args.val_steps)
     out.mkdir(parents=True, exist_ok=True)
     if args.suite == "text":
-        results = text_report.collect(runs, variants, data, steps, args.stats_batches, args.val_steps)
+        results = text_report.collect(runs, variants, data, args.stats_batches, args.val_steps)
     else:
         import tomli
 
         with open(suite.config, "rb") as f:
             task = tomli.load(f)["data"]
-        results = depth_report.collect(runs, variants, steps, task["task_max_difficulty"], args.extrapolation_examples)
+        results = depth_report.collect(runs, variants, task["task_max_difficulty"], args.extrapolation_examples)
     carried = [v for v in names if v not in results and v in earlier]
     results = {v: results[v] if v in results else earlier[v] for v in names if v in results or v in carried}
     if args.carry:
@@ -127,12 +136,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     (out / "results.json").write_text(
         json.dumps(
-            {"suite": args.suite, "steps": steps, "seeds": seeds, "carried": carried, "results": results}, indent=2
+            {
+                "suite": args.suite,
+                "corpus": args.corpus if args.suite == "text" else None,
+                "steps": steps,
+                "seeds": seeds,
+                "carried": carried,
+                "results": results,
+            },
+            indent=2,
         )
     )
     try:
         if args.suite == "text":
-            text_report.write_markdown(results, out, steps, seeds, carried)
+            text_report.write_markdown(results, out, steps, seeds, carried, "code" if code else "prose")
             figures = text_report.plot(results, out)
         else:
             depth_report.write_markdown(results, out, steps, seeds, task["task"], carried)

@@ -24,12 +24,16 @@ import sys
 import time
 from pathlib import Path
 
-from prepare_data import InputError, iter_all_documents, list_input_files
-
 from elr.cli import HelpFormatter
+from elr.data.prepare import iter_all_documents, list_input_files
+from elr.errors import DataError
 from elr.text.tokenizer import SPLIT_PATTERN, build_tokenizer
 
 CHECK_DOCS = 64  # documents re-encoded with tiktoken to prove the written file is equivalent
+
+
+class InputError(Exception):
+    """A problem with the user's inputs or setup; reported as one line and exit status 1."""
 
 
 def write_ranks(ranks: dict[bytes, int], path: Path) -> None:
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         train(args.inputs, args.vocab_size, Path(args.out), args.text_field)
-    except InputError as e:
+    except (InputError, DataError) as e:
         print(f"train_tokenizer: error: {e}", file=sys.stderr)
         return 1
     return 0

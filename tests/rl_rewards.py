@@ -1,5 +1,7 @@
 """Reward functions the RLVR tests name in their configs (`rl.reward = "rl_rewards:..."`)."""
 
+import sys
+
 
 def digits(prompt: str, completion: str, answer: str) -> float:
     """A graded reward: the share of digits in the completion."""
@@ -18,3 +20,7 @@ def raises(prompt: str, completion: str, answer: str) -> float:
 
 def not_a_number(prompt: str, completion: str, answer: str):
     return "high"
+
+
+def exits(prompt: str, completion: str, answer: str) -> float:
+    sys.exit(0)

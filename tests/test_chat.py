@@ -5,16 +5,18 @@ of the conversation stream, and bad input refused in one line with nothing writt
 import copy
 import importlib.util
 import json
+import re
 
 import jinja2
 import pytest
 from trainer_utils import ROOT
 
+from elr.data.loader import build_train_loader
+from elr.data.validation import val_batches
 from elr.errors import DataError
 from elr.text.chat import CHAT_TEMPLATE, encode_conversation, render
 from elr.text.chat_data import IGNORE_INDEX, ChatSplit, prepare_chat
 from elr.text.tokenizer import build_tokenizer
-from elr.train.data import build_train_loader, val_batches
 
 TOKENIZER = str(ROOT / "data" / "tokenizer" / "elr8k.tiktoken")
 TALK = [
@@ -94,7 +96,7 @@ def test_labels_count_exactly_the_assistant_tokens_and_rows_never_share(tmp_path
         assert (labels != IGNORE_INDEX).sum() == sum(scored)  # <|endoftext|> that opens the row is context
     # A row's first input is the conversation's opening <|endoftext|> in every batch the loader serves.
     loader = build_train_loader(str(tmp_path / "d" / "train.bin"), 64, 4, 0, 1, seed=3)
-    inputs, labels = next(iter(loader))
+    inputs, labels, _ = next(iter(loader))
     assert inputs[:, 0].eq(tok.eot_id).all() and inputs[:, 1].ne(tok.eot_id).all()
 
 
@@ -112,7 +114,7 @@ def test_chat_stream_resumes_and_reshards_exactly(tmp_path, tok):
         rows = []
         for _ in range(steps):
             for it in its:
-                inputs, labels = next(it)
+                inputs, labels, _ = next(it)
                 rows += [tuple(x.tolist()) + tuple(y.tolist()) for x, y in zip(inputs, labels)]
         return rows
 
@@ -126,7 +128,7 @@ def test_chat_stream_resumes_and_reshards_exactly(tmp_path, tok):
     state = copy.deepcopy(loader.state_dict())
     one = build_train_loader(path, 48, 4, 0, 1, seed=5)
     one.load_state_dict(state)
-    resumed = [tuple(x.tolist()) + tuple(y.tolist()) for inputs, labels in take(one, 4) for x, y in zip(inputs, labels)]
+    resumed = [tuple(x.tolist()) + tuple(y.tolist()) for b in take(one, 4) for x, y in zip(b.inputs, b.labels)]
     assert resumed == reference[20:36] and one.dataset.position == 36
     assert stream(2, 2, 4, position=36) == reference[36:52]
     batches = list(val_batches(str(tmp_path / "d" / "val.bin"), 48, 2, 2, 0, 1))
@@ -143,6 +145,11 @@ BAD = [
         json.dumps({"messages": [{"role": "user", "content": "a " * 200}, {"role": "assistant", "content": "x"}]}),
         "more than --max-tokens 64",
     ),
+    (  # "\ud800" is half of a UTF-16 pair: JSON decodes it, UTF-8 cannot encode it
+        json.dumps({"messages": [{"role": "user", "content": "hi \ud800"}, {"role": "assistant", "content": "x"}]}),
+        "holds the lone surrogate \\ud800",
+    ),
+    ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested deeper than the parser reads"),
 ]
 
 
@@ -207,3 +214,19 @@ def test_prepare_data_chat_command_writes_a_folder_the_trainer_reads(tmp_path, p
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert meta["format"] == "chat" and sum(s["conversations"] for s in meta["splits"].values()) == 40
     assert not list((tmp_path / "d").glob(".*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[{"role": "user", "content": "hi \\ud800"}]', "holds the lone surrogate \\ud800"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested deeper than the parser reads"),
+    ],
+)
+def test_generate_messages_with_a_lone_surrogate_or_deep_nesting_is_one_error(tmp_path, text, message):
+    from elr.infer.chat import read_messages
+
+    path = tmp_path / "chat.json"
+    path.write_text(text)
+    with pytest.raises(DataError, match=re.escape(f"--messages {path}: {message}")):
+        read_messages(path)

@@ -202,6 +202,7 @@ ckpt.save(2, {"model": ModelState(model)})
 """
 
 
+@pytest.mark.slow  # a process of its own, killed (in this process: a save that never finished, above)
 def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path):
     folder, sentinel = tmp_path / "ckpt", tmp_path / "writing"
     child = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, str(folder), str(sentinel)], env=ENV, cwd=REPO)

@@ -187,11 +187,48 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(write(tmp_path, "[training\n"))
 
 
+def test_a_huge_config_is_refused_by_its_size_before_parsing(tmp_path):
+    """A 200 MB string in a TOML file ran silently for minutes: the file is refused by its size, unread past the
+    limit (what follows the limit here is not TOML, and the error is still the size)."""
+    huge = tmp_path / "huge.toml"
+    with open(huge, "w") as f:
+        f.write('[job]\ndescription = "')
+        f.write("x" * (2**20 + 10) + "\n[not toml")
+    with pytest.raises(
+        ConfigError, match=r"^--config: \S+huge.toml is over 1 MiB \(1,048,\d+ bytes\); a job config is a few"
+    ):
+        load_config(huge)
+
+
+@pytest.mark.parametrize("source", ["file", "override"])
+def test_a_config_string_over_the_limit_is_named_by_its_size(tmp_path, source):
+    long = "y" * 20_000
+    with pytest.raises(ConfigError) as error:
+        if source == "file":
+            load_config(write(tmp_path, f'[job]\ndescription = "{long}"\n'))
+        else:
+            load_config(None, ["--job.description", long])
+    assert str(error.value) == "job.description: a string of 20,000 characters; a config string is at most 16,384"
+
+
 @pytest.mark.parametrize("key, value", [("elr.max_loops", "0"), ("elr.update", "bogus"), ("model.flavor", "bogus")])
-def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, key, value):
+def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, key, value, caplog):
+    """train.py's main in this process (the script's own stderr: the slow test below)."""
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+    dump = tmp_path / "run"
+    assert train_script.main([f"--{key}", value, "--job.dump_folder", str(dump)]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {key}: "), errors
+    assert not dump.exists()
+
+
+@pytest.mark.slow  # a process of its own: python and torch start for one line
+def test_train_py_as_a_script_prints_one_line_and_writes_nothing(tmp_path):
     dump = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "train.py", f"--{key}", value, "--job.dump_folder", str(dump)],
+        [sys.executable, "train.py", "--elr.max_loops", "0", "--job.dump_folder", str(dump)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -199,12 +236,13 @@ def test_train_py_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, key, 
     )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and key in lines[0], result.stderr
+    assert len(lines) == 1 and "elr.max_loops" in lines[0], result.stderr
     assert not dump.exists()
 
 
 def test_train_py_lets_an_internal_error_keep_its_traceback(monkeypatch, tmp_path):
     """Only user errors become one line: a bug (here a ValueError from inside setup) propagates."""
+    import elr.rl.trainer  # noqa: F401  (subclasses the real Trainer, before it is replaced below)
     import elr.train.trainer
 
     spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
@@ -322,7 +360,7 @@ def test_bundled_paths_resolve_from_any_directory(tmp_path, monkeypatch):
 
 
 def test_the_tokenizer_defaults_to_the_one_the_data_records(tmp_path, monkeypatch):
-    from elr.train.token_files import job_tokenizer_path
+    from elr.data.job_data import job_tokenizer_path
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(ROOT / "train_configs" / "debug.toml")

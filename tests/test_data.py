@@ -18,9 +18,11 @@ import pytest
 import torch
 from export_utils import script
 
+from elr.data.loader import build_train_loader
+from elr.data.order import WindowPermutation
+from elr.data.token_files import load_tokens
+from elr.data.validation import val_batches
 from elr.text.tokenizer import build_tokenizer, file_sha256
-from elr.train.data import WindowPermutation, build_train_loader, val_batches
-from elr.train.token_files import load_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "data" / "tokenizer" / "elr8k.tiktoken"
@@ -53,6 +55,15 @@ def make_token_file(folder: Path, n_tokens: int, name: str = "train") -> Path:
     return folder / f"{name}.bin"
 
 
+def split_tokens(folder: Path, split: str) -> np.ndarray:
+    """A sharded folder's split: its shards' tokens one after another."""
+    return np.concatenate([np.fromfile(p, dtype=np.uint16) for p in sorted(folder.glob(f"{split}-*.bin"))])
+
+
+def shard_names(split: str, n: int) -> list[str]:
+    return [f"{split}-{i:05d}{suffix}" for i in range(n) for suffix in (".bin", ".starts")]
+
+
 def take(loader, n: int, it=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     it = iter(loader) if it is None else it
     return [next(it) for _ in range(n)]
@@ -60,7 +71,7 @@ def take(loader, n: int, it=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def first_tokens(batches) -> list[int]:
     """Global sample identities: the first input token of each row (= window start here)."""
-    return [int(x) for inputs, _ in batches for x in inputs[:, 0]]
+    return [int(x) for inputs, *_ in batches for x in inputs[:, 0]]
 
 
 # --- prepare_data.py -----------------------------------------------------------------------------
@@ -70,10 +81,12 @@ def test_prepare_data_end_to_end(tmp_path):
     out = tmp_path / "tiny"
     result = prepare("--out", str(out), "--val-fraction", VAL_FRACTION, str(CORPUS))
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["meta.json", *shard_names("train", 1), *shard_names("val", 1)]
+    )
     meta = json.loads((out / "meta.json").read_text())
     tok = build_tokenizer(str(TOKENIZER))
-    assert meta["dtype"] == "uint16" and meta["vocab_size"] == tok.n_vocab
+    assert meta["format"] == "shards" and meta["dtype"] == "uint16" and meta["vocab_size"] == tok.n_vocab
     assert meta["eot_id"] == tok.eot_id and meta["tokenizer"] == TOKENIZER.name
     assert meta["val_fraction"] == float(VAL_FRACTION) and len(meta["sources"]) == 4
     assert meta["split"] == "document"
@@ -81,10 +94,11 @@ def test_prepare_data_end_to_end(tmp_path):
     # Every document comes back exactly once, in one split, followed by <|endoftext|>.
     decoded = []
     for split in ("train", "val"):
-        tokens = np.fromfile(out / f"{split}.bin", dtype=np.uint16)
+        tokens = split_tokens(out, split)
         assert len(tokens) == meta["splits"][split]["tokens"] > 0 and tokens[-1] == tok.eot_id
         ends = np.flatnonzero(tokens == tok.eot_id)
         starts = np.concatenate([[0], ends[:-1] + 1])
+        assert np.fromfile(out / f"{split}-00000.starts", dtype=np.int64).tolist() == starts.tolist()
         docs = [tok.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends)]
         assert len(docs) == meta["splits"][split]["documents"]
         decoded += docs
@@ -96,9 +110,7 @@ def test_prepare_data_end_to_end(tmp_path):
     reordered = prepare("--out", str(again), "--val-fraction", VAL_FRACTION, *files[::-1])
     assert reordered.returncode == 0, reordered.stderr
     for split in ("train", "val"):
-        a = np.fromfile(out / f"{split}.bin", dtype=np.uint16)
-        b = np.fromfile(again / f"{split}.bin", dtype=np.uint16)
-        assert sorted(a.tolist()) == sorted(b.tolist())
+        assert sorted(split_tokens(out, split).tolist()) == sorted(split_tokens(again, split).tolist())
 
 
 @pytest.mark.slow
@@ -138,7 +150,7 @@ def test_prepare_data_never_replaces_a_prepared_dataset_or_a_file_unasked(tmp_pa
     assert len(err) == 1 and "already holds a prepared dataset" in err[0] and "--replace" in err[0], err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert prepare_data.main([*argv, "--replace"]) == 0
-    assert (out / "train.bin").read_bytes() != before["train.bin"]
+    assert (out / "train-00000.bin").read_bytes() != before["train-00000.bin"]
 
     a_file = tmp_path / "file"
     a_file.write_text("")
@@ -147,9 +159,9 @@ def test_prepare_data_never_replaces_a_prepared_dataset_or_a_file_unasked(tmp_pa
     assert len(err) == 1 and "is a file, not a folder" in err[0], err
 
 
-def split_parts(path: Path, eot_id: int) -> list[list[int]]:
-    """The documents (or document parts) of a token file, each without its <|endoftext|>."""
-    tokens = np.fromfile(path, dtype=np.uint16)
+def split_parts(folder: Path, split: str, eot_id: int) -> list[list[int]]:
+    """The documents (or document parts) of a folder's split, each without its <|endoftext|>."""
+    tokens = split_tokens(folder, split)
     assert len(tokens) > 0 and tokens[-1] == eot_id
     ends = np.flatnonzero(tokens == eot_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
@@ -183,7 +195,9 @@ def test_prepare_data_tail_split(tmp_path):
     out = tmp_path / "tail"
     result = prepare("--out", str(out), "--split", "tail", "--val-fraction", VAL_FRACTION, str(CORPUS))
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["meta.json", *shard_names("train", 1), *shard_names("val", 1)]
+    )
     meta = json.loads((out / "meta.json").read_text())
     assert meta["split"] == "tail" and meta["val_fraction"] == float(VAL_FRACTION)
     tok = build_tokenizer(str(TOKENIZER))
@@ -194,8 +208,8 @@ def test_prepare_data_tail_split(tmp_path):
 
     # Each document's head is in train and its last floor(n * fraction) tokens are in val, each
     # part followed by <|endoftext|>; together they are exactly the document's tokens.
-    train = split_parts(out / "train.bin", tok.eot_id)
-    val = split_parts(out / "val.bin", tok.eot_id)
+    train = split_parts(out, "train", tok.eot_id)
+    val = split_parts(out, "val", tok.eot_id)
     assert sorted(map(tuple, train)) == sorted(tuple(ids[: len(ids) - k]) for ids, k in zip(encoded, n_val))
     assert sorted(map(tuple, val)) == sorted(tuple(ids[len(ids) - k :]) for ids, k in zip(encoded, n_val))
     for part in val:  # a tail decodes to the end of one of the texts
@@ -217,18 +231,16 @@ def test_prepare_data_tail_split(tmp_path):
     for name, inputs in (("again", [str(CORPUS)]), ("reordered", files[::-1])):
         rerun = prepare("--out", str(tmp_path / name), "--split", "tail", "--val-fraction", VAL_FRACTION, *inputs)
         assert rerun.returncode == 0, rerun.stderr
-        assert (tmp_path / name / "val.bin").read_bytes() == (out / "val.bin").read_bytes()
-    for name in ("train.bin", "meta.json"):
+        assert (tmp_path / name / "val-00000.bin").read_bytes() == (out / "val-00000.bin").read_bytes()
+    for name in ("train-00000.bin", "meta.json"):
         assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes()
-    reordered = split_parts(tmp_path / "reordered" / "train.bin", tok.eot_id)
+    reordered = split_parts(tmp_path / "reordered", "train", tok.eot_id)
     assert sorted(map(tuple, reordered)) == sorted(map(tuple, train))
 
 
 def test_tail_cut_keeps_utf8_characters_whole():
-    script = REPO / "scripts" / "prepare_data.py"
-    spec = importlib.util.spec_from_file_location("prepare_data", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from elr.data import prepare as module
+
     # Token i stands for the bytes below: "a", "b", the first and the last two bytes of "—", "c".
     pieces = [b"a", b"b", b"\xe2", b"\x80\x94", b"c"]
     cut = lambda ids, fraction: module.tail_cut(ids, fraction, pieces.__getitem__)  # noqa: E731
@@ -263,7 +275,7 @@ def test_bundled_data_matches_its_tokenizer():
     tok = build_tokenizer(str(TOKENIZER))
     first_doc = tokens[: int(np.argmax(tokens == tok.eot_id))].tolist()
     assert tok.encode(tok.decode(first_doc)) == first_doc and len(first_doc) > 1000
-    inputs, labels = next(iter(build_train_loader(str(TINYPROSE / "train.bin"), 64, 4, 0, 1, 0)))
+    inputs, labels, _ = next(iter(build_train_loader(str(TINYPROSE / "train.bin"), 64, 4, 0, 1, 0)))
     assert inputs.shape == labels.shape == (4, 64) and inputs.dtype == torch.int64
 
 
@@ -276,20 +288,21 @@ def test_windows_and_labels_match_the_memmap():
     seq_len, bs = 32, 3
     loader = build_train_loader(str(path), seq_len, bs, dp_rank=0, dp_world=1, seed=7)
     dataset = loader.dataset
-    assert dataset.num_windows == (len(raw) - 1) // seq_len
-    for step, (inputs, labels) in enumerate(take(loader, 4)):
+    assert dataset.num_windows == [(len(raw) - 1) // seq_len]
+    for step, (inputs, labels, document_ids) in enumerate(take(loader, 4)):
+        assert document_ids is None  # data.document_masking off
         for row in range(bs):
-            w = dataset.window(step * bs + row)
+            _, w = dataset.locate(step * bs + row)
             window = torch.from_numpy(raw[w * seq_len : w * seq_len + seq_len + 1].astype(np.int64))
             assert torch.equal(inputs[row], window[:-1]) and torch.equal(labels[row], window[1:])
 
 
 def test_window_count_and_epochs(tmp_path):
     seq_len = 4
-    assert build_train_loader(str(make_token_file(tmp_path / "a", 41)), seq_len, 1, 0, 1, 0).dataset.num_windows == 10
+    assert build_train_loader(str(make_token_file(tmp_path / "a", 41)), seq_len, 1, 0, 1, 0).dataset.num_windows == [10]
     path = make_token_file(tmp_path / "b", 40)  # the last window would need token 40
     loader = build_train_loader(str(path), seq_len, 1, 0, 1, seed=3)
-    assert loader.dataset.num_windows == 9
+    assert loader.dataset.num_windows == [9]
     it = iter(loader)
     epochs = [first_tokens(take(loader, 9, it)) for _ in range(3)]
     for order in epochs:
@@ -337,7 +350,7 @@ def test_state_dict_round_trip(tmp_path):
     fresh = build_train_loader(path, 4, 3, 0, 1, seed=11)
     fresh.load_state_dict(state)
     resumed = take(fresh, 7)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected, resumed))
+    assert all(torch.equal(a.inputs, b.inputs) and torch.equal(a.labels, b.labels) for a, b in zip(expected, resumed))
     assert fresh.dataset.position == loader.dataset.position
 
 
@@ -402,12 +415,12 @@ def test_val_batches(tmp_path):
     path = str(make_token_file(tmp_path, 4 * 20 + 1, name="val"))
     one = list(val_batches(path, 4, 4, 3, 0, 1))
     assert first_tokens(one) == [4 * w for w in range(12)]  # the first windows, in order
-    assert all(torch.equal(labels, inputs + 1) for inputs, labels in one)
+    assert all(torch.equal(labels, inputs + 1) for inputs, labels, _ in one)
     assert first_tokens(val_batches(path, 4, 4, 3, 0, 1)) == first_tokens(one)  # same each call
     ranks = [list(val_batches(path, 4, 2, 3, r, 2)) for r in range(2)]
     merged = [torch.cat([ranks[0][b][0], ranks[1][b][0]]) for b in range(3)]
     assert all(torch.equal(m, o[0]) for m, o in zip(merged, one))
-    with pytest.raises(ValueError, match="need 24 windows .* the file has 20"):
+    with pytest.raises(ValueError, match="need 24 windows .* the split has 20"):
         val_batches(path, 4, 4, 6, 0, 1)
 
 

@@ -153,3 +153,22 @@ def test_every_design_reference_points_to_a_section_of_docs_design():
             cited.append((path.name, m.group(1), m.group(3)))
     assert cited and all(prefix == "docs/" for _, prefix, _ in cited), cited
     assert all(section in sections for _, _, section in cited if section), (sections, cited)
+
+
+def test_the_pages_name_the_transformers_versions_pyproject_installs():
+    """docs/interop.md said transformers >= 5.18 and < 5.25 after pyproject's `hf` extra had moved to >= 5.25:
+    every page (the dated log aside) that gives transformers a version bound gives pyproject's."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
+    (spec,) = [s for s in extra if s.startswith("transformers")]
+    lower = re.fullmatch(r"transformers>=([\d.]+)", spec)[1]  # no upper bound: the newest release is taken
+    wrong = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if page.name == "LOG.md":
+            continue
+        text = " ".join(page.read_text().split())
+        for bound in re.findall(r"transformers (>=|<|<=) ?(\d+\.\d+)", text):
+            if bound != (">=", lower):
+                wrong.append(f"{page.name}: transformers {' '.join(bound)}")
+    assert not wrong, f"pyproject installs {spec}: {wrong}"

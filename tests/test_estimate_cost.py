@@ -70,17 +70,19 @@ def test_encoding_sizes_match_tiktoken_where_the_encoding_loads(name):
     assert encoding.n_vocab == ENCODING_VOCAB[name]
 
 
-def test_cli_prints_the_formula_and_takes_a_vocabulary():
-    command = [
-        sys.executable,
-        "scripts/estimate_cost.py",
-        "train_configs/debug.toml",
-        "--vocab-size",
-        "512",
-        "--gpus",
-        "2",
-    ]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+def cli(monkeypatch, capsys, *argv: str) -> subprocess.CompletedProcess:
+    """estimate_cost.py's main in this process, as the command line would run it (from the repository)."""
+    import estimate_cost
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["estimate_cost.py", *argv])
+    code = estimate_cost.main()
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
+def test_cli_prints_the_formula_and_takes_a_vocabulary(monkeypatch, capsys):
+    out = cli(monkeypatch, capsys, "train_configs/debug.toml", "--vocab-size", "512", "--gpus", "2")
     assert out.returncode == 0 and "cost / baseline = s + (1 - s)" in out.stdout
     vocab = next(line for line in out.stdout.splitlines() if line.startswith("vocab "))
     assert vocab.split() == ["vocab", "512"]  # one row per quantity, one column per config
@@ -101,16 +103,43 @@ def test_wait_factor_at_8_gpus_from_the_configs_own_sampler():
     assert estimate(str(CONFIGS / "koi4b.toml"), gpus=64)["ranks x micro"] == "64x12"
 
 
-def test_a_batch_that_does_not_split_over_the_gpus_is_one_line():
-    command = [sys.executable, "scripts/estimate_cost.py", "train_configs/debug.toml"]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_a_batch_that_does_not_split_over_the_gpus_is_one_line(monkeypatch, capsys):
+    out = cli(monkeypatch, capsys, "train_configs/debug.toml")
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "debug.toml at --gpus 8: training.global_batch_size" in out.stderr
 
 
-def test_cli_takes_config_as_train_py_does():
-    command = [sys.executable, "scripts/estimate_cost.py", "--config", "train_configs/koi4b.toml"]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_cli_takes_config_as_train_py_does(monkeypatch, capsys):
+    out = cli(monkeypatch, capsys, "--config", "train_configs/koi4b.toml")
     assert out.returncode == 0, out.stderr
     assert "koi4b.toml at 8 GPUs (8x96 ranks x microbatches)" in out.stdout and "sampling waits" in out.stdout
     assert max(map(len, out.stdout.splitlines())) <= 100, "the table fits a 100-column terminal"
+
+
+def test_flops_and_gpu_hours_of_the_run_with_and_without_the_switch(tmp_path, monkeypatch, capsys):
+    """The README promises FLOPs and GPU-hours, with and without the late switch: the totals follow from the
+    config's tokens, its k = 1 FLOPs per token and the ratios above them."""
+    from elr.config import load_config
+
+    config = with_switch(tmp_path, "koi4b.toml", 0.5)
+    row = estimate(config, gpus=8, peak_tflops=1000.0, mfu=0.5)
+    t = load_config(config).training
+    assert float(row["tokens"]) == pytest.approx(t.steps * t.global_batch_size * t.seq_len, rel=1e-3)
+    baseline = float(row["FLOPs baseline"])
+    assert float(row["FLOPs"]) == pytest.approx(baseline * row["run x (FLOPs)"], rel=2e-3)
+    mixed = (row["run x (FLOPs)"] - row["s"]) / (1 - row["s"])
+    assert float(row["FLOPs no switch"]) == pytest.approx(baseline * mixed, rel=2e-3)
+    assert float(row["FLOPs"]) < float(row["FLOPs no switch"])  # the one-loop half is cheaper
+    hours = {
+        key: float(row[key].replace(",", "")) for key in ("GPU-hours", "GPU-hours no switch", "GPU-hours baseline")
+    }
+    per_hour = 1000e12 * 0.5 * 3600
+    assert hours["GPU-hours baseline"] == pytest.approx(baseline / per_hour, rel=2e-3)
+    assert hours["GPU-hours"] == pytest.approx(baseline * row["run x (time)"] / per_hour, rel=2e-3)
+    assert hours["GPU-hours no switch"] == pytest.approx(baseline * mixed * row["wait x"] / per_hour, rel=2e-3)
+
+    out = cli(monkeypatch, capsys, config, "--mfu", "0.5", "--peak-tflops", "1000")
+    assert out.returncode == 0, out.stderr
+    printed = {line.rsplit(None, 1)[0].strip(): line.split()[-1] for line in out.stdout.splitlines() if "  " in line}
+    assert printed["FLOPs"] == row["FLOPs"] and printed["GPU-hours no switch"] == row["GPU-hours no switch"]
+    assert "GPU-hours at 50% of 1000 TFLOP/s per GPU" in out.stdout

@@ -162,3 +162,36 @@ def test_a_full_disk_during_the_dcp_model_export_removes_the_partial_folder(tmp_
     ):
         run(dump, 2, *CKPT, "--checkpoint.export_dtype", "bfloat16")
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2"]
+
+
+def test_an_undeletable_file_in_an_old_checkpoint_is_one_line_and_the_run_finishes(tmp_path, monkeypatch, caplog):
+    """keep_latest_k = 1 prunes step-1 at the save of step-2, and its values.json cannot be deleted (an immutable
+    file, another owner's folder): one warning naming the folder, the rest of it set aside under a name no resume
+    reads, every newer checkpoint whole, and the run's closing line."""
+    import logging
+    import os
+
+    from elr.checkpoint import verify
+
+    unlink = os.unlink
+
+    def undeletable(path, *, dir_fd=None):
+        folder = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else os.path.dirname(path)
+        if os.path.basename(path) == "values.json" and os.path.basename(folder).startswith("step-1"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", os.path.basename(path))
+        return unlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", undeletable)
+    dump = tmp_path / "run"
+    with caplog.at_level(logging.INFO):
+        run(dump, 3, "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1")
+    folder = dump / "checkpoint"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        f"checkpoint: could not delete the old checkpoint {folder}/step-1 (Operation not permitted: values.json); "
+        "what is left of it is in step-1.pruning (never resumed): the next save tries again, or delete it by hand"
+    ]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1.pruning", "step-3"]  # step-2 pruned at step-3's save
+    assert [p.name for p in (folder / "step-1.pruning").iterdir()] == ["values.json"]
+    verify(folder / "step-3", 3)  # the newest checkpoint whole
+    assert caplog.records[-1].getMessage().startswith(f"finished at step 3/3; outputs: {dump / 'metrics.jsonl'}")

@@ -21,11 +21,11 @@ from trainer_utils import ROOT, run
 
 from elr.config import load_config
 from elr.config.reference import config_keys
+from elr.data.token_files import load_tokens
 from elr.errors import UserError
 from elr.infer.cache import MODES
 from elr.text.chat_data import prepare_chat
 from elr.text.tokenizer import build_tokenizer
-from elr.train.token_files import load_tokens
 
 USER_ERRORS = (UserError, FileNotFoundError)  # what train.py prints in one line (exit 2)
 KEYS = [f"{section}.{name}" for section, _, keys in config_keys() for name, *_ in keys]

@@ -1,5 +1,7 @@
 """Gated DeltaProduct op: the chunked form against the token-loop oracle, and the oracle itself
-against the recurrence written as explicit transition matrices.
+against the recurrence written as explicit transition matrices. Resets (documents packed into one
+row): the oracle against each segment run alone, the chunked form against the oracle, and no resets
+bit for bit as before.
 
 Tolerances (fp32): outputs, final states and every gradient agree within atol 1e-5 / rtol 1e-4;
 the largest differences measured at these shapes are about 1e-5 absolute on gradients whose
@@ -32,7 +34,15 @@ def make_inputs(B=2, T=5, H=2, K=8, V=6, n_h=2, dtype=torch.float32, decay=1.0, 
     return [x.to(dtype) for x in (q, k, v, g, beta, state)]
 
 
-def run_with_grads(impl, inputs, n_h, use_state):
+def make_resets(B, T, starts):
+    """[B, T] bool, True at each row's listed token indices (the tokens that start a new sequence)."""
+    resets = torch.zeros(B, T, dtype=torch.bool)
+    for row, row_starts in enumerate(starts):
+        resets[row, list(row_starts)] = True
+    return resets
+
+
+def run_with_grads(impl, inputs, n_h, use_state, resets=None, chunk_size=None):
     """o, final_state and the gradients of a fixed random projection of both."""
     inputs = [x.detach().clone().requires_grad_() for x in inputs]
     if not use_state:
@@ -48,9 +58,11 @@ def run_with_grads(impl, inputs, n_h, use_state):
         initial_state=state[0] if state else None,
         output_final_state=True,
         impl=impl,
+        resets=resets,
     )
     gen = torch.Generator().manual_seed(1)
-    loss = (o * torch.randn(o.shape, generator=gen)).sum() + (final * torch.randn(final.shape, generator=gen)).sum()
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+    loss = loss + (final * torch.randn(final.shape, generator=gen, dtype=final.dtype)).sum()
     return [o, final, *torch.autograd.grad(loss, inputs)]
 
 
@@ -87,6 +99,92 @@ def test_strong_decay_stays_finite():
     for name, a, e in zip(NAMES, actual, expected):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a, e, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+
+
+# (n_h, T, starts per row): resets on the first token (the initial state is dropped), on adjacent
+# tokens, on the last token, and, with 64-row chunks, at and beside chunk edges (expanded rows 64, 128).
+RESET_CASES = [
+    (1, 40, [[0, 5, 6, 39], [17]]),
+    (2, 70, [[31, 32, 33], [0, 64]]),
+    (3, 50, [[1, 21, 22, 43], [10, 49]]),
+]
+
+
+@pytest.mark.parametrize("case", RESET_CASES, ids=lambda c: f"n_h{c[0]}")
+def test_naive_with_resets_runs_each_segment_alone(case):
+    """The oracle's meaning: with resets, each segment's outputs are those of the segment run by itself
+    from a zero state (the first from the initial state unless token 0 resets), and the final state is
+    the last segment's."""
+    n_h, T, starts = case
+    q, k, v, g, beta, state = make_inputs(B=2, T=T, H=2, K=4, V=3, n_h=n_h, dtype=torch.float64)
+    o, final = gated_delta_product(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        num_householder=n_h,
+        initial_state=state,
+        output_final_state=True,
+        impl="naive",
+        resets=make_resets(2, T, starts),
+    )
+    for row, row_starts in enumerate(starts):
+        bounds = sorted({0, *row_starts, T})
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            sub = slice(a * n_h, b * n_h)
+            alone, alone_final = gated_delta_product(
+                q[row : row + 1, a:b],
+                k[row : row + 1, sub],
+                v[row : row + 1, sub],
+                g[row : row + 1, a:b],
+                beta[row : row + 1, sub],
+                num_householder=n_h,
+                initial_state=None if a in row_starts else state[row : row + 1],
+                output_final_state=True,
+                impl="naive",
+            )
+            torch.testing.assert_close(o[row : row + 1, a:b], alone, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(final[row : row + 1], alone_final, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("case", RESET_CASES, ids=lambda c: f"n_h{c[0]}")
+@pytest.mark.parametrize("decay", [1.0, 1000.0])
+def test_chunk_with_resets_matches_naive(case, decay):
+    """Forward and every gradient (the decay of a reset token reaches nothing: its gradient is 0), finite
+    under decays of exp(-1000) per token."""
+    n_h, T, starts = case
+    inputs = make_inputs(B=2, T=T, H=2, K=8, V=6, n_h=n_h, decay=decay)
+    resets = make_resets(2, T, starts)
+    expected = run_with_grads("naive", inputs, n_h, True, resets)
+    actual = run_with_grads("chunk", inputs, n_h, True, resets)
+    for name, a, e in zip(NAMES, actual, expected):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, e, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+    dg = actual[NAMES.index("dg")]
+    assert dg[resets].abs().max() < ATOL
+
+
+@pytest.mark.parametrize("chunk_size", [4, 7])
+def test_chunk_with_resets_at_chunk_edges(chunk_size):
+    """Many small chunks: resets on a chunk's first row, inside, and on its last."""
+    q, k, v, g, beta, state = make_inputs(B=1, T=13, H=2, K=4, V=3, n_h=2)
+    resets = make_resets(1, 13, [[2, 3, 6, 7, 12]])
+    args = (q, k, v, g, beta, 2, 0.5, state, True)
+    o_ref, s_ref = naive_gated_delta_product(*args, resets=resets)
+    o, s = chunk_gated_delta_product(*args, chunk_size=chunk_size, resets=resets)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(s, s_ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunk"])
+def test_no_resets_is_bit_identical_to_all_false(impl):
+    """resets=None is the op as it was; all-False resets compute the same bits (forward and backward)."""
+    inputs = make_inputs(B=2, T=37, H=2, K=8, V=6, n_h=2)
+    without = run_with_grads(impl, inputs, 2, True)
+    all_false = run_with_grads(impl, inputs, 2, True, torch.zeros(2, 37, dtype=torch.bool))
+    for name, a, e in zip(NAMES, all_false, without):
+        assert torch.equal(a, e), name
 
 
 def transition_matrix_reference(q, k, v, g, beta, n_h, scale, state):
@@ -157,5 +255,9 @@ def test_invalid_inputs_raise():
         gated_delta_product(q, k, v, g, beta[..., None], num_householder=2)
     with pytest.raises(ValueError, match="initial_state has shape"):
         gated_delta_product(q, k, v, g, beta, num_householder=2, initial_state=state.mT)
+    with pytest.raises(ValueError, match="resets must be a bool tensor"):
+        gated_delta_product(q, k, v, g, beta, num_householder=2, resets=torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="resets must be a bool tensor"):
+        gated_delta_product(q, k, v, g, beta, num_householder=2, resets=torch.zeros(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="q must be"):
         gated_delta_product(q[0], k, v, g, beta, num_householder=2)

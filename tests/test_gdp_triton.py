@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_gdp_op import NAMES, make_inputs  # noqa: E402
+from test_gdp_op import NAMES, make_inputs, make_resets  # noqa: E402
 
 from elr_kernels.gated_delta_product import (  # noqa: E402
     gated_delta_product,
@@ -115,6 +115,62 @@ def test_forward_backward_match_naive(case, use_state):
     assert_all_close([a.cpu() for a in actual], [e.cpu() for e in expected], names_for(use_state))
 
 
+# (n_h, T, starts per row, decay, chunk): with chunk 16, expanded rows 16 and 32 are chunk edges
+# (n_h = 2: tokens 8 and 16); token 0 resets (the initial state is dropped); adjacent and last-token
+# resets; decay 1000 with a reset inside a chunk whose exp(G) has underflowed.
+RESET_CASES = [(2, 23, [[0, 7, 8, 16], [13, 22]], 1.0, 16), (3, 23, [[5, 6], [1, 11, 21]], 1000.0, 32)]
+
+
+@kernel_test
+@pytest.mark.parametrize("case", RESET_CASES, ids=lambda c: f"n_h{c[0]}")
+def test_resets_forward_backward_match_naive(case):
+    n_h, T, starts, decay, chunk = case
+    inputs = make_inputs(B=2, T=T, H=2, K=16, V=16, n_h=n_h, decay=decay)
+    resets = make_resets(2, T, starts)
+
+    def run(impl):
+        def fn(q, k, v, g, beta, state, final):
+            r = resets.to(q.device)
+            if impl == "triton":
+                return triton_gated_delta_product(q, k, v, g, beta, n_h, 0.3, state, final, chunk_size=chunk, resets=r)
+            return gated_delta_product(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                num_householder=n_h,
+                scale=0.3,
+                initial_state=state,
+                output_final_state=final,
+                impl=impl,
+                resets=r,
+            )
+
+        return fn
+
+    expected = grads_of(run("naive"), inputs, n_h, True)
+    actual = grads_of(run("triton"), inputs, n_h, True)
+    assert_all_close([a.cpu() for a in actual], [e.cpu() for e in expected], NAMES)
+
+
+@kernel_test
+def test_no_resets_is_bit_identical_to_all_false():
+    """resets=None runs the kernels as they were (HAS_RESETS off); all-False resets give the same bits."""
+    inputs = make_inputs(B=1, T=21, H=2, K=16, V=16, n_h=2)
+
+    def run(resets):
+        def fn(q, k, v, g, beta, state, final):
+            return triton_gated_delta_product(q, k, v, g, beta, 2, 0.3, state, final, chunk_size=16, resets=resets)
+
+        return fn
+
+    without = grads_of(run(None), inputs, 2, True)
+    all_false = grads_of(run(torch.zeros(1, 21, dtype=torch.bool, device=DEVICE)), inputs, 2, True)
+    for name, a, e in zip(NAMES, all_false, without):
+        assert torch.equal(a, e), name
+
+
 @kernel_test
 def test_value_blocks_and_in_kernel_l2norm(monkeypatch):
     """Several value blocks in every kernel, the public entry, and q/k normalised in the kernels
@@ -189,6 +245,10 @@ def test_custom_op_registrations():
     q, k = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k))
     q, k, v, g, beta, state = (x.requires_grad_() for x in (q, k, v, g, beta, state))
     torch.library.opcheck(torch.ops.elr.gated_delta_product.default, (q, k, v, g, beta, state, 2, 0.25, 16, False))
+    resets = make_resets(1, 5, [[0, 3]]).to(DEVICE)
+    torch.library.opcheck(
+        torch.ops.elr.gated_delta_product.default, (q, k, v, g, beta, state, 2, 0.25, 16, False, resets)
+    )
 
 
 @kernel_test

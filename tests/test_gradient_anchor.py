@@ -11,6 +11,7 @@ from test_recurrence_options import NEEDS, OTHER_VALUE
 from trainer_utils import ROOT, model_args
 
 from elr.config import load_config
+from elr.config.recurrence import names
 from elr.models import build_model, flavors
 from elr.models.from_config import model_args_from_config
 from elr.parallel.gradient_anchor import anchor_parameters
@@ -51,7 +52,8 @@ def _check_every_k(args) -> None:
 
 @pytest.mark.parametrize("option", sorted(OTHER_VALUE))
 def test_every_option_gives_every_parameter_a_gradient_at_every_k(option):
-    options = {"max_loops": 3, "conditioning_exit": True, **NEEDS.get(option, {}), option: OTHER_VALUE[option]}
+    needs = {key: v for key, v in NEEDS.get(option, {}).items() if key in names()}  # the model's, not training's
+    options = {"max_loops": 3, "conditioning_exit": True, **needs, option: OTHER_VALUE[option]}
     if option == "conditioning":
         options.pop("conditioning_exit")
     if option == "max_loops":
@@ -108,3 +110,17 @@ def test_two_ranks_at_k1_and_K_match_one_process_for_each_production_config():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"loop_mismatch: all checks passed ({', '.join(configs)})" in result.stdout
+
+
+def test_the_anchor_holds_when_the_block_returns_every_loops_state():
+    """every_loop and loop_exits (elr.loss_every_loop, elr.loop_consistency) hand the output block a list of
+    states: the anchor rides on the last, and a k = 1 forward still gives every block parameter a gradient."""
+    args = model_args(BASE, max_loops=3, state_norm=True, identity_loops=True, loop_delta_rank=2)
+    model = _model(args)
+    x = torch.randint(0, BASE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    for loops in (1, 2):
+        model.zero_grad(set_to_none=True)
+        exits = model(x, loops=loops, loop_exits=True)
+        (F.cross_entropy(exits.flatten(0, 2).float(), x.repeat(loops, 1).flatten()) + model.moe_aux_loss()).backward()
+        missing = [name for name, p in model.recurrent.named_parameters() if p.grad is None]
+        assert not missing, (loops, missing)

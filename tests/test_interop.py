@@ -83,6 +83,25 @@ def test_the_export_holds_what_transformers_needs(model_and_export):
 
 
 @pytest.mark.skipif(not HAS_TOKENIZERS, reason="the tokenizers library is not installed (transformers brings it)")
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("shard_bytes", [2_000_000, 10**12], ids=["sharded", "one-file"])
+def test_every_file_of_an_export_is_as_readable_as_the_umask_allows(tmp_path, umask, shard_bytes):
+    """safetensors writes its files 0600: other users and service accounts could read an export's config and
+    tokenizer but not its weights. Every file now has the mode the umask gives a new file (0644 under 022)."""
+    from elr.interop.hf_weights import write_weights
+
+    previous = os.umask(umask)
+    try:
+        weights = {f"w{i}": torch.zeros(1000, 1000) for i in range(2)}  # 4 MB each: two shards at 2 MB
+        written = write_weights(weights, tmp_path, max_shard_bytes=shard_bytes)
+        (tmp_path / "other.json").write_text("{}")  # what Python's open() makes under this umask
+    finally:
+        os.umask(previous)
+    modes = {name: oct((tmp_path / name).stat().st_mode & 0o777) for name in [*written, "other.json"]}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+    assert len(written) == (3 if shard_bytes < 10**12 else 1)
+
+
 def test_tokenizer_json_encodes_and_decodes_like_the_run_tokenizer(model_and_export):
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -605,3 +624,21 @@ def test_the_adapter_batches_generation_as_it_decodes_one_request(model_and_expo
     batched = ELRHarnessModel(str(folder), loops=2, kv="last_loop", batch_size=3).generate_until(requests)
     alone = ELRHarnessModel(str(folder), loops=2, kv="last_loop", batch_size=1).generate_until(requests)
     assert batched == alone and len(batched) == len(requests) and all("." not in t for t in batched[:4])
+
+
+def test_loading_an_export_and_the_inference_code_import_no_torchao(model_and_export):
+    """torchao (float8 training) logs "Failed to load ..._C_mxfp8 ..." as it is imported: loading an export and
+    every module generate.py, evaluate.py and the server decode with import none of it, so they print none of
+    that. (transformers' own pipeline imports torchao before an export's code runs; docs/interop.md says so.)"""
+    _, _, folder = model_and_export
+    code = (
+        "import sys\n"
+        "from elr.infer.load import load_model\n"
+        f"load_model({str(folder)!r}, note=False)\n"
+        "import elr.infer.chat, elr.infer.evaluate, elr.infer.generate, elr.infer.speculative, elr.serve.scheduler\n"
+        "print('torchao imported:', 'torchao' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "torchao imported: False", done.stdout[-1000:]
+    assert "torchao" not in done.stderr, done.stderr[-1000:]

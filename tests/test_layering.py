@@ -1,14 +1,14 @@
 """docs/DESIGN.md §6: the layers and what each may import, read from the source of every module.
 
-From the bottom: the kernels (elr_kernels); errors and the console; text and data (elr.text); the
-job config (elr.config); the single-device models; parallelism and the checkpoint format side by side;
-the export format (elr.interop, which reads the checkpoint format); training and inference side by side;
-tools, scripts, train.py, the server and the RLVR stage on top (the server never imports training, and
-it and the RLVR stage never import each other). A module imports its own layer or lower ones, never its
-side-by-side neighbour; the models never import torch.distributed, and only the server's HTTP side
-imports the serve extra (fastapi, uvicorn). Beyond the layer numbers, no two folders (elr.<package>,
-scripts, train.py, elr_kernels) import each other, directly or around a longer circle, but for the one
-arrow declared in UPWARD. Imports inside functions count too. The checker is also run on planted
+From the bottom: the kernels (elr_kernels); errors and the console; text (elr.text); the job config
+(elr.config); the data stores and streams (elr.data) and the single-device models side by side; parallelism
+and the checkpoint format side by side; the export format (elr.interop, which reads the checkpoint format);
+training and inference side by side; tools, scripts, train.py, the server and the RLVR stage on top (the
+server never imports training, and it and the RLVR stage never import each other). A module imports its own
+layer or lower ones, never its side-by-side neighbour; the models never import torch.distributed, and only the
+server's HTTP side imports the serve extra (fastapi, uvicorn). Beyond the layer numbers, no two folders
+(elr.<package>, scripts, train.py, elr_kernels) import each other, directly or around a longer circle, but for
+the one arrow declared in UPWARD. Imports inside functions count too. The checker is also run on planted
 violations, so it is known to fail when it should.
 """
 
@@ -23,6 +23,8 @@ LAYERS = {
     "elr.console": 1,
     "elr.text": 2,
     "elr.config": 3,
+    # token stores, mixtures, windows and document ids: what the trainer reads, never the model code
+    "elr.data": 4,
     "elr.models": 4,
     "elr.parallel": 5,
     "elr.checkpoint": 5,
@@ -46,6 +48,7 @@ LAYERS = {
     "elr.rl": 8,
 }
 NEIGHBOURS = [
+    ("elr.data", "elr.models"),  # the data never imports the model, nor the model the data
     ("elr.parallel", "elr.checkpoint"),
     ("elr.train", "elr.infer"),  # neither imports the other
     ("elr.serve", "elr.train"),

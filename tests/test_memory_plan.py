@@ -238,3 +238,20 @@ def test_the_rlvr_stage_plans_its_rollout_peak_from_the_inference_state():
     cfg = load_config(ROOT / "train_configs" / "debug.toml", [*base, "--rl.rollout_rows", "4"])
     plan = plan_memory(cfg, model_args_from_config(cfg, 8193), 2, 80)  # rl.rollout_rows decoded at a time
     assert plan.rollout_rows == 4 and plan.rollout_cache == plans["per_loop"].rollout_cache / 4
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_plan_memory_prints_progress_through_every_traced_layer_call(mode, capsys):
+    """plan_memory.py was silent for over a minute on a 4B config: its trace now reports progress, and the count
+    it announces is the count of layer calls it makes (the last line reaches it exactly)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_memory_script", ROOT / "scripts" / "plan_memory.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--config", str(DEBUG_TOML), "--training.seq_len", "64", "--activation_checkpoint.mode", mode]
+    assert script.main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    total = 2 + 3 * 4 + 2 + (4 if mode == "full" else 0)  # debug: 2/4/2 layers at K = 3; AC: one call per kind
+    assert err and all(line.startswith("plan_memory: tracing one microbatch on the meta device: ") for line in err)
+    assert err[-1].split(": ")[-1].startswith(f"{total}/{total} layer calls")

@@ -112,7 +112,7 @@ def small(**options):
 
 
 def test_every_parameter_has_a_known_role():
-    model = small(identity_loops=True)
+    model = small(identity_loops=True, loop_delta_rank=2)
     roles = model.parameter_roles()
     assert list(roles) == [name for name, _ in model.named_parameters()]
     assert set(roles.values()) == set(PARAMETER_ROLES)  # the debug flavor has every kind of parameter
@@ -130,6 +130,7 @@ def test_every_parameter_has_a_known_role():
         "recurrent.step_size.proj.weight": "step_size",
         "recurrent.conditioning.heads.0.weight": "conditioning",
         "recurrent.conditioning.exit_heads.1.bias": "conditioning",
+        "recurrent.loop_deltas.up": "loop_delta",
     }
     assert {name: roles[name] for name in expected} == expected
 

@@ -33,6 +33,12 @@ TRAINING_KEYS = {
     "switch_at",
     "stop_at_switch",
     "switch_conditioning",
+    "switch_warmup_steps",
+    "switch_heal_steps",
+    "switch_heal_lr_scale",
+    "k1_anchor",
+    "k1_anchor_steps",
+    "loop_consistency",
 }
 
 # Per option, a valid value other than its default (with the other options at their defaults).
@@ -53,9 +59,17 @@ OTHER_VALUE = {
     "depth_scaled_init": True,
     "initial_state_noise": 0.5,
     "identity_loops": True,
+    "loop_gate": "scaled",
+    "loop_gate_floor": 0.5,
+    "loop_delta_rank": 2,
 }
-# Options whose test value needs another option set too (truncated backprop needs a re-injected input).
-NEEDS = {"backprop_loops": {"recurrent_input": "state_plus_input"}}
+# Options whose test value needs another option set too (truncated backprop needs a re-injected input, the scaled
+# gates the identity loops and their fade).
+NEEDS = {
+    "backprop_loops": {"recurrent_input": "state_plus_input"},
+    "loop_gate": {"identity_loops": True, "loop_fade_steps": 4},
+    "loop_gate_floor": {"identity_loops": True, "loop_fade_steps": 4, "loop_gate": "scaled"},
+}
 
 
 def _overrides(options: dict) -> list[str]:
@@ -78,7 +92,8 @@ def test_every_option_reaches_the_model_by_its_own_name(name):
     cfg = load_config(None, _overrides({**needs, name: value}))
     args = model_args_from_config(cfg, vocab_size=256)
     assert getattr(args.recurrence, name) == value
-    assert args.recurrence == dataclasses.replace(RecurrenceOptions(), **needs, **{name: value})
+    options = {key: v for key, v in needs.items() if key in names()}  # not the training keys an option needs
+    assert args.recurrence == dataclasses.replace(RecurrenceOptions(), **options, **{name: value})
 
 
 def test_the_baseline_and_the_one_loop_phase():

@@ -77,3 +77,31 @@ def test_the_cards_stages_and_the_moe_config_rehearse_on_eight_ranks(config, tmp
     result = rehearse(config, 8, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1].startswith(f"rehearsed: {config} on 8 gloo ranks")
+
+
+def test_each_run_and_each_step_prints_a_progress_line_as_it_happens(tmp_path, capsys):
+    """A rehearsal was silent for minutes (its runs' output went to their logs only): each training step of a
+    run is one line as rank 0 logs it, and a run silent past the timeout is stopped."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rehearse", ROOT / "scripts" / "rehearse.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    fake_run = (
+        "import sys, time\n"
+        "for step in (1, 2):\n"
+        "    print(f'12:00:0{step} [rank 0] step {step}/2 | loss 9.{step}000 (k1 9.5) | mean k 1.00', flush=True)\n"
+        "    time.sleep(0.1)\n"
+        "print('12:00:03 [rank 1] a warning', file=sys.stderr)\n"
+    )
+    seen = []
+    code, output = script.stream([sys.executable, "-c", fake_run], {}, tmp_path / "run.log", 60, seen.append)
+    assert code == 0 and "a warning" in output and (tmp_path / "run.log").read_text().endswith(output)
+    for line in seen:
+        script.step_progress("resume", line)
+    assert capsys.readouterr().out.splitlines() == [
+        "rehearse: resume run: step 1/2, loss 9.1000",
+        "rehearse: resume run: step 2/2, loss 9.2000",
+    ]
+    code, _ = script.stream([sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "hang.log", 1, print)
+    assert code is None

@@ -13,7 +13,7 @@ import train
 from elr.config import load_config
 from elr.config import rl as rl_config
 from elr.config.keys import choices
-from elr.errors import DataError
+from elr.errors import ConfigError, DataError
 from elr.infer.cache import MODES
 from elr.infer.generate import Sampling, sample
 from elr.models import build_model, flavors
@@ -83,6 +83,39 @@ def test_a_reward_function_that_fails_names_the_prompt():
     with pytest.raises(RewardError, match=r"returned 'high', not a finite number.*What is"):
         score(load_reward("tests.rl_rewards:not_a_number", "last_number"), "What is 1 plus 2?", "3", "3")
     assert score(load_reward("tests.rl_rewards:digits", "last_number"), "p", "a1", "x") == pytest.approx(1 / 3)
+
+
+REWARD_MODULES = {  # a user's reward module that fails as it is imported
+    "divides_by_zero": "1 / 0\n",
+    "bad_syntax": "def reward(prompt, completion, answer)\n    return 1.0\n",
+    "exits": "import sys\nsys.exit(0)\n",
+}
+
+
+@pytest.fixture
+def reward_modules(tmp_path, monkeypatch):
+    for name, source in REWARD_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "module, error",
+    [
+        ("divides_by_zero", "raised ZeroDivisionError: division by zero"),
+        ("bad_syntax", r"raised SyntaxError: expected ':' \(bad_syntax.py, line 1\)"),
+        ("exits", r"called sys.exit\(0\)"),
+    ],
+)
+def test_a_reward_module_that_fails_at_import_is_one_config_error(reward_modules, module, error):
+    with pytest.raises(ConfigError, match=rf"^rl.reward: importing '{module}' {error}$"):
+        load_reward(f"{module}:reward", "last_number")
+
+
+def test_a_reward_function_that_calls_sys_exit_is_a_reward_error():
+    """sys.exit(0) from a reward must not end the run as if it had finished (exit code 0, no word)."""
+    with pytest.raises(RewardError, match=r"^rl.reward called sys.exit\(0\) on prompt 'What is 1 plus 2\?'$"):
+        score(load_reward("tests.rl_rewards:exits", "last_number"), "What is 1 plus 2?", "3", "3")
 
 
 def test_jsonl_prompts_and_their_errors(tmp_path):
@@ -430,11 +463,12 @@ def test_several_updates_per_batch_move_the_ratio_and_dr_grpo_runs(tmp_path, sft
         (["--rl.reward", "tests.rl_rewards:raises"], "rl.reward raised KeyError"),
         (["--rl.reward", "tests.rl_rewards:not_a_number"], "rl.reward returned 'high'"),
         (["--rl.reward", "tests.rl_rewards:missing"], "rl.reward: tests.rl_rewards has no function 'missing'"),
+        (["--rl.reward", "divides_by_zero:reward"], "rl.reward: importing 'divides_by_zero' raised ZeroDivisionError"),
         (["--rl.group_size", "1"], "rl.group_size: must be >= 2"),
         (["--rl.max_new_tokens", "40"], "rl.max_new_tokens: the longest prompt"),
     ],
 )
-def test_bad_inputs_are_one_line_before_any_weight_changes(tmp_path, sft_model, caplog, extra, message):
+def test_bad_inputs_are_one_line_before_any_weight_changes(tmp_path, sft_model, reward_modules, caplog, extra, message):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": 1}\nnot json\n')
     (tmp_path / "no_answer.jsonl").write_text(json.dumps({"prompt": "What is 1 plus 1?"}) + "\n")
     extra = [e.format(bad=tmp_path / "bad.jsonl", no_answer=tmp_path / "no_answer.jsonl") for e in extra]

@@ -195,7 +195,7 @@ BAD_CHAT = [
         400,
         "messages",
     ),
-    ({"model": NAME, "messages": [{"role": "user", "content": "hi " * 80}]}, 400, "max_tokens"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi " * 80}]}, 400, "messages"),  # no max_tokens sent
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
 ]
 
@@ -341,7 +341,7 @@ def test_the_command_refuses_a_bad_start_in_one_line(export, capsys):
     folder, _, _ = export
     for flags, message in [
         (["--default-loop-budget", "9"], "past the model's K = 3"),
-        (["--max-concurrent", "0"], "--max-concurrent and --draft-tokens must be at least 1"),
+        (["--max-concurrent", "0"], "--max-concurrent must be at least 1, not 0"),
     ]:
         assert script("serve").main(["--checkpoint", str(folder), *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()

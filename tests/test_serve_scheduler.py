@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_infer import small_model
 
 from elr.infer.generate import AdaptiveDepth, Sampling, generate
@@ -106,13 +108,56 @@ def test_a_stop_string_ends_a_choice_and_is_cut_from_its_text(model):
 
     # held back: a tail that may start a stop string, and an incomplete character
     sequence = Sequence(0, [1])
-    texts = iter(["ab", "abz", "abzz", "abq\ufffd", "abq\ufffd"])
-    decode = lambda ids: next(texts)  # noqa: E731
-    assert sequence.release(decode, ("zzz",), final=False) == ("ab", False)
-    assert sequence.release(decode, ("zzz",), final=False) == ("", False)  # "z" may begin "zzz"
-    assert sequence.release(decode, ("zzz",), final=False) == ("", False)
-    assert sequence.release(decode, (), final=False) == ("q", False)  # a character still to complete
-    assert sequence.release(decode, (), final=True) == ("\ufffd", False)  # the end: it never completed
+    pieces = [b"ab", b"z", b"z", b"q\xc3", b"\xa9", b"\xe2"]
+    decode = lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+    for token, final, want in [
+        (0, False, "ab"),
+        (1, False, ""),
+        (2, False, ""),
+        (3, False, "zzq"),
+        (4, False, "\u00e9"),
+    ]:
+        sequence.tokens.append(token)
+        assert sequence.release(decode, ("zzz", "zzzz"), final) == (want, False), token  # "z", "zz" may begin "zzz"
+    sequence.tokens.append(5)
+    assert sequence.release(decode, ("zzz",), final=True) == ("\ufffd", False)  # the end: it never completed
+
+
+def naive_release(tokens, released, decode, stop, final):
+    """The whole text decoded and searched again at every token: the reference the scheduler's linear
+    release must equal, piece for piece."""
+    text = decode(tokens)
+    longest = max((len(s) for s in stop), default=0)
+    hits = [i for i in (text.find(s, max(0, len(released) - longest)) for s in stop) if i >= 0]
+    if hits:
+        text = text[: min(hits)]
+    elif not final:
+        text = text.rstrip("\ufffd")
+        held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        text = text[: len(text) - held]
+    return text[len(released) :], bool(hits)
+
+
+PIECES = [b"a", b"b", b"ab", b"ba", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"\xff"]
+
+
+@given(
+    tokens=st.lists(st.integers(0, len(PIECES) - 1), min_size=1, max_size=40),
+    stop=st.lists(st.text("ab\u00e9\u20ac", min_size=1, max_size=6), max_size=4).map(tuple),
+)
+@settings(max_examples=300, deadline=None)
+def test_stop_strings_are_found_as_a_search_of_the_whole_text_finds_them(tokens, stop):
+    decode = lambda ids: b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+    sequence, released = Sequence(0, [1]), ""
+    for i, token in enumerate(tokens):
+        sequence.tokens.append(token)
+        final = i == len(tokens) - 1
+        want = naive_release(sequence.tokens, released, decode, stop, final)
+        assert sequence.release(decode, stop, final) == want, (tokens[: i + 1], stop)
+        released += want[0]
+        if want[1]:
+            break
+    assert sequence.scanner.fed <= len(decode(sequence.tokens))  # each character read once: linear in the text
 
 
 def test_limits_are_checked_before_anything_runs(model):
@@ -127,10 +172,16 @@ def test_limits_are_checked_before_anything_runs(model):
         (2, {"draft_loops": 3}, "draft_loops"),
         (2, {"draft_loops": 1, "sampling": Sampling(0.5)}, "draft_loops"),
         (2, {"draft_loops": 1, "n": 2}, "n"),
+        (2, {"n": 10**18}, "n"),  # refused before a choice is built
+        (2, {"n": 0}, "n"),
+        (2, {"stop": ("z" * 257,)}, "stop"),
+        (2, {"stop": ("a", "b", "c", "d", "e")}, "stop"),
+        (2, {"prompts": [[1] * 64]}, "prompt"),  # the prompt alone fills the context
+        (2, {"prompts": []}, "prompt"),
     ]:
-        kw = {"max_tokens": 4, **kw}
+        kw = {"max_tokens": 4, "prompts": [[1, 2, 3]], **kw}
         with pytest.raises(Refused) as refused:
-            engine.submit(Request([[1, 2, 3]], kw.pop("max_tokens"), loops, **kw))
+            engine.submit(Request(kw.pop("prompts"), kw.pop("max_tokens"), loops, **kw))
         assert refused.value.param == param, (loops, kw, str(refused.value))
     first, _ = submit(engine, [1, 2, 3], 2, 20)  # the queue takes one request whatever its size
     with pytest.raises(Busy):
@@ -178,3 +229,25 @@ def test_a_request_that_fails_fails_alone(model, monkeypatch):
     assert also_good.sequences[0].tokens == generate(model, also_good.prompts, 3, 8, EOT)[0]
     assert [len(r.top) for r in also_good.sequences[0].logprobs] == [2] * 8
     assert engine.stats.failed == 2 and all(len(p.free) == p.rows for p in engine.pools.values())
+
+
+def test_a_step_reads_prompts_within_the_prefill_memory_and_a_long_wait_is_busy(model):
+    probe = engine_for(model)
+    one = probe.memory.prompt_bytes("budgets", 3, 1, 30, 0)
+    engine = engine_for(model, max_prefill_bytes=one + one // 2, max_wait_s=0.5)
+    with pytest.raises(Refused) as refused:  # two prompts of 30 tokens in one request: past the limit
+        engine.submit(Request([[1] * 30, [2] * 30], 4, 2))
+    assert refused.value.param == "prompt" and "--max-prefill-bytes" in str(refused.value)
+    a, _ = submit(engine, [1] * 30, 2, 20)
+    b, _ = submit(engine, [2] * 30, 2, 20)  # each fits alone; both together do not
+    engine.step()
+    pool = engine.pools["budgets"]
+    assert [r for r, _ in pool.busy.values()] == [a] and list(engine.waiting) == [b]
+    engine.step()
+    assert {id(r) for r, _ in pool.busy.values()} == {id(a), id(b)} and not engine.waiting
+    engine.backlog.step_s = 0.1  # as if measured: ~40 tokens owed over 4 rows, about 1 s of work ahead
+    submit(engine, [3], 2, 20)  # rows are free and nobody waits: no wait at all
+    with pytest.raises(Busy) as busy:  # behind it: (38 + 20) tokens / 4 rows x 0.1 s, past 0.5 s
+        submit(engine, [3], 2, 20)
+    assert busy.value.retry_after == 1 and engine.stats.busy == 1 and "wait about 1.4 s" in str(busy.value)
+    engine.close()

@@ -144,3 +144,71 @@ def test_report_only_carries_earlier_rows_and_names_them(tmp_path):
     wrong = report(7, "wrong")
     assert wrong.returncode == 2 and "not text at 7" in wrong.stderr
     assert not (tmp_path / "wrong").exists()
+
+
+def test_protocol_controls_are_each_runs_own_options_at_one_loop():
+    """Suite.load checks every protocol member's k = 1-only control; a control that differs, or a run in two
+    protocol groups, is refused by name."""
+    from scripts.study_tools.protocol import check_protocols, own_k1_overrides
+    from scripts.study_tools.runs import Suite
+
+    suite = Suite.load("text")
+    assert suite.protocols["switch_wsd"] == {"baseline": "baseline_matched_wsd"}
+    mixed = suite.variants["koi4b_switch50_fade150_first_film_wsd"]
+    assert mixed["k1_control"] == "koi4b_k1_only_first_film_wsd"
+    control = own_k1_overrides(mixed["overrides"])
+    assert control["elr.max_loops"] == 1 and control["lr_scheduler.decay_type"] == "wsd"
+    assert not {"elr.switch_at", "elr.identity_loops", "elr.loop_fade_steps", "elr.sampling"} & set(control)
+    assert control["elr.conditioning_first_loop"] and control["elr.state_norm"]  # the architecture stays
+
+    variants = {v: dict(spec) for v, spec in suite.variants.items()}
+    variants["koi4b_k1_only_first_film_wsd"] = {
+        **variants["koi4b_k1_only_first_film_wsd"],
+        "overrides": {**control, "elr.state_norm": False},
+    }
+    with pytest.raises(ValueError, match=r"\[koi4b_recipe_first_film_wsd\] k1_control"):
+        check_protocols(variants, suite.protocols)
+    variants = {
+        **suite.variants,
+        "base2": {**suite.variants["baseline_matched"], "groups": ["switch_wsd", "switch_cosine"]},
+    }
+    with pytest.raises(ValueError, match=r"\[base2\] in protocol groups"):
+        check_protocols(variants, suite.protocols)
+
+
+def test_flops_matched_baseline_spends_the_mixed_runs_training_flops():
+    """The FLOPs-matched baseline's updates: the suite's times F(recipe) / F(baseline), F from
+    model.num_flops_per_token at the closed-form loop counts (K = 4, uniform, 10% override: mean k 2.35)."""
+    import torch
+
+    from elr.models import build_model
+    from elr.models.from_config import model_args_from_config
+    from scripts.study_tools.protocol import expected_loop_counts, load_run_config, plan
+    from scripts.study_tools.runs import Suite
+
+    suite = Suite.load("text")
+
+    def per_token(variant: str, loops: int) -> int:
+        cfg = load_run_config(suite.config, suite.variants[variant]["overrides"], 600)
+        with torch.device("meta"):
+            model = build_model(model_args_from_config(cfg, vocab_size=257))
+        return model.num_flops_per_token(cfg.training.seq_len, loops)
+
+    base = per_token("baseline_matched_wsd", 1)
+    f1, f2 = per_token("koi4b_recipe_first_film_wsd", 1), per_token("koi4b_recipe_first_film_wsd", 2)
+    recipe = f1 + (2.35 - 1) * (f2 - f1)  # num_flops_per_token is linear in k
+    names = ["baseline_matched_wsd", "baseline_matched_wsd_flops", "koi4b_recipe_first_film_wsd"]
+    names.append("koi4b_switch50_first_film_wsd")
+    planned = plan(suite.config, suite.variants, suite.protocols, names, 600)
+    assert planned["baseline_matched_wsd_flops"]["steps"] == round(600 * recipe / base)
+    assert planned["koi4b_recipe_first_film_wsd"]["flops_vs_baseline"] == pytest.approx(recipe / base)
+    assert planned["baseline_matched_wsd"]["flops_vs_baseline"] == 1.0
+    assert "steps" not in planned["koi4b_recipe_first_film_wsd"]
+    assert {planned[v]["baseline"] for v in names} == {"baseline_matched_wsd"}
+    # a switch at 50%: one loop for updates 1..300, mixed depth after
+    switch = load_run_config(suite.config, suite.variants["koi4b_switch50_first_film_wsd"]["overrides"], 600)
+    shares = expected_loop_counts(switch)
+    assert shares[299] == {1: 1.0} and shares[300][1] == pytest.approx(0.1 + 0.9 / 4)
+    assert sum(k * p for k, p in shares[300].items()) == pytest.approx(2.35)
+    half = (f1 + recipe) / 2
+    assert planned["koi4b_switch50_first_film_wsd"]["flops_vs_baseline"] == pytest.approx(half / base)

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from trainer_utils import DEBUG_TOML, losses, records
 
 from elr.config import load_config
+from elr.data.loader import TaskDataset
 from elr.errors import ConfigError
 from elr.text import tasks
-from elr.train.data import TaskDataset
 from elr.train.trainer import Trainer
 
 
@@ -113,7 +113,7 @@ def test_task_stream_resumes_and_reshards():
 
 def test_labels_score_only_the_answer():
     task = tasks.build_task("pointer_chase", 8, 4)
-    inputs, labels = next(iter(TaskDataset(task, 3, 0, 1, seed=0, samples_per_update=3)))
+    inputs, labels, _ = next(iter(TaskDataset(task, 3, 0, 1, seed=0, samples_per_update=3)))
     assert inputs.shape == labels.shape == (3, task.row_len - 1)
     assert (labels[:, :-1] == tasks.IGNORE_INDEX).all() and (labels[:, -1] >= task.symbols**2).all()
 
@@ -174,7 +174,7 @@ def test_trainer_on_a_task_scores_answers_only_and_reports_accuracy(tmp_path):
         with torch.no_grad():  # update 1's loss: the mean cross entropy of the answers alone, 8 of them
             answers = [
                 F.cross_entropy(trainer.model(x, loops=k)[:, -1], y[:, -1], reduction="sum")
-                for (x, y), k in zip((data.samples(0), data.samples(4)), ks)
+                for (x, y, _), k in zip((data.samples(0), data.samples(4)), ks)
             ]
         expected = (sum(answers) / 8).item()
         trainer.train()

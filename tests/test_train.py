@@ -156,7 +156,7 @@ def test_switch_keeps_the_one_loop_model_exactly(tmp_path):
     run(dump, 2, *SWITCH)  # switch_at 0.5 of 2 steps: the switch checkpoint is step 1
     trainer = Trainer(load_config(DEBUG_TOML, overrides(dump, 2, *SWITCH, "--checkpoint.load_step", "1")))
     assert trainer.model_args.recurrence.conditioning and trainer.step == 1
-    inputs, _ = next(iter(trainer.train_loader))
+    inputs, *_ = next(iter(trainer.train_loader))
     with torch.no_grad():
         after = [trainer.model(inputs, loops=k) for k in (1, 2, 3)]
         trainer._build(mixed_depth=False)
@@ -267,6 +267,7 @@ def test_nonfinite_updates_are_skipped_then_abort(tmp_path):
     assert math.isnan(logged[2]) and math.isfinite(logged[3])
 
 
+@pytest.mark.slow  # a process of its own and a real SIGTERM (tests/test_signals.py: the same in this process)
 def test_sigterm_saves_a_resumable_checkpoint_and_exits_zero(tmp_path):
     dump = tmp_path / "run"
     proc = subprocess.Popen(
@@ -319,7 +320,7 @@ def test_one_loop_override_and_cross_entropy_match_a_manual_step(tmp_path):
             torch.stack(
                 [
                     F.cross_entropy(trainer.model(x, loops=k).flatten(0, 1), y.flatten())
-                    for (x, y), k in zip(batches, ks)
+                    for (x, y, _), k in zip(batches, ks)
                 ]
             )
             .mean()
@@ -364,10 +365,10 @@ def test_aux_loss_adds_coeff_times_its_microbatch_mean_to_the_gradient(tmp_path,
     batches = [next(loader) for _ in ks]
     trainer.train_loader.dataset.position = 0
     ce, aux = 0.0, []
-    for (x, y), k in zip(batches, ks):
+    for (x, y, _), k in zip(batches, ks):
         ce = ce + F.cross_entropy(model(x, loops=k).flatten(0, 1), y.flatten(), reduction="sum")
         aux.append(model.moe_aux_loss())
-    ce = ce / sum(y.numel() for _, y in batches)
+    ce = ce / sum(b.labels.numel() for b in batches)
     params = list(model.parameters())
     router = model.moe_layers()[0].router.weight
     (ce_router,) = torch.autograd.grad(ce, router, retain_graph=True)

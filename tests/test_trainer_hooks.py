@@ -114,7 +114,7 @@ def test_the_documented_stage_trains_on_the_second_halves_only(tmp_path):
         trainer.train_loader.dataset.position = 0
         with torch.no_grad():
             whole, half, scored = 0.0, 0.0, 0
-            for (x, y), k in zip(batches, ks):
+            for (x, y, _), k in zip(batches, ks):
                 per_token = F.cross_entropy(trainer.model(x, loops=k).flatten(0, 1), y.flatten(), reduction="none")
                 per_token = per_token.view(y.shape)
                 whole += per_token.mean().item() / len(ks)

@@ -2,6 +2,7 @@
 
     job.py         the dataclass sections; each key's type, default and meaning on its field, its rules in the
                    section's check() beside them; a key's choices are its Literal[...] annotation
+    data.py        the [data] section: one store, a mixture of them ([[data.sources]]), masking, tasks
     recurrence.py  the [elr] recurrence options (shared by training, inference and the export)
     rl.py          the [rl] section (the RLVR stage)
     load.py        defaults, then the TOML file, then `--section.key value` overrides

@@ -82,6 +82,34 @@ def check_across_sections(cfg: JobConfig) -> None:
         "every context-parallel slice evenly)",
         p.tensor_parallel_degree,
     )
+    for key in ("k1_anchor", "loop_consistency"):
+        if getattr(e, key):
+            require(
+                t.loss_chunk_tokens == 0,
+                "training.loss_chunk_tokens",
+                f"must be 0 with elr.{key} (its KL reads the whole logits of a microbatch)",
+                t.loss_chunk_tokens,
+            )
+            require(
+                p.tensor_parallel_degree == 1,
+                "parallelism.tensor_parallel_degree",
+                f"must be 1 with elr.{key} (its KL reads logits over the whole vocabulary)",
+                p.tensor_parallel_degree,
+            )
+    if e.k1_anchor:
+        require(
+            p.context_parallel_degree == 1 and p.expert_parallel_degree == 1,
+            "elr.k1_anchor",
+            "runs under data parallelism only (its teacher is a whole replica on every rank)",
+            e.k1_anchor,
+        )
+    if e.switch_at > 0:
+        require(
+            switch_step(cfg) + e.switch_heal_steps <= t.steps,
+            "elr.switch_heal_steps",
+            f"must end by the last step ({t.steps - switch_step(cfg)} updates follow the switch)",
+            e.switch_heal_steps,
+        )
     if cfg.rl.enable:
         _check_rl_job(cfg)
 

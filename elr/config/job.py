@@ -11,7 +11,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
-from elr.config.keys import check_fields, require
+from elr.config.data import Data
+from elr.config.keys import check_fields, check_sha256, require
 from elr.config.recurrence import RecurrenceOptions
 from elr.config.rl import RL
 
@@ -110,6 +111,34 @@ class ELR(RecurrenceOptions):
     `from_start` (the conditioning exists and trains through the one-loop phase, at k = 1 seeing E_budget[1]; the
     switch changes only the loop counts). Without a switch both build the same model; a run continued from a
     `from_start` checkpoint with `switch_at = 0` keeps `from_start` (frozen on resume)"""
+    switch_warmup_steps: int = 0
+    """the learning rate re-warms after the late switch: over this many updates from the first mixed-depth one, every
+    group's scheduled lr is scaled from 1 / (n + 1) up to 1 (re-warming, arXiv 2403.08763), so the new loops' first
+    large gradients meet a small step; 0: none"""
+    switch_heal_steps: int = 0
+    """a healing window after the late switch: for this many updates every parameter that k = 1 uses trains at its
+    scheduled lr × `switch_heal_lr_scale` (0: frozen), and only the later loops' own parameters (`identity_loops`'
+    gates, `loop_delta_rank`'s deltas) at the full lr; then everything trains (retrofitted recurrence, arXiv
+    2511.07384). Needs a switch and one of those two; 0: none"""
+    switch_heal_lr_scale: float = 0.0
+    """the lr factor, in [0, 1], of the parameters k = 1 uses during `switch_heal_steps` (0: frozen; AdamW's moments
+    still take their gradients, weight decay is scaled alike)"""
+    k1_anchor: float = 0.0
+    """weight λ of a k = 1 anchor after the late switch: on the microbatches that run one loop the loss gains λ(t) ×
+    KL(switch-point model ‖ model) per token, the teacher being a frozen copy of the model as the switch left it,
+    λ(t) decaying linearly to 0 over `k1_anchor_steps` updates; 0: none. The teacher is a whole replica on every
+    rank (no FSDP, so it never communicates) kept in the checkpoints; needs a switch, the whole-logits loss
+    (`training.loss_chunk_tokens = 0`) and no tensor, context or expert parallelism"""
+    k1_anchor_steps: int = 0
+    """updates after the late switch over which `k1_anchor`'s weight decays linearly to 0; 0: the whole mixed-depth
+    phase"""
+    loop_consistency: float = 0.0
+    """weight λ of deeper loops teaching shallower ones (LoopFormer's consistency, arXiv 2602.11451): on a microbatch
+    at k >= 2 the output block also reads the state after each loop i < k of the same forward (with budget i's
+    exit FiLM) and the loss gains λ × the mean over i of KL(p_k ‖ p_i) per token, p_k detached; one forward, so
+    every rank calls each FSDP unit once whatever its k. With the budget embedding in the loops exit i is loop i of
+    a k-loop forward, not the model at budget i. Needs the whole-logits loss (`training.loss_chunk_tokens = 0`),
+    no tensor parallelism and not `loss_every_loop`; 0: none"""
 
     def check(self) -> None:
         """The recurrence's options (RecurrenceOptions.check), then the training's; the late switch against
@@ -151,6 +180,13 @@ class ELR(RecurrenceOptions):
         )
         require(0.0 <= self.switch_at < 1.0, "elr.switch_at", "must lie in [0, 1)", self.switch_at)
         require(
+            self.loop_gate == "added" or self.loop_fade_steps > 0,
+            "elr.loop_gate",
+            "scaled needs elr.loop_fade_steps > 0 (each gate is the fade times its learned part: no fade, no loop)",
+            self.loop_gate,
+        )
+        self._check_switch_designs()
+        require(
             self.prefix_consistent or not self.loss_every_loop,
             "elr.loss_every_loop",
             "needs elr.conditioning_budget = false (with the budget embedding loop i of a k-loop run is "
@@ -178,6 +214,44 @@ class ELR(RecurrenceOptions):
             )
             require(not self.conditioning, "elr.conditioning", "needs elr.enabled = true", self.conditioning)
             require(self.switch_at == 0.0, "elr.switch_at", "needs elr.enabled = true", self.switch_at)
+
+    def _check_switch_designs(self) -> None:
+        """The late switch's lr windows and extra objectives: in range, and each with what it acts on."""
+        for key in ("switch_warmup_steps", "switch_heal_steps", "k1_anchor_steps"):
+            require(getattr(self, key) >= 0, f"elr.{key}", "must be >= 0 (0: none)", getattr(self, key))
+        for key in ("k1_anchor", "loop_consistency"):
+            require(getattr(self, key) >= 0, f"elr.{key}", "must be >= 0 (0: off)", getattr(self, key))
+        require(
+            0 <= self.switch_heal_lr_scale <= 1,
+            "elr.switch_heal_lr_scale",
+            "must lie in [0, 1]",
+            self.switch_heal_lr_scale,
+        )
+        for key in ("switch_warmup_steps", "switch_heal_steps", "k1_anchor"):
+            require(
+                self.switch_at > 0 or not getattr(self, key),
+                f"elr.{key}",
+                "needs a late switch (elr.switch_at > 0)",
+                getattr(self, key),
+            )
+        require(
+            self.k1_anchor > 0 or not self.k1_anchor_steps,
+            "elr.k1_anchor_steps",
+            "needs elr.k1_anchor > 0",
+            self.k1_anchor_steps,
+        )
+        require(
+            not self.switch_heal_steps or self.identity_loops or self.loop_delta_rank > 0,
+            "elr.switch_heal_steps",
+            "needs parameters of the later loops' own to train (elr.identity_loops or elr.loop_delta_rank > 0)",
+            self.switch_heal_steps,
+        )
+        require(
+            not (self.loop_consistency and self.loss_every_loop),
+            "elr.loop_consistency",
+            "and elr.loss_every_loop both score the loops' exits: choose one",
+            self.loop_consistency,
+        )
 
 
 def check_loop_weights(key: str, weights: list[float], max_loops: int) -> None:
@@ -299,52 +373,6 @@ class LRScheduler:
         require(self.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0", self.warmup_steps)
         require(0 < self.decay_fraction <= 1, "lr_scheduler.decay_fraction", "must lie in (0, 1]", self.decay_fraction)
         require(0 <= self.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "must lie in [0, 1]", self.min_lr_ratio)
-
-
-@dataclass
-class Data:
-    """[data]: each key's meaning is the string under its field."""
-
-    path: str = "data/tinyprose"
-    """folder with train.bin, val.bin, meta.json from scripts/prepare_data.py; a chat folder (`--format chat`,
-    elr/text/chat_data.py) serves one conversation per row, its assistant tokens scored"""
-    shuffle: bool = True
-    """permute windows each epoch (O(1)-memory bijection seeded by seed and epoch)"""
-    task: Literal["", "pointer_chase", "var_chain"] = ""
-    """a depth-bound task generated on the fly instead of token files: `pointer_chase` or `var_chain` (its own
-    vocabulary, loss on the answer only, validation accuracy per difficulty at every k; data parallelism only)"""
-    task_items: int = 8
-    """pairs (pointer_chase) or statements (var_chain) in each example's context"""
-    task_max_difficulty: int = 6
-    """hops (pointer_chase) or binding depth (var_chain) drawn from 1..this"""
-    task_curriculum_steps: int = 0
-    """updates over which the hardest difficulty drawn grows from 1 to the maximum in equal stages; 0: all from
-    the start"""
-    meta_sha256: str = ""
-    """the SHA-256 of `path`'s meta.json (64 hex digits), checked when set; empty: the trainer records it here in
-    config.json, so a resume refuses a data folder that was prepared again since the run began"""
-
-    def check(self) -> None:
-        check_fields(self, "data")
-        check_sha256("data.meta_sha256", self.meta_sha256)
-        if self.task:
-            require(self.task_items >= 2, "data.task_items", "must be >= 2", self.task_items)
-            require(1 <= self.task_max_difficulty, "data.task_max_difficulty", "must be >= 1", self.task_max_difficulty)
-            require(
-                self.task_curriculum_steps >= 0,
-                "data.task_curriculum_steps",
-                "must be >= 0 (0 = off)",
-                self.task_curriculum_steps,
-            )
-
-
-def check_sha256(key: str, sha: str) -> None:
-    require(
-        sha == "" or (len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha)),
-        key,
-        "must be empty or 64 lowercase hex digits",
-        sha,
-    )
 
 
 @dataclass

@@ -20,6 +20,8 @@ from typing import Literal
 
 from elr.errors import ConfigError
 
+MAX_STRING = 16_384  # characters: a path (Linux allows 4,096 bytes), a name, a description; more is a mistake
+
 
 def require(ok: bool, key: str, message: str, value) -> None:
     """The one form of a config error: `section.key: message (got value)`, raised unless ok."""
@@ -41,6 +43,15 @@ def check_choice(key: str, value, allowed: tuple) -> None:
     """A choice key's value is one of its choices (the empty string spelt `""`)."""
     spelt = ", ".join(choice if choice != "" else '""' for choice in allowed)
     require(value in allowed, key, f"must be one of {spelt}", value)
+
+
+def check_sha256(key: str, sha: str) -> None:
+    require(
+        sha == "" or (len(sha) == 64 and all(ch in "0123456789abcdef" for ch in sha)),
+        key,
+        "must be empty or 64 lowercase hex digits",
+        sha,
+    )
 
 
 def check_fields(section, table: str) -> None:
@@ -67,7 +78,11 @@ def coerce(key: str, value, typ):
             value = [v for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if dataclasses.is_dataclass(item_type):  # a list of tables, [[section.key]]: each named by its place
+            return [coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
         return [coerce(key, v, item_type) for v in value]
+    if dataclasses.is_dataclass(typ):
+        return _table(key, value, typ)
     if typ is bool:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
             return value.lower() in ("true", "1")
@@ -87,10 +102,30 @@ def coerce(key: str, value, typ):
             raise ConfigError(f"{key}: expected a finite number below 2^63 in size, got {value!r}")
         return typ(value)
     if typ is str:
+        if isinstance(value, str) and len(value) > MAX_STRING:  # named by its size: never echoed
+            raise ConfigError(
+                f"{key}: a string of {len(value):,} characters; a config string is at most {MAX_STRING:,}"
+            )
         if isinstance(value, str) and "\x00" not in value:
             return value
         raise ConfigError(f"{key}: expected a string without NUL characters, got {value!r}")
     raise TypeError(f"unsupported config type {typ} for {key}")
+
+
+def _table(key: str, value, typ):
+    """A table of a list of tables (a dataclass), from TOML's dict, a saved config's, or the command line's
+    text (the dataclass's `from_text`); each of its keys checked by its annotated type."""
+    if isinstance(value, typ):
+        return value
+    if isinstance(value, str) and hasattr(typ, "from_text"):
+        value = typ.from_text(key, value)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a table, got {value!r}")
+    hints = typing.get_type_hints(typ)
+    for name in value:
+        if name not in hints:
+            raise ConfigError(f"{key}: unknown key {name!r}{_did_you_mean(name, list(hints))}")
+    return typ(**{name: coerce(f"{key}.{name}", v, hints[name]) for name, v in value.items()})
 
 
 def key_type(cfg, key: str):

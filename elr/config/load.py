@@ -15,6 +15,8 @@ from elr.config.job import JobConfig
 from elr.config.keys import apply_tables, check_key, key_type, parse_overrides, set_key
 from elr.errors import ConfigError
 
+MAX_CONFIG_BYTES = 2**20  # the shipped configs are 1-3 KB
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Defaults, then the TOML file, then CLI overrides; validated before returning."""
@@ -23,9 +25,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"--config: no such file {path}")
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)  # never more: a huge file is refused by its size, unparsed
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"--config: {path} is over {MAX_CONFIG_BYTES // 2**20} MiB ({path.stat().st_size:,} bytes); a job "
+                "config is a few kilobytes, so it was not parsed: is it the right file?"
+            )
         try:
-            with open(path, "rb") as f:
-                raw = tomli.load(f)
+            raw = tomli.loads(data.decode("utf-8"))
         except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"--config: {path} is not valid TOML ({e})") from None
         apply_tables(cfg, raw)
@@ -49,16 +57,22 @@ BUNDLED_PATHS = ("data.path", "tokenizer.path")  # the shipped configs name file
 
 
 def resolve_bundled_paths(cfg: JobConfig, cwd: Path | None = None) -> None:
-    """A relative data or tokenizer path that does not exist from the working directory but does
+    """A relative data (or data source) or tokenizer path that does not exist from the working directory but does
     under the repository (the bundled data/) is made absolute there, so `python /path/to/train.py`
     works from any directory. What exists from the working directory wins; config.json records the
     path that was used."""
     cwd = cwd or Path.cwd()
+
+    def bundled(value: str) -> str:
+        if value and not Path(value).is_absolute() and not (cwd / value).exists() and (REPOSITORY / value).exists():
+            return str(REPOSITORY / value)
+        return value
+
     for key in BUNDLED_PATHS:
         section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value and not Path(value).is_absolute() and not (cwd / value).exists() and (REPOSITORY / value).exists():
-            setattr(getattr(cfg, section), name, str(REPOSITORY / value))
+        setattr(getattr(cfg, section), name, bundled(getattr(getattr(cfg, section), name)))
+    for source in cfg.data.sources:  # the shipped configs' mixture names bundled folders too
+        source.path, source.val_path = bundled(source.path), bundled(source.val_path)
 
 
 def upgraded(raw: dict) -> dict:

@@ -78,6 +78,20 @@ class RecurrenceOptions:
     s_i = s_{i-1} + γ_i ⊙ (u_i − s_{i-1}) with u_i the update rule's result, and the conditioning of loop index or
     budget j >= 2 is that of 1 plus a zero-initialised offset; so at init, and at a late switch after a one-loop
     phase, every k computes exactly what k = 1 computes (function-preserving growth)"""
+    loop_gate: Literal["added", "scaled"] = "added"
+    """`identity_loops`: how each gate γ_i combines its learned part w_i with the fade f (a ramp from 0 to 1 after the
+    late switch, `loop_fade_steps`): `added`, γ_i = w_i + f, which the optimizer can cancel (w_i → −f shuts the loop
+    the ramp opened); `scaled`, γ_i = f · max(1 + w_i, `loop_gate_floor`), the loop opened by a schedule the
+    optimizer cannot undo (masked structural growth, arXiv 2305.02869): w_i scales the open loop but never takes
+    it below `loop_gate_floor` × f. Both are 0 before the fade starts, so the switch stays function-preserving"""
+    loop_gate_floor: float = 0.0
+    """`loop_gate = scaled`: the least a loop's gate can be, as a fraction of the fade (γ_i >= floor × f), in [0, 1];
+    below it w_i gets no gradient. 0: the learned part may still shut a loop (then the gate's gradient is 0)"""
+    loop_delta_rank: int = 0
+    """r > 0: loops 2..K get their own rank-r delta on every recurrent sublayer, y = L(h) + B_{i,l} A_{i,l} h (h the
+    sublayer's normed input; B zero-initialised, A small), so the later loops need not move the shared weights that
+    k = 1 runs on (the layer-wise LoRA of Relaxed Recursive Transformers, arXiv 2410.20672, applied to each sublayer
+    as a whole); zero at init and at a late switch, so the switch stays function-preserving. 0: none"""
 
     @classmethod
     def baseline(cls) -> RecurrenceOptions:
@@ -111,6 +125,18 @@ class RecurrenceOptions:
             self.conditioning_later_loops,
         )
         require(
+            self.identity_loops or self.loop_gate == "added",
+            "elr.loop_gate",
+            "scaled needs elr.identity_loops = true (it shapes the identity loops' gates)",
+            self.loop_gate,
+        )
+        require(
+            self.loop_gate == "scaled" or not self.loop_gate_floor,
+            "elr.loop_gate_floor",
+            "needs elr.loop_gate = scaled",
+            self.loop_gate_floor,
+        )
+        require(
             self.conditioning or not self.conditioning_exit,
             "elr.conditioning_exit",
             "needs elr.conditioning = true",
@@ -132,6 +158,8 @@ class RecurrenceOptions:
         require(
             self.initial_state_noise >= 0, "elr.initial_state_noise", "must be >= 0 (0: off)", self.initial_state_noise
         )
+        require(0 <= self.loop_gate_floor <= 1, "elr.loop_gate_floor", "must lie in [0, 1]", self.loop_gate_floor)
+        require(self.loop_delta_rank >= 0, "elr.loop_delta_rank", "must be >= 0 (0: none)", self.loop_delta_rank)
 
     @property
     def prefix_consistent(self) -> bool:

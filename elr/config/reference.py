@@ -74,11 +74,20 @@ def config_keys() -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
         cls = s.default_factory
         hints, defaults, docs = typing.get_type_hints(cls), cls(), key_docs(cls)
         keys = [
-            (f.name, type_name(hints[f.name]), show_default(getattr(defaults, f.name)), docs.get(f.name, ""))
+            (f.name, type_name(hints[f.name]), show_default(getattr(defaults, f.name)), key_doc(f.name, hints, docs))
             for f in dataclasses.fields(cls)
         ]
         sections.append((s.name, (cls.__doc__ or "").strip().splitlines()[0], keys))
     return sections
+
+
+def key_doc(name: str, hints: dict, docs: dict[str, str]) -> str:
+    """A key's doc; a list of tables (`[[data.sources]]`) adds each of its tables' keys with theirs."""
+    doc = docs.get(name, "")
+    typ = hints[name]
+    if typing.get_origin(typ) is list and dataclasses.is_dataclass(item := typing.get_args(typ)[0]):
+        doc += ". Each table: " + "; ".join(f"`{key}`: {text}" for key, text in key_docs(item).items())
+    return doc
 
 
 def help_text() -> str:

@@ -37,18 +37,9 @@ from __future__ import annotations
 
 import torch
 
+from elr.infer.kv_modes import MODES, keeps_per_loop
 from elr.models.budget import LoopBudget, as_loop_budget, budget_range
 from elr.models.layers import LAYER_KINDS
-
-# mode -> the kinds of state (InferenceState.name) a recurrent layer keeps once per loop (None: all)
-PER_LOOP_STATES = {"per_loop": None, "last_loop_kv": ("gdp_state",), "last_loop": ()}
-MODES = tuple(PER_LOOP_STATES)
-
-
-def keeps_per_loop(mode: str, state_name: str) -> bool:
-    """Whether a recurrent layer whose kind keeps `state_name` has one entry per loop in `mode`."""
-    kinds = PER_LOOP_STATES[mode]
-    return kinds is None or state_name in kinds
 
 
 class InferenceCache:

@@ -10,7 +10,6 @@ line then says the mean loops its tokens ran.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TextIO
 
@@ -18,6 +17,7 @@ from elr.errors import DataError
 from elr.infer.generate import GREEDY, AdaptiveDepth, Sampling, generate
 from elr.models.early_exit import ExitRule
 from elr.text.chat import check_messages, encode_conversation
+from elr.text.json_text import parse_json
 
 HELP = (
     "commands: /loops N (the loop count of the next replies; auto: each token picks its depth), "
@@ -56,9 +56,10 @@ def reply(
 def read_messages(path: str | Path) -> list[dict]:
     """A JSON list of {"role", "content"} ending in a turn to answer (not an assistant's), or one DataError."""
     try:
-        messages = json.loads(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, ValueError) as e:
         raise DataError(f"--messages: {path} is not a readable JSON list of messages ({e})") from None
+    messages = parse_json(text, f"--messages {path}")
     check_messages(messages, f"--messages {path}", need_assistant=False)
     if messages[-1]["role"] == "assistant":
         raise DataError(f"--messages {path}: the last message is the assistant's; end with a user message")

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from elr.data.folders import SHARDED, split_tokens
 from elr.infer.cache import InferenceCache
 from elr.infer.generate import AdaptiveDepth
 from elr.text.chat_data import IGNORE_INDEX, ChatSplit
@@ -201,15 +202,17 @@ def score_multiple_choice(
 
 
 def read_tokens(path: str | Path) -> np.ndarray:
-    """A token file written by scripts/prepare_data.py, with the dtype from meta.json beside it."""
+    """A split of a folder written by scripts/prepare_data.py, `folder/val.bin`: the older single file with the
+    dtype from meta.json beside it, or a sharded folder's shards of that split (elr/data/folders.py)."""
     path = Path(path)
     meta_path = path.parent / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
-        dtype = {"uint16": np.uint16, "uint32": np.uint32}[meta["dtype"]]
-    except (ValueError, KeyError, TypeError) as e:  # user errors: scripts print ValueError in one line
+        sharded = meta.get("format") == SHARDED
+        dtype = None if sharded else {"uint16": np.uint16, "uint32": np.uint32}[meta["dtype"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # user errors: scripts print ValueError in one line
         raise ValueError(f"{meta_path}: no valid dtype ({type(e).__name__}: {e})") from None
-    return np.memmap(path, dtype=dtype, mode="r")
+    return split_tokens(path.parent, path.stem) if sharded else np.memmap(path, dtype=dtype, mode="r")
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from elr.infer.cache import MODES, keeps_per_loop
+from elr.infer.kv_modes import MODES, keeps_per_loop
 from elr.models import ModelArgs
 from elr.models.layers import LAYER_KINDS
 

@@ -7,6 +7,7 @@ Only files listed in the export's manifest (elr/interop/hf_hashes.py) and lying 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -49,16 +50,29 @@ def write_weights(
         shards[-1][name] = tensor.detach().cpu().contiguous()
         size += nbytes
     if len(shards) == 1:
-        st.save_file(shards[0], str(folder / SINGLE), metadata={"format": "pt"})
+        _save(st, shards[0], folder / SINGLE)
         return [SINGLE]
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map = {}
     for name, shard in zip(names, shards):
-        st.save_file(shard, str(folder / name), metadata={"format": "pt"})
+        _save(st, shard, folder / name)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in state_dict.values())
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return [*names, INDEX]
+
+
+def _save(st, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with the file readable as the umask allows (0644 under the usual 022), as every
+    other file of an export is: safetensors writes it 0600, which other users and services cannot read."""
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask sets it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def weight_files(folder: Path, listed: set[str]) -> list[str]:

@@ -52,9 +52,13 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(w.weight, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, std=out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, cache=None, document_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`cache` (inference only: this layer's AttentionKV entry, below) stores this chunk's keys and values and
-        hands back every cached one with the mask that hides padding and the future."""
+        hands back every cached one with the mask that hides padding and the future. `document_mask` (documents
+        packed into one row, elr/models/documents.py): the block-causal mask over the same keys, which replaces
+        the causal one, so no query sees another document."""
         B, T, _ = x.shape  # heads counted from the projections: under TP each rank has its own share
         q = apply_partial_rope(self.wq(x).view(B, T, -1, self.head_dim), rope).transpose(1, 2)
         k = apply_partial_rope(self.wk(x).view(B, T, -1, self.head_dim), rope).transpose(1, 2)
@@ -64,6 +68,8 @@ class Attention(nn.Module):
             k, v, mask = cache.update(k, v)
         elif self.context_parallel is not None:  # this shard's and every earlier shard's keys, mask offset
             k, v, mask = self.context_parallel.gather_kv(k, v)
+        if document_mask is not None:
+            mask = document_mask
         o = F.scaled_dot_product_attention(
             q,
             k,

@@ -33,6 +33,8 @@ class ShortConv(nn.Module):
 
     `state` holds the previous kernel_size - 1 inputs [B, kernel_size - 1, C] (zeros at the start
     of a sequence); forward also returns the last kernel_size - 1 inputs, the next chunk's state.
+    `positions` [B, T] (each token's position in its document, elr/models/documents.py): a tap that
+    would reach back past the token's document start reads zero instead, as if the document ran alone.
     """
 
     def __init__(self, channels: int, kernel_size: int):
@@ -42,14 +44,23 @@ class ShortConv(nn.Module):
     def init_weights(self):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, state: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         width = self.weight.shape[-1] - 1
         if state is None:
             state = x.new_zeros(B, width, C)
         x = torch.cat([state.to(x.dtype), x], dim=1)
-        y = F.conv1d(x.transpose(1, 2), self.weight, groups=C)
-        return F.silu(y).transpose(1, 2), x[:, x.shape[1] - width :]
+        if positions is None:
+            y = F.conv1d(x.transpose(1, 2), self.weight, groups=C)
+            return F.silu(y).transpose(1, 2), x[:, x.shape[1] - width :]
+        # Tap i reads the input width - i tokens back: kept where that is still the token's document.
+        y = sum(
+            x[:, i : i + T] * self.weight[:, 0, i] * (positions >= width - i)[..., None].to(x.dtype)
+            for i in range(width + 1)
+        )
+        return F.silu(y), x[:, x.shape[1] - width :]
 
 
 class GatedDeltaProduct(nn.Module):
@@ -87,9 +98,11 @@ class GatedDeltaProduct(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.o_norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, document_positions: torch.Tensor | None = None) -> torch.Tensor:
         """`cache` (inference only: this layer's GDPState entry, below) carries the recurrent and short-conv state
-        from the previous chunk in and this chunk's out; padding positions leave both untouched."""
+        from the previous chunk in and this chunk's out; padding positions leave both untouched.
+        `document_positions` [B, T] (documents packed into one row, elr/models/documents.py): the state restarts
+        from zero at each document start (position 0) and the short convolutions stay inside each document."""
         B, T, _ = x.shape
         D, n_h = self.head_dim, self.n_householder
         H = self.A_log.shape[0]  # under tensor parallelism, this rank's heads
@@ -100,9 +113,10 @@ class GatedDeltaProduct(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.context_parallel is not None:  # the previous shard's last inputs start the convolutions
             conv_states = self.context_parallel.conv_states([q, k, v], self.q_conv.weight.shape[-1] - 1)
-        q, q_tail = self.q_conv(q, conv_states[0])
-        k, k_tail = self.k_conv(k, conv_states[1])
-        v, v_tail = self.v_conv(v, conv_states[2])
+        q, q_tail = self.q_conv(q, conv_states[0], document_positions)
+        k, k_tail = self.k_conv(k, conv_states[1], document_positions)
+        v, v_tail = self.v_conv(v, conv_states[2], document_positions)
+        resets = document_positions == 0 if document_positions is not None else None
         q = F.normalize(q.reshape(B, T, H, D), dim=-1, eps=1e-6)
         k = F.normalize(k.reshape(B, T, H, n_h, D).transpose(2, 3).reshape(B, T * n_h, H, D), dim=-1, eps=1e-6)
         v = v.reshape(B, T, H, n_h, D).transpose(2, 3).reshape(B, T * n_h, H, D)
@@ -112,7 +126,9 @@ class GatedDeltaProduct(nn.Module):
             beta, g = beta * valid, g * valid
         beta = beta.view(B, T, H, n_h).transpose(2, 3).reshape(B, T * n_h, H)
         if self.context_parallel is not None:
-            o = self.context_parallel.gated_delta_product(q, k, v, g, beta, num_householder=n_h, impl=self.impl)
+            o = self.context_parallel.gated_delta_product(
+                q, k, v, g, beta, num_householder=n_h, impl=self.impl, resets=resets
+            )
         elif cache is not None and T == 1:  # decoding: the one-token step (the Triton kernel on CUDA)
             o, state = gated_delta_product_step(q, k, v, g, beta, cache.state, num_householder=n_h, impl=self.impl)
         else:
@@ -126,6 +142,7 @@ class GatedDeltaProduct(nn.Module):
                 impl=self.impl,
                 initial_state=cache.state if cache is not None else None,
                 output_final_state=cache is not None,
+                resets=resets,
             )
         if cache is not None:
             cache.write(state, (q_tail, k_tail, v_tail))

@@ -86,7 +86,9 @@ class LayerKind:
     build: Callable[[ModelArgs], nn.Module]  # the sublayer: init_weights(out_std), forward(x, *inputs)
     flops_per_token: Callable[[ModelArgs, int], int]  # training FLOPs (3 x forward) per token at seq_len
     tensor_split: Callable[[ModelArgs, int], TensorSplit]  # at a TP degree
-    inputs: tuple[str, ...] = ()  # what forward takes after x, in order: "rope", "cache", "route"
+    # what forward takes after x, in order: "rope", "cache", "route", "document_mask" (the block-causal
+    # attention mask), "document_positions" (each token's position in its document); elr/models/documents.py
+    inputs: tuple[str, ...] = ()
     mixes_tokens: bool = False  # a position's output reads other positions: takes the CP hook
     inference_state: InferenceState | None = None  # None: nothing kept between decoding calls
     gates: tuple[str, ...] = ()  # linear submodules that produce gate values: AdamW, not Muon

@@ -15,6 +15,7 @@ from torch import nn
 from elr.errors import ConfigError
 from elr.models.args import ModelArgs
 from elr.models.attention import Attention, AttentionKV, attention_flops, attention_kv_bytes, attention_split
+from elr.models.documents import Documents
 from elr.models.ffn import MoE, dense_feed_forward, dense_flops, dense_split, moe_flops, moe_split
 from elr.models.gdp import HEAD_MAJOR, GatedDeltaProduct, GDPState, gdp_flops, gdp_split, gdp_state_bytes
 from elr.models.kinds import InferenceState, LayerKind
@@ -28,7 +29,7 @@ LAYER_KINDS: dict[str, LayerKind] = {
             Attention,
             attention_flops,
             attention_split,
-            inputs=("rope", "cache"),
+            inputs=("rope", "cache", "document_mask"),
             mixes_tokens=True,
             inference_state=InferenceState("attention_kv", AttentionKV, attention_kv_bytes),
         ),
@@ -38,7 +39,7 @@ LAYER_KINDS: dict[str, LayerKind] = {
             GatedDeltaProduct,
             gdp_flops,
             gdp_split,
-            inputs=("cache",),
+            inputs=("cache", "document_positions"),
             mixes_tokens=True,
             inference_state=InferenceState("gdp_state", GDPState, gdp_state_bytes),
             gates=("a_proj", "b_proj"),
@@ -61,7 +62,9 @@ class Layer(nn.Module):
 
     In the recurrent block a FiLM triple (scale, shift, gate) from the loop conditioning turns
     this into x + (1 + gate) * sublayer(norm(x) * (1 + scale) + shift); all zeros is the plain layer.
-    The sublayer is handed what its kind takes beside its input (`LayerKind.inputs`).
+    The sublayer is handed what its kind takes beside its input (`LayerKind.inputs`); `documents`
+    (elr/models/documents.py) gives "document_mask" and "document_positions", None without masking. `delta` (a
+    later loop's own low-rank map, elr/models/recurrence.py's LoopDeltas) adds delta(h) to the sublayer's output.
     """
 
     def __init__(self, kind: str, args: ModelArgs):
@@ -75,15 +78,28 @@ class Layer(nn.Module):
         self.norm.reset_parameters()
         self.sublayer.init_weights(out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, film=None, route=None, cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        film=None,
+        route=None,
+        cache=None,
+        documents: Documents | None = None,
+        delta=None,
+    ) -> torch.Tensor:
         h = self.norm(x)
         gate = None
         if film is not None:
             scale, shift, *gate = film
             h = h * (1 + scale) + shift
             gate = gate[0] if gate else None
-        given = {"rope": rope, "cache": cache, "route": route}
+        given = {"rope": rope, "cache": cache, "route": route, "document_mask": None, "document_positions": None}
+        if documents is not None:
+            given.update(document_mask=documents.mask, document_positions=documents.positions)
         y = self.sublayer(h, *[given[name] for name in self.inputs])
+        if delta is not None:
+            y = y + delta(h)
         return x + (y if gate is None else (1 + gate) * y)
 
 

@@ -13,6 +13,7 @@ from elr.models.args import ModelArgs
 from elr.models.attention import rope_table
 from elr.models.budget import LoopBudget, as_loop_budget
 from elr.models.cache import Cache
+from elr.models.documents import Documents, check_document_ids, document_layout
 from elr.models.early_exit import ExitRule
 from elr.models.ffn import MoE
 from elr.models.gdp import ShortConv
@@ -34,6 +35,7 @@ PARAMETER_ROLES = {
     "step_size": "the ELR adaptive step's parameters (elr/models/recurrence.py, AdaptiveStep)",
     "conditioning": "the loop conditioning's embeddings and FiLM heads (LoopConditioning)",
     "loop_gate": "the zero-initialised gates of loops 2..K (`identity_loops`, LoopGates)",
+    "loop_delta": "the low-rank deltas of loops 2..K on the recurrent sublayers (`loop_delta_rank`, LoopDeltas)",
 }
 
 
@@ -85,14 +87,22 @@ class ELRModel(nn.Module):
         head: bool = True,
         every_loop: bool = False,
         exit_rule: ExitRule | None = None,
+        document_ids: torch.Tensor | None = None,
+        loop_exits: bool = False,
     ) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, T, vocab], running the recurrent block `loops` times: an int,
         or a LongTensor [B] of per-row budgets (elr/models/budget.py; each row gets what it gets alone).
 
+        `document_ids` [B, T] (an integer per token; equal neighbours are one document, a change of value
+        starts the next): documents packed into one row never see each other, at every loop; each token
+        gets what it gets in its document run alone (elr/models/documents.py). None: no masking.
+
         head=False returns the normed final hidden state [B, T, dim] instead, for a loss that applies
         `self.output` itself a chunk of tokens at a time (elr/train/loss.py). every_loop=True (training,
         a prefix-consistent block) runs the output block on the state after each loop i = 1..k, one
-        batch of k x B rows: [k, B, T, ...], the model at every budget up to k in one forward.
+        batch of k x B rows: [k, B, T, ...], the model at every budget up to k in one forward. loop_exits=True
+        reads the same exits from any block: with the budget embedding in the loops, exit i is then loop i of this
+        k-loop forward (with budget i's exit FiLM), not the model at budget i (elr.loop_consistency's students).
 
         With `cache` (inference; the interface is elr/models/cache.py's Cache, elr/infer/cache.py builds
         one) `tokens` continue the cached sequences: each row's positions come from the cache, and the
@@ -103,25 +113,40 @@ class ELRModel(nn.Module):
         each token ran are then `loops_used()`.
         """
         loops = as_loop_budget(loops, tokens.shape[0], tokens.device)
-        rope = self.positions(tokens, loops, cache)
+        every_loop = every_loop or loop_exits
+        documents = self.documents(tokens, document_ids, cache)
+        rope = self.positions(tokens, loops, cache, documents)
         for moe in self.moe_layers():
             moe.aux_loss = None
         h = self.tok_embeddings(tokens)
         for layer in self.input_layers:
-            h = layer(h, rope, cache=cache.entry(layer, 1) if cache is not None else None)
+            h = layer(h, rope, cache=cache.entry(layer, 1) if cache is not None else None, documents=documents)
         h, exit_films = self.recurrent(
-            h, rope, loops, cache, every_loop=every_loop, exit_rule=exit_rule, readout=self.readout
+            h,
+            rope,
+            loops,
+            cache,
+            every_loop=every_loop,
+            exit_rule=exit_rule,
+            readout=self.readout,
+            documents=documents,
+            any_block=loop_exits,
         )
         if every_loop:
             h = torch.cat(h)
-        h = self.readout(h, rope, cache, exit_films, head)
+            if documents is not None:  # the exits of loops 1..k, stacked as k x B rows
+                documents, rope = documents.repeat(loops), rope.repeat(1, loops, 1, 1)
+        h = self.readout(h, rope, cache, exit_films, head, documents)
         if cache is not None:
             cache.advance()
         return h.unflatten(0, (loops, tokens.shape[0])) if every_loop else h
 
-    def positions(self, tokens: torch.Tensor, loops: LoopBudget, cache: Cache | None) -> torch.Tensor:
+    def positions(
+        self, tokens: torch.Tensor, loops: LoopBudget, cache: Cache | None, documents: Documents | None = None
+    ) -> torch.Tensor:
         """The RoPE table at the tokens' positions: [2, T, rope_dim // 2] from 0 (or from this rank's
-        slice under context parallelism), or [2, B, T, rope_dim // 2] continuing each cached row."""
+        slice under context parallelism), or [2, B, T, rope_dim // 2] continuing each cached row or,
+        with packed `documents`, restarting at each document's start."""
         if cache is not None:
             if self.context_parallel is not None:
                 raise ValueError("inference caches do not run under context parallelism; generate without a CP group")
@@ -131,7 +156,30 @@ class ELRModel(nn.Module):
             start, T = self.context_parallel.positions(T)
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.args.max_seq_len}")
+        if documents is not None:
+            return self.rope[:, documents.positions]
         return self.rope[:, start : start + tokens.shape[1]]
+
+    def documents(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None, cache: Cache | None
+    ) -> Documents | None:
+        """What the layers read of the documents packed into each row (elr/models/documents.py), once per
+        forward; None without `document_ids`. Under context parallelism every shard's ids are gathered
+        first: a shard's first document may have started in an earlier shard."""
+        if document_ids is None:
+            return None
+        if cache is not None:
+            raise ValueError(
+                "document_ids mask documents packed into whole rows; a forward through an inference cache "
+                "continues one sequence per row: decode without them"
+            )
+        check_document_ids(document_ids, tokens)
+        start, ids = 0, document_ids
+        if self.context_parallel is not None:
+            start, _ = self.context_parallel.positions(tokens.shape[1])
+            ids = self.context_parallel.gather_document_ids(document_ids)
+        with_mask = any("document_mask" in LAYER_KINDS[layer.kind].inputs for layer in self.layers())
+        return document_layout(ids, start, tokens.shape[1], with_mask)
 
     def readout(
         self,
@@ -140,12 +188,14 @@ class ELRModel(nn.Module):
         cache: Cache | None = None,
         exit_films: list | None = None,
         head: bool = True,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """The output block, norm and head on a recurrent state (with the exit FiLM of its budget, where
         the model has exit heads): logits, or with head=False the normed hidden state. Exit rules that
         compare loops read every loop's state through it (RecurrentBlock.elastic_forward)."""
         for layer, film in zip(self.output_layers, exit_films or [None] * len(self.output_layers)):
-            h = layer(h, rope, film=film, cache=cache.entry(layer, 1) if cache is not None else None)
+            entry = cache.entry(layer, 1) if cache is not None else None
+            h = layer(h, rope, film=film, cache=entry, documents=documents)
         h = self.norm(h)
         return self.output(h) if head else h
 
@@ -178,6 +228,7 @@ class ELRModel(nn.Module):
         declare(self.recurrent.step_size, "step_size")
         declare(self.recurrent.conditioning, "conditioning")
         declare(self.recurrent.loop_gates, "loop_gate")
+        declare(self.recurrent.loop_deltas, "loop_delta")
         for module in self.modules():
             if isinstance(module, MoE):
                 declare(module.router, "router")
@@ -262,7 +313,8 @@ class ELRModel(nn.Module):
         heads (once per sequence) and elementwise work (the state norm). The input adapter
         (state_plus_adapted_input) counts once: W h_in is computed once per forward. Under truncated
         backprop (`backprop_loops`) the loops before the window run forward only (a third), and so
-        does the input block when no input is re-injected (no gradient reaches it).
+        does the input block when no input is re-injected (no gradient reaches it). The later loops' low-rank
+        deltas (`loop_delta_rank` r) add 12 r dim per recurrent layer to each loop past the first.
         """
         a = self.args
         n_in, n_rec, _ = a.partition
@@ -278,4 +330,5 @@ class ELRModel(nn.Module):
         forward_only = loops - window if window and loops > window and not every_loop else 0
         if forward_only and a.recurrence.recurrent_input == "state":
             once //= 3
-        return once + (loops - forward_only) * recurrent + forward_only * recurrent // 3 + exits * after
+        deltas = 12 * a.recurrence.loop_delta_rank * a.dim * n_rec * max(loops - 1, 0)
+        return once + (loops - forward_only) * recurrent + forward_only * recurrent // 3 + exits * after + deltas

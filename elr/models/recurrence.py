@@ -8,6 +8,9 @@
         r_i  = R(s~_i ; c_{i,k})       c_{i,k} = E_loop[i] + E_budget[k] drives per-layer FiLM heads
         s_i  = update(s_{i-1}, s~_i, r_i)   (identity_loops: s_{i-1} + γ_i (s_i - s_{i-1}) for i >= 2, γ = 0 at init)
 
+(loop_delta_rank r: in loops i >= 2 each recurrent sublayer L_l adds B_{i,l} A_{i,l} h, h its normed input,
+B = 0 at init.)
+
 r_i is the recurrent block's full output: its layers are pre-norm residual, so r_i = s~_i + (what
 the layers add). The update rules (the paper's Figure 4a compares a learned step with parameter-free
 residual addition or replacement; the formulas are our reading, docs/LOG.md):
@@ -24,13 +27,15 @@ init or outside k = 1: the adapter W starts at zero, the state norm and the nois
 before loops 2..k, and truncated backprop changes gradients, not the forward. `depth_scaled_init`
 changes only the initial weights (elr/models/model.py). `identity_loops` makes every loop past the first an
 identity at init (zero gates, conditioning offsets from index 1 that start at zero), so a model grown from a
-one-loop phase at a late switch computes at every k what it computed at k = 1.
+one-loop phase at a late switch computes at every k what it computed at k = 1; `loop_gate = "scaled"` makes
+each gate the fade times the learned part, so the optimizer cannot shut what the fade opens, and
+`loop_delta_rank` gives loops 2..K low-rank deltas of their own on the shared sublayers (zero at init).
 
 The training forward (`RecurrentBlock.forward`) runs the loop above and nothing else. Elastic depth,
 the inference concerns (a budget per row, a cache, an exit rule: `RecurrentBlock.elastic_forward`),
 wraps the same loop body, `step`, from outside, holding in place the rows or tokens that stop early.
 What every loop of a forward reads besides the state (h_in, W h_in, RoPE, MoE routes, the budget, the
-cache) is one `LoopContext`, built once per forward.
+cache, the packed documents) is one `LoopContext`, built once per forward.
 
 The block and its loop are one module, so FSDP can make it one unit that is called exactly once
 per microbatch whatever k is (a unit called a different number of times on different ranks
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +58,7 @@ from elr.config.recurrence import RecurrenceOptions
 from elr.models.args import ModelArgs
 from elr.models.budget import LoopBudget, budget_range
 from elr.models.cache import Cache
+from elr.models.documents import Documents
 from elr.models.early_exit import ExitRule
 from elr.models.ffn import Route
 
@@ -97,24 +104,50 @@ class LoopGates(nn.Module):
     update rule proposes, so a loop past the first starts as the identity and opens as training finds it
     useful (the growth of Net2Net and ReZero: the grown network computes what the smaller one did).
 
-    γ_i = weight_i + fade: `fade` is a scalar the trainer raises from 0 to 1 after a late switch
-    (elr.loop_fade_steps) and that stays in the checkpoint, so a model read at any step computes what it
-    trained; 0 without a fade."""
+    `fade` is a scalar the trainer raises from 0 to 1 after a late switch (elr.loop_fade_steps) and that stays
+    in the checkpoint, so a model read at any step computes what it trained; 0 without a fade. `added`:
+    γ_i = weight_i + fade (weight_i = 0 at init), which the learned part can cancel; `scaled`: γ_i = fade ·
+    max(1 + weight_i, floor), a loop opened by the fade that the learned part scales but cannot shut below
+    floor × fade (the clamp passes no gradient below the floor)."""
 
-    def __init__(self, max_loops: int, dim: int):
+    def __init__(self, max_loops: int, dim: int, form: str = "added", floor: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(max_loops - 1, dim))
         self.register_buffer("fade", torch.zeros(()))
+        self.scaled, self.floor = form == "scaled", floor
 
     def init_weights(self):
         nn.init.zeros_(self.weight)
         self.fade.zero_()
 
     def gate(self, i: int) -> torch.Tensor:
+        if self.scaled:
+            return self.fade * torch.clamp(1 + self.weight[i - 2], min=self.floor)
         return self.weight[i - 2] + self.fade
 
     def forward(self, s: torch.Tensor, s_next: torch.Tensor, i: int) -> torch.Tensor:
         return torch.lerp(s, s_next, self.gate(i).to(s_next.dtype))
+
+
+class LoopDeltas(nn.Module):
+    """Per loop i = 2..K and recurrent sublayer l, a rank-r map B_{i,l} A_{i,l} whose output the sublayer adds to
+    its own (`loop_delta_rank`; elr/models/layers.py, Layer): the later loops' own parameters beside the shared
+    ones. B starts at zero, so every loop computes what the shared block does until training moves it; A starts
+    at std dim^-1/2, so B's first gradients are of the size of the sublayer's input. One module called once per
+    (loop, sublayer), so tensor parallelism can run it on each rank's tokens (LocalCompute)."""
+
+    def __init__(self, max_loops: int, n_layers: int, dim: int, rank: int):
+        super().__init__()
+        self.down = nn.Parameter(torch.empty(max_loops - 1, n_layers, rank, dim))
+        self.up = nn.Parameter(torch.empty(max_loops - 1, n_layers, dim, rank))
+
+    def init_weights(self):
+        nn.init.normal_(self.down, std=self.down.shape[-1] ** -0.5)
+        nn.init.zeros_(self.up)
+
+    def forward(self, h: torch.Tensor, loop: int, layer: int) -> torch.Tensor:
+        """B_{loop,layer} A_{loop,layer} h for loop >= 2."""
+        return F.linear(F.linear(h, self.down[loop - 2, layer]), self.up[loop - 2, layer])
 
 
 class LoopConditioning(nn.Module):
@@ -221,9 +254,10 @@ class LoopContext:
     loops: LoopBudget  # k, or one k per row: what the conditioning reads
     most: int  # the loops this forward runs (the largest budget)
     cache: Cache | None = None  # inference: each layer's entry at loop i
+    documents: Documents | None = None  # documents packed into each row (elr/models/documents.py), or None
 
 
-# The output block, norm and head on a state: readout(s, rope, cache, exit_films) -> logits
+# The output block, norm and head on a state: readout(s, rope, cache, exit_films, documents=...) -> logits
 # (ELRModel.readout). Exit rules that compare loops' next-token distributions read every loop through it.
 Readout = Callable[[torch.Tensor, torch.Tensor, Cache | None, list | None], torch.Tensor]
 
@@ -248,7 +282,16 @@ class RecurrentBlock(nn.Module):
             nn.Linear(args.dim, args.dim, bias=False) if o.recurrent_input == "state_plus_adapted_input" else None
         )
         self.state_norm = nn.RMSNorm(args.dim, eps=args.norm_eps) if o.state_norm else None
-        self.loop_gates = LoopGates(o.max_loops, args.dim) if o.identity_loops and o.max_loops > 1 else None
+        self.loop_gates = (
+            LoopGates(o.max_loops, args.dim, o.loop_gate, o.loop_gate_floor)
+            if o.identity_loops and o.max_loops > 1
+            else None
+        )
+        self.loop_deltas = (
+            LoopDeltas(o.max_loops, len(layers), args.dim, o.loop_delta_rank)
+            if o.loop_delta_rank and o.max_loops > 1
+            else None
+        )
         self.route_replay = args.moe_route_replay
         # While `record_statistics` is on, forward records what `loop_statistics` reports (the metrics).
         self.record_statistics = False
@@ -271,6 +314,8 @@ class RecurrentBlock(nn.Module):
             self.state_norm.reset_parameters()
         if self.loop_gates is not None:
             self.loop_gates.init_weights()
+        if self.loop_deltas is not None:
+            self.loop_deltas.init_weights()
 
     @property
     def prefix_consistent(self) -> bool:
@@ -288,18 +333,22 @@ class RecurrentBlock(nn.Module):
         every_loop: bool = False,
         exit_rule: ExitRule | None = None,
         readout: Readout | None = None,
+        documents: Documents | None = None,
+        any_block: bool = False,
     ) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
         """s_0 = h_in; s_i = update(s_{i-1}, L(cond(s~_{i-1}, i, k))) for i = 1..k. Returns (s_k, the
         output block's FiLM for budget k or None without exit heads); with `every_loop`, ([s_1, ..., s_k],
-        each exit's FiLM) (needs a prefix-consistent block).
+        each exit's FiLM) (needs a prefix-consistent block, unless `any_block`: then s_i is loop i of this
+        k-loop forward, whatever budget i alone would compute). `documents`: the documents packed into each
+        row, which every loop's token mixers keep apart.
 
         A budget per row (`loops` a LongTensor [B]), a cache, or an exit rule is elastic depth
         (`elastic_forward`): the same loop body, with rows that stop early held in place."""
         if torch.is_tensor(loops) or cache is not None or exit_rule is not None:
-            return self.elastic_forward(h_in, rope, loops, cache, every_loop, exit_rule, readout)
-        self.check_loops(loops, loops, every_loop, per_row=False)
+            return self.elastic_forward(h_in, rope, loops, cache, every_loop, exit_rule, readout, documents)
+        self.check_loops(loops, loops, every_loop and not any_block, per_row=False)
         self._recorded, self.loops_used = [], None
-        ctx = self.loop_context(h_in, rope, loops, loops)
+        ctx = self.loop_context(h_in, rope, loops, loops, documents=documents)
         s, states = self.initial_state(h_in, loops), []
         for i in range(1, loops + 1):
             s = self.step(s, i, ctx)
@@ -315,6 +364,7 @@ class RecurrentBlock(nn.Module):
         every_loop: bool = False,
         exit_rule: ExitRule | None = None,
         readout: Readout | None = None,
+        documents: Documents | None = None,
     ) -> tuple[torch.Tensor | list[torch.Tensor], list | None]:
         """Elastic depth: the loop with rows or tokens that stop early, `forward`'s result for three uses
         (never the plain training forward), each wrapping the same `step`:
@@ -341,7 +391,7 @@ class RecurrentBlock(nn.Module):
             exited = torch.zeros(h_in.shape[:2], dtype=torch.bool, device=h_in.device)
             self.loops_used = torch.full_like(exited, most, dtype=torch.long)
         self._recorded = []
-        ctx = self.loop_context(h_in, rope, loops, most, cache)
+        ctx = self.loop_context(h_in, rope, loops, most, cache, documents)
         s, states = self.initial_state(h_in, most), []
         for i in range(1, most + 1):
             running = loops >= i if per_row and i > least else None  # rows still looping (None: all)
@@ -354,7 +404,8 @@ class RecurrentBlock(nn.Module):
             if exited is not None and i < most:
                 logp_next = None
                 if exit_rule.needs_logits:
-                    logp_next = readout(s, rope, cache, self.exit_films(i)).float().log_softmax(-1)
+                    logits = readout(s, rope, cache, self.exit_films(i), documents=documents)
+                    logp_next = logits.float().log_softmax(-1)
                 stop = exit_rule.exits(kept, s, logp, logp_next) & ~exited
                 self.loops_used.masked_fill_(stop, i)
                 exited, logp = exited | stop, logp_next
@@ -367,11 +418,17 @@ class RecurrentBlock(nn.Module):
         return (states if every_loop else s), self.exit_films(budget, h_in.shape[0] if every_loop else 0)
 
     def loop_context(
-        self, h_in: torch.Tensor, rope: torch.Tensor, loops: LoopBudget, most: int, cache: Cache | None = None
+        self,
+        h_in: torch.Tensor,
+        rope: torch.Tensor,
+        loops: LoopBudget,
+        most: int,
+        cache: Cache | None = None,
+        documents: Documents | None = None,
     ) -> LoopContext:
         """What every loop of a forward that runs `most` loops at budget `loops` reads besides the state."""
         injected = self.input_adapter(h_in) if self.input_adapter is not None else None
-        return LoopContext(h_in, injected, rope, self.new_routes(), loops, most, cache)
+        return LoopContext(h_in, injected, rope, self.new_routes(), loops, most, cache, documents)
 
     def step(self, s: torch.Tensor, i: int, ctx: LoopContext, running: torch.Tensor | None = None) -> torch.Tensor:
         """Loop i: s~ = the loop's input from s, r = the layers on s~ conditioned on (i, k), s_i = the
@@ -382,9 +439,10 @@ class RecurrentBlock(nn.Module):
         s_in = self._loop_input(s, ctx, i)
         films = self.conditioning(i, ctx.loops) if self.conditioning is not None else [None] * len(self.layers)
         r = s_in
-        for layer, film, route in zip(self.layers, films, ctx.routes):
+        for j, (layer, film, route) in enumerate(zip(self.layers, films, ctx.routes)):
             entry = ctx.cache.entry(layer, i) if ctx.cache is not None else None
-            r = layer(r, ctx.rope, film=film, route=route, cache=entry)
+            delta = partial(self.loop_deltas, loop=i, layer=j) if self.loop_deltas is not None and i > 1 else None
+            r = layer(r, ctx.rope, film=film, route=route, cache=entry, documents=ctx.documents, delta=delta)
         a = self.step_size(s, s_in, r) if self.step_size is not None else None  # the learned step a_i
         s_next = self._update(s, r, a)
         if self.loop_gates is not None and i > 1:

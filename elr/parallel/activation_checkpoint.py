@@ -58,21 +58,29 @@ class CheckpointedLayer(ActivationWrapper):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, film=None, route: dict | None = None, cache=None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        film=None,
+        route: dict | None = None,
+        cache=None,
+        documents=None,
+        delta=None,
     ) -> torch.Tensor:
         layer = self._checkpoint_wrapped_module
         if cache is not None:  # inference keeps no activations for a backward: nothing to checkpoint
-            return layer(x, rope, film=film, route=route, cache=cache)
+            return layer(x, rope, film=film, route=route, cache=cache, documents=documents, delta=delta)
         if route is not None and not route:
 
             def routed_layer(x):
                 fresh = {}
-                return layer(x, rope, film=film, route=fresh), fresh["indices"], fresh["weights"]
+                y = layer(x, rope, film=film, route=fresh, documents=documents, delta=delta)
+                return y, fresh["indices"], fresh["weights"]
 
             y, indices, weights = self._checkpoint(routed_layer, x)
             route.update(indices=indices, weights=weights)
             return y
-        return self._checkpoint(partial(layer, rope=rope, film=film, route=route), x)
+        return self._checkpoint(partial(layer, rope=rope, film=film, route=route, documents=documents, delta=delta), x)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, selective_ac_option: str = "op") -> int:

@@ -5,6 +5,11 @@ collectives (gloo and NCCL alike) with autograd; torch derives every backward.
 
     attention  all-gathers K and V over the group (backward: reduce-scatter of dK, dV) and masks
                causally from the shard's start: the query at global position p sees keys <= p.
+    documents  (document masking, elr/models/documents.py) the document ids of every shard are
+               all-gathered, so each rank knows where its documents started: RoPE positions, the
+               block-causal mask over the gathered keys and the GDP resets are those of the whole
+               sequence. A reset zeroes the GDP state, so a shard with one has transition P = 0
+               from that token on: the chain below needs no other change.
     GDP        the recurrence is affine in its state, S_end = P S_start + Q, so each rank runs its
                shard once from the state [I | 0] with values [0 | v]: that one call gives its
                transition P, its zero-start summary Q and, per token, what o owes the unknown
@@ -69,11 +74,17 @@ class ContextParallel:
         """GDP: the short convolutions' state at this shard's start (`conv_halos`)."""
         return conv_halos(inputs, width, self.group)
 
-    def gated_delta_product(self, q, k, v, g, beta, *, num_householder: int, impl: str) -> torch.Tensor:
+    def gather_document_ids(self, document_ids: torch.Tensor) -> torch.Tensor:
+        """Documents: the ids [B, T * cp] of the whole sequence from every shard's [B, T]."""
+        return all_gather(document_ids, self.group, dim=1)
+
+    def gated_delta_product(
+        self, q, k, v, g, beta, *, num_householder: int, impl: str, resets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """GDP: this shard's output of the recurrence over the whole sequence
         (`context_parallel_gated_delta_product`)."""
         return context_parallel_gated_delta_product(
-            q, k, v, g, beta, num_householder=num_householder, group=self.group, impl=impl
+            q, k, v, g, beta, num_householder=num_householder, group=self.group, impl=impl, resets=resets
         )
 
 
@@ -153,12 +164,13 @@ def context_parallel_gated_delta_product(
     group: dist.ProcessGroup,
     initial_state: torch.Tensor | None = None,
     impl: str = "auto",
+    resets: torch.Tensor | None = None,
 ):
     """`gated_delta_product` over a sequence split across `group`; this rank passes its shard.
 
     Shapes as in `gated_delta_product`; `initial_state` [B, H, K, V] (the same on every rank) is
-    the state before the first shard. Returns this shard's o [B, T, H, V] (no final state: CP is
-    for training).
+    the state before the first shard; `resets` [B, T] this shard's (a reset on its first token drops
+    everything before it). Returns this shard's o [B, T, H, V] (no final state: CP is for training).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -168,7 +180,16 @@ def context_parallel_gated_delta_product(
     start = torch.cat([identity, identity.new_zeros(B, H, K, V)], dim=-1)
     values = torch.cat([v.new_zeros(*v.shape[:-1], K), v], dim=-1)
     o, summary = gated_delta_product(
-        q, k, values, g, beta, num_householder=num_householder, impl=impl, initial_state=start, output_final_state=True
+        q,
+        k,
+        values,
+        g,
+        beta,
+        num_householder=num_householder,
+        impl=impl,
+        initial_state=start,
+        output_final_state=True,
+        resets=resets,
     )
     o_start, o_zero = o.float().split([K, V], dim=-1)  # o_start[t] = scale P_t^T q_t
 

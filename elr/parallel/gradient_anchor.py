@@ -38,7 +38,10 @@ def anchor_parameters(block: nn.Module) -> torch.utils.hooks.RemovableHandle:
         if zero is None:
             return output
         state, *rest = output if isinstance(output, tuple) else (output,)
-        state = state + zero.to(state.dtype)
+        if isinstance(state, list):  # every loop's state (every_loop, loop_exits): each exit is scored, anchor the last
+            state = [*state[:-1], state[-1] + zero.to(state[-1].dtype)]
+        else:
+            state = state + zero.to(state.dtype)
         return (state, *rest) if isinstance(output, tuple) else state
 
     return block.register_forward_hook(hook)

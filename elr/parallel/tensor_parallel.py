@@ -53,7 +53,7 @@ from elr.models.model import ELRModel
 
 logger = logging.getLogger("elr")
 # The recurrent block's token-wise modules (each optional): replicated, run on the rank's sequence slice.
-RECURRENT_TOKEN_WISE = ("step_size", "conditioning", "input_adapter", "state_norm", "loop_gates")
+RECURRENT_TOKEN_WISE = ("step_size", "conditioning", "input_adapter", "state_norm", "loop_gates", "loop_deltas")
 
 
 def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

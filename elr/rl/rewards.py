@@ -81,6 +81,8 @@ def load_reward(spec: str, answer_format: str) -> Reward:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"rl.reward: cannot import {module_name!r} ({e})") from None
+    except (Exception, SystemExit) as e:  # the user's module failed as it ran (1/0, a syntax error, sys.exit)
+        raise ConfigError(f"rl.reward: importing {module_name!r} {_failure(e)}") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ConfigError(f"rl.reward: {module_name} has no function {function_name!r}")
@@ -91,8 +93,15 @@ def score(reward: Reward, prompt: str, completion: str, answer: str) -> float:
     """The reward as a float, or one RewardError naming the prompt it failed on."""
     try:
         value = reward(prompt, completion, answer)
-    except Exception as e:  # a user's function: any failure is reported with the prompt, not as a traceback
-        raise RewardError(f"rl.reward raised {type(e).__name__}: {e} on prompt {prompt[:200]!r}") from None
+    except (Exception, SystemExit) as e:  # a user's function: any failure is reported with the prompt
+        raise RewardError(f"rl.reward {_failure(e)} on prompt {prompt[:200]!r}") from None
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise RewardError(f"rl.reward returned {value!r}, not a finite number, on prompt {prompt[:200]!r}")
     return float(value)
+
+
+def _failure(e: BaseException) -> str:
+    """What a user's reward code did, in a few words: "called sys.exit(0)", "raised ZeroDivisionError: ..."."""
+    if isinstance(e, SystemExit):  # caught: exit code 0 would end the run as if it had finished
+        return f"called sys.exit({e.code!r})"
+    return f"raised {type(e).__name__}: {e}"

@@ -9,22 +9,27 @@ budget it ran (`loop_budget`) and the mean loops its tokens ran (`mean_loops`, p
 fixed budget). Completion prompts begin with <|endoftext|>, as training documents and
 scripts/generate.py's prompts do; token-id prompts are taken as given. Chat prompts are the SFT
 template (elr/text/chat.py) with the assistant marker appended, as elr/infer/chat.py builds them.
+
+What a body may ask for is bounded before anything is built or tokenized (elr/serve/limits.py): the
+choices (n x prompts) against the rows, each prompt's length (a string by its characters, ids by their
+count) against the context, the stop strings' count and length. A field of the wrong type or value is
+named with the values it takes (`ALLOWED`), as pydantic's own messages would not.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from elr.errors import DataError
 from elr.infer.generate import Sampling
+from elr.serve.limits import MAX_STOP, Limits
 from elr.serve.sequence import AUTO, Request, Sequence, TokenLogprob
-from elr.text.chat import check_messages, encode_conversation
+from elr.text.chat import ROLES, check_messages, encode_conversation
 
-MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_LOGPROBS = 20  # alternatives per token
 # OpenAI fields this server does not implement: refused unless given at their no-op value
 UNSUPPORTED = {
@@ -48,22 +53,41 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error's shape, OpenAI's."""
+
+    error: ErrorDetail
+
+
+STRICT = ConfigDict(extra="allow", strict=True)  # JSON types as the schema says them: no "true" for true, "1" for 1
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class Body(BaseModel):
     """The fields completions and chat share; unknown fields are ignored unless UNSUPPORTED names them."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     model: str
     max_tokens: StrictInt | None = None
     temperature: float | None = None
@@ -83,7 +107,7 @@ class CompletionBody(Body):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     role: str
     content: str | list[dict] | None = None
 
@@ -104,9 +128,10 @@ class Served:
     context: int
     max_loops: int
     default_loops: int | str  # the budget of a request that gives none (--default-loop-budget)
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self):
-        # A text of more characters than this is more tokens than the context (no token holds more
+        # A text of more characters than this is more tokens than a prompt may have (no token holds more
         # bytes than the longest, and a character is at least a byte): refused before it is tokenized.
         encoding = self.tokenizer.encoding
         longest = 1
@@ -115,16 +140,128 @@ class Served:
                 longest = max(longest, len(encoding.decode_single_token_bytes(token)))
             except KeyError:  # an id the vocabulary skips
                 pass
-        self.longest_text = self.context * longest
+        self.max_prompt = min(self.limits.max_prompt_tokens or self.context - 1, self.context - 1)
+        self.longest_text = self.max_prompt * longest
+
+    def too_long(self, param: str, tokens: int | None = None) -> APIError:
+        size = f"{tokens} tokens" if tokens is not None else "longer than that"
+        return APIError(
+            400,
+            f"{param}: at most {self.max_prompt} tokens here (the model's context is {self.context}, and one "
+            f"token is left for the reply); these are {size}",
+            param,
+            "context_length_exceeded",
+        )
 
     def check_length(self, text: str, param: str) -> None:
         if len(text) > self.longest_text:
-            raise APIError(
-                400,
-                f"the {param} is longer than the model's context of {self.context} tokens",
-                param,
-                "context_length_exceeded",
+            raise self.too_long(param)
+
+    def allowed(self, name: str, chat: bool) -> str | None:
+        """The values a field takes, as an error message says them."""
+        if name == "logprobs":
+            return "true or false" if chat else f"an integer 0..{MAX_LOGPROBS}"
+        return (
+            ALLOWED.get(name, "").format(
+                K=self.max_loops,
+                choices=self.limits.max_choices,
+                tokens=self.context - 1,
+                stop=MAX_STOP,
+                stop_chars=self.limits.max_stop_chars,
+                model=self.model_name,
+                logprobs=MAX_LOGPROBS,
             )
+            or None
+        )
+
+
+ALLOWED = {  # each field's values, for the messages of a bad body (formatted by Served.allowed)
+    "model": 'the served model\'s id, "{model}" (GET /v1/models)',
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "messages": 'a non-empty list of messages {{"role": ..., "content": ...}}',
+    "role": '"system", "user", "assistant", "tool" or "developer"',
+    "content": "a string, a list of text parts or null",
+    "max_tokens": "an integer 1..{tokens}",
+    "max_completion_tokens": "an integer 1..{tokens}",
+    "temperature": "a number in [0, 2]",
+    "top_p": "a number in (0, 1]",
+    "n": "an integer 1..{choices}",
+    "stream": "true or false",
+    "stream_options": '{{"include_usage": true or false}}',
+    "include_usage": "true or false",
+    "stop": "a string or a list of up to {stop} strings of 1..{stop_chars} characters",
+    "seed": "an integer 0..2^62",
+    "loop_budget": 'an integer 1..{K} or "auto"',
+    "draft_loops": "an integer 1..loop_budget",
+    "top_logprobs": "an integer 0..{logprobs}",
+}
+
+
+def published(schema: dict, served: Served) -> dict:
+    """FastAPI's schema with this server's values in it: the model it serves and each field's range."""
+    limits = served.limits
+    ranges = {
+        "model": {"enum": [served.model_name]},
+        "max_tokens": {"minimum": 1, "maximum": served.context - 1},
+        "max_completion_tokens": {"minimum": 1, "maximum": served.context - 1},
+        "n": {"minimum": 1, "maximum": limits.max_choices},
+        "temperature": {"minimum": 0, "maximum": 2},
+        "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+        "seed": {"minimum": 0, "maximum": 2**62 - 1},
+        "loop_budget": {"minimum": 1, "maximum": served.max_loops},
+        "draft_loops": {"minimum": 1, "maximum": served.max_loops},
+        "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+        "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+        "stop": {"minLength": 1, "maxLength": limits.max_stop_chars, "maxItems": MAX_STOP},
+    }
+    keys = {"integer": ("minimum", "maximum"), "number": ("minimum", "maximum", "exclusiveMinimum")}
+    keys.update(string=("minLength", "maxLength", "enum"), array=("maxItems",))
+
+    def narrow(branch: dict, rule: dict) -> None:
+        for key in keys.get(branch.get("type"), ()):
+            if key in rule:
+                branch[key] = rule[key]
+        if branch.get("type") == "array" and "items" in branch:
+            narrow(branch["items"], {k: v for k, v in rule.items() if k != "maxItems"})
+
+    components = schema["components"]["schemas"]
+    for name in ("CompletionBody", "ChatBody"):
+        for field_name, prop in components.get(name, {}).get("properties", {}).items():
+            for branch in prop.get("anyOf", [prop]):
+                narrow(branch, ranges.get(field_name, {}))
+    if "ChatMessage" in components:
+        components["ChatMessage"]["properties"]["role"]["enum"] = [*ROLES, "developer"]
+    return schema
+
+
+def shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def validation_error(errors: list[dict], served: Served, chat: bool) -> APIError:
+    """The first of pydantic's errors as one line naming the field and the values it takes."""
+    first = errors[0] if errors else {}
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        reason = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the body is not valid JSON{where}{': ' + reason if reason else ''}", code="invalid_json")
+    path, name = "", None
+    for part in loc:  # the fields and list indices, not the names of a union's members
+        if isinstance(part, int) and path:
+            path += f"[{part}]"
+        elif isinstance(part, str) and part in ALLOWED or part == "logprobs":
+            path, name = f"{path}.{part}" if path else part, part
+        else:
+            break
+    if name is None:
+        return APIError(400, "the body must be a JSON object with the fields of the OpenAI API (docs/serving.md)")
+    param = str(loc[0])
+    allowed = served.allowed(name, chat)
+    if first.get("type") == "missing":
+        return APIError(400, f"{path} is required: {allowed}", param)
+    return APIError(400, f"{path}: {allowed}, not {shown(first.get('input'))}", param)
 
 
 def check_common(body: Body, served: Served) -> dict:
@@ -141,18 +278,18 @@ def check_common(body: Body, served: Served) -> dict:
             raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
     temperature = 1.0 if body.temperature is None else body.temperature
     if not (math.isfinite(temperature) and 0 <= temperature <= 2):
-        raise APIError(400, f"temperature must lie in [0, 2], not {temperature}", "temperature")
+        raise APIError(400, f"temperature: a number in [0, 2], not {temperature}", "temperature")
     top_p = 1.0 if body.top_p is None else body.top_p
     if not 0 < top_p <= 1:
-        raise APIError(400, f"top_p must lie in (0, 1], not {top_p}", "top_p")
+        raise APIError(400, f"top_p: a number in (0, 1], not {top_p}", "top_p")
     n = 1 if body.n is None else body.n
-    if n < 1:
-        raise APIError(400, f"n must be at least 1, not {n}", "n")
+    if not 1 <= n <= served.limits.max_choices:  # before anything is built for each choice
+        raise APIError(400, f"n: {served.allowed('n', False)} (the rows this server decodes at once), not {n}", "n")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > MAX_STOP or not all(stop):
-        raise APIError(400, f"stop takes up to {MAX_STOP} non-empty strings", "stop")
+    if len(stop) > MAX_STOP or not all(0 < len(s) <= served.limits.max_stop_chars for s in stop):
+        raise APIError(400, f"stop: {served.allowed('stop', False)}", "stop")
     if body.seed is not None and not 0 <= body.seed < 2**62:
-        raise APIError(400, "seed must lie in 0..2^62", "seed")
+        raise APIError(400, f"seed: an integer 0..2^62, not {body.seed}", "seed")
     return dict(
         loops=served.default_loops if body.loop_budget is None else body.loop_budget,
         sampling=Sampling(temperature, 0, top_p),
@@ -170,15 +307,25 @@ def completion_request(body: CompletionBody, served: Served) -> Request:
         prompt = [prompt]
     if not prompt or any(len(p) == 0 for p in prompt):
         raise APIError(400, "the prompt is empty", "prompt")
+    if len(prompt) * common["n"] > served.limits.max_choices:  # before any prompt is tokenized
+        raise APIError(
+            400,
+            f"n x prompts: at most {served.limits.max_choices} choices (the rows this server decodes at once), "
+            f"not {common['n']} x {len(prompt)}",
+            "n" if common["n"] > 1 else "prompt",
+        )
     prompts = []
     for p in prompt:
         if isinstance(p, str):
             served.check_length(p, "prompt")
-            prompts.append([tokenizer.eot_id] + tokenizer.encode(p))  # as documents begin (scripts/generate.py)
-        elif not all(0 <= t < tokenizer.n_vocab for t in p):
-            raise APIError(400, f"prompt token ids must lie in 0..{tokenizer.n_vocab - 1}", "prompt")
+            ids = [tokenizer.eot_id] + tokenizer.encode(p)  # as documents begin (scripts/generate.py)
         else:
-            prompts.append(list(p))
+            ids = list(p)
+        if len(ids) > served.max_prompt:
+            raise served.too_long("prompt", len(ids))
+        if not all(0 <= t < tokenizer.n_vocab for t in ids):
+            raise APIError(400, f"prompt: token ids lie in 0..{tokenizer.n_vocab - 1}", "prompt")
+        prompts.append(ids)
     logprobs = body.logprobs
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must lie in 0..{MAX_LOGPROBS}", "logprobs")
@@ -204,6 +351,8 @@ def chat_request(body: ChatBody, served: Served) -> Request:
         raise APIError(400, "the last message is the assistant's; end with a user message", "messages")
     served.check_length("".join(m["content"] for m in messages), "messages")
     ids, _ = encode_conversation(messages, served.tokenizer, add_generation_prompt=True)
+    if len(ids) > served.max_prompt:  # named as the messages: no max_tokens the client never sent
+        raise served.too_long("messages", len(ids))
     if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= MAX_LOGPROBS):
         raise APIError(400, f"top_logprobs needs logprobs true and lies in 0..{MAX_LOGPROBS}", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -7,18 +7,25 @@ rows each run their own k, and the adaptive pool ("auto": an exit rule capped at
 each self-speculative request (`draft_loops`, in its own cache, elr/infer/speculative.py). A greedy
 choice decodes token for token as `elr.infer.generate` decodes it alone (the tests hold this).
 
-Limits, checked before anything is allocated: the pools' rows are fixed at start (the memory report
-says how many bytes), and a request waits for rows only while the requests already waiting hold fewer
-than `max_queued_tokens` (prompt plus max_tokens, per choice); past that `submit` raises Busy (HTTP
-429). A closed engine raises Unavailable (503). A fault in one request fails that request only; a fault
-in a pool's forward fails the requests in that pool. `run` drives the engine from a thread of its
-own; the HTTP side only submits, reads events and sets `cancelled`.
+Limits (elr/serve/limits.py), checked before anything is allocated for a request: its choices against
+the rows (no choice is built first), its prompts and max_tokens against the context, its stop strings,
+and the memory its prompts hold while they are read (elr/serve/admission.py) against
+`max_prefill_bytes`; a request past one is Refused (HTTP 400). The pools' rows are fixed at start (the
+memory report says how many bytes). A request waits for rows only while the wait it can expect stays
+within `max_wait_s` and the waiting requests hold fewer than `max_queued_tokens`; past either `submit`
+raises Busy with the seconds to retry after (429). A step admits waiting requests while their prefill
+memory stays within `max_prefill_bytes` and the device's free memory; one that does not fit free memory
+alone fails with 503. A draining or closed engine raises Unavailable (503): `drain` refuses new requests
+and lets the accepted ones finish. A fault in one request fails that request only; a fault in a pool's
+forward fails the requests in that pool. `run` drives the engine from a thread of its own; the HTTP side
+only submits, reads events and cancels.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +34,15 @@ import torch
 
 from elr.infer.chat import DEFAULT_EXIT
 from elr.infer.generate import sample
-from elr.infer.memory import check_fits, human_bytes, inference_state_bytes
+from elr.infer.memory import check_fits, free_bytes, human_bytes, inference_state_bytes
 from elr.infer.speculative import SpeculationStats, speculative_rounds
 from elr.models.early_exit import ExitRule
+from elr.serve.admission import Backlog, MemoryModel
+from elr.serve.limits import MAX_STOP, Limits
 from elr.serve.sequence import AUTO, Delta, Done, Failed, Request, Sequence, TokenLogprob
 from elr.serve.slots import SlotPool
+
+__all__ = ["Busy", "Engine", "EngineStats", "Limits", "Refused", "Unavailable"]
 
 logger = logging.getLogger("elr")
 
@@ -45,20 +56,15 @@ class Refused(ValueError):
 
 
 class Busy(Exception):
-    """The queue is full: retry later (HTTP 429)."""
+    """The queue is full: retry after `retry_after` seconds (HTTP 429 with a Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Unavailable(Exception):
     """The engine is closed or stopped (HTTP 503)."""
-
-
-@dataclass
-class Limits:
-    max_concurrent: int = 8  # rows of the budget pool: choices decoding at a fixed k at once
-    max_auto: int = 4  # rows of the adaptive pool ("auto"); 0: no adaptive requests
-    max_draft: int = 2  # self-speculative requests at once (each its own cache); 0: none
-    max_queued_tokens: int = 65536  # prompt + max_tokens of the waiting requests, past which a request is refused
-    draft_tokens: int = 4  # tokens drafted per verifying round
 
 
 @dataclass
@@ -71,6 +77,7 @@ class EngineStats:
     finished: int = 0
     cancelled: int = 0
     failed: int = 0
+    busy: int = 0  # requests refused with Busy (429)
 
 
 @dataclass
@@ -95,9 +102,23 @@ class Engine:
         self.max_loops, self.context = args.recurrence.max_loops, args.max_seq_len
         self.device = self.model.output.weight.device
         dtype = self.model.output.weight.dtype
+        self.limits.check()
         rows = self.limits.max_concurrent + self.limits.max_auto + self.limits.max_draft
         check_fits(args, self.max_loops, self.context, self.kv_mode, dtype, rows, self.device)
         self.row_bytes = sum(inference_state_bytes(args, self.max_loops, self.context, self.kv_mode, dtype).values())
+        self.memory = MemoryModel(
+            args,
+            self.kv_mode,
+            dtype,
+            self.model.output.weight.element_size(),
+            self.model.output.weight.shape[0],
+            self.limits.draft_tokens,
+        )
+        self.prefill_limit = self.limits.max_prefill_bytes or self.memory.full_context(self.context)
+        self.max_prompt = min(self.limits.max_prompt_tokens or self.context - 1, self.context - 1)
+        self.backlog = Backlog(
+            {"budgets": self.limits.max_concurrent, AUTO: self.limits.max_auto, "draft": self.limits.max_draft}
+        )
         self.pools = {"budgets": SlotPool(self.model, self.limits.max_concurrent, self.max_loops, self.kv_mode)}
         if self.limits.max_auto:
             self.pools[AUTO] = SlotPool(self.model, self.limits.max_auto, self.max_loops, self.kv_mode, self.exit_rule)
@@ -108,6 +129,8 @@ class Engine:
         self._inbox: list[Request] = []
         self._lock = threading.Condition()
         self._closed = False
+        self._draining = False
+        self._open: set[int] = set()  # ids of the requests submitted and not yet ended
         self._thread: threading.Thread | None = None
 
     def memory_report(self) -> str:
@@ -117,7 +140,8 @@ class Engine:
             f"inference state: {rows} rows ({limits.max_concurrent} at a fixed k, {limits.max_auto} auto, "
             f"{limits.max_draft} drafted) x {human_bytes(self.row_bytes)} each (k={self.max_loops}, {self.context} "
             f"tokens, {self.kv_mode}) = {human_bytes(rows * self.row_bytes)} at most; drafted rows are "
-            "allocated per request, the others at start"
+            f"allocated per request, the others at start; the prompts read in one step hold up to "
+            f"{human_bytes(self.prefill_limit)} more"
         )
 
     # --- the client's side (any thread) ---
@@ -129,7 +153,7 @@ class Engine:
                 raise Refused('this server takes no "auto" loop budget (started with --max-auto 0)', "loop_budget")
         elif not 1 <= request.loops <= self.max_loops:
             raise Refused(
-                f'loop_budget must lie in 1..{self.max_loops} (the checkpoint\'s K) or be "auto", not {request.loops}',
+                f'loop_budget: an integer 1..{self.max_loops} (the checkpoint\'s K) or "auto", not {request.loops}',
                 "loop_budget",
             )
         if request.draft_loops is not None:
@@ -144,41 +168,72 @@ class Engine:
                 )
             if not 1 <= request.draft_loops <= request.loops:
                 raise Refused(
-                    f"draft_loops must lie in 1..{request.loops} (the request's loop_budget, which "
+                    f"draft_loops: an integer 1..{request.loops} (the request's loop_budget, which "
                     f"verifies), not {request.draft_loops}",
                     "draft_loops",
                 )
+        rows = {"budgets": self.limits.max_concurrent, AUTO: self.limits.max_auto, "draft": 1}[request.pool]
+        if not request.prompts or not all(request.prompts):
+            raise Refused("the prompt is empty", "prompt")
+        if not 1 <= request.choices <= rows:  # before a choice is built
+            raise Refused(
+                f"n: an integer 1..{max(1, rows // len(request.prompts))} here: {request.choices} choices (n x "
+                f"{len(request.prompts)} prompt(s)) need more rows than the {rows} this server decodes at once",
+                "n",
+            )
         if request.max_tokens < 1:
             raise Refused(f"max_tokens must be at least 1, not {request.max_tokens}", "max_tokens")
-        longest = max(len(p) for p in request.prompts) + request.max_tokens
-        if longest > self.context:
+        longest = max(len(p) for p in request.prompts)
+        if longest > self.max_prompt:
             raise Refused(
-                f"the prompt plus max_tokens ({longest} tokens) exceed the model's context of {self.context} tokens",
+                f"the prompt is {longest} tokens, more than the {self.max_prompt} a prompt may have here "
+                f"(the model's context is {self.context})",
+                "prompt",
+            )
+        if longest + request.max_tokens > self.context:
+            raise Refused(
+                f"the prompt plus max_tokens ({longest + request.max_tokens} tokens) exceed the model's context "
+                f"of {self.context} tokens",
                 "max_tokens",
             )
-        rows = {"budgets": self.limits.max_concurrent, AUTO: self.limits.max_auto, "draft": 1}[request.pool]
-        if len(request.sequences) > rows:
+        if len(request.stop) > MAX_STOP or not all(0 < len(s) <= self.limits.max_stop_chars for s in request.stop):
+            raise Refused(f"stop: up to {MAX_STOP} strings of 1..{self.limits.max_stop_chars} characters", "stop")
+        need = self.memory.bytes(request)
+        if need > self.prefill_limit:
             raise Refused(
-                f"{len(request.sequences)} choices (n x prompts) need more rows than the {rows} this "
-                "server decodes at once",
-                "n",
+                f"the prompts need {human_bytes(need)} of memory to read, more than the "
+                f"{human_bytes(self.prefill_limit)} a step may hold here (--max-prefill-bytes): send fewer or shorter "
+                "prompts",
+                "prompt",
             )
 
     def submit(self, request: Request) -> None:
-        """Queue a request (Busy when the queue is full, Unavailable when closed, ValueError when it can
-        never run). Its events go to `request.emit`, called from the engine's thread."""
+        """Queue a request (Busy when the wait or the queue is too long, Unavailable when draining or
+        closed, Refused when it can never run). Its events go to `request.emit`, called from the engine's thread."""
         self.check(request)
         with self._lock:
-            if self._closed:
-                raise Unavailable("the server is shutting down")
+            if self._closed or self._draining:
+                raise Unavailable("the server is shutting down: it finishes the running requests and takes no new ones")
             if self._thread is not None and not self._thread.is_alive():
                 raise Unavailable("the engine has stopped")
+            wait = self.backlog.expected_wait(request)
+            if self.limits.max_wait_s and wait > self.limits.max_wait_s:
+                self.stats.busy += 1
+                raise Busy(
+                    f"the server is busy: a request of {request.choices} choice(s) x {request.max_tokens} tokens "
+                    f"would wait about {wait:.1f} s for a row (limit {self.limits.max_wait_s:g} s); retry later",
+                    self.backlog.retry_after(wait - self.limits.max_wait_s),
+                )
             if self.queued_tokens and self.queued_tokens + request.cost > self.limits.max_queued_tokens:
+                self.stats.busy += 1
                 raise Busy(
                     f"{self.queued_tokens} tokens are waiting already (limit {self.limits.max_queued_tokens}); "
-                    "retry later"
+                    "retry later",
+                    self.backlog.retry_after(wait),
                 )
             self.queued_tokens += request.cost
+            self.backlog.queue(request)
+            self._open.add(id(request))
             self._inbox.append(request)
             self._lock.notify()
 
@@ -190,12 +245,26 @@ class Engine:
 
     def load(self) -> dict:
         """What /health reports."""
-        return {
-            "running": sum(len(p.busy) for p in self.pools.values()) + len(self.drafts),
-            "free_rows": {name: len(p.free) for name, p in self.pools.items()},
-            "waiting": len(self.waiting) + len(self._inbox),
-            "queued_tokens": self.queued_tokens,
-        }
+        with self._lock:
+            return {
+                "running": sum(len(p.busy) for p in self.pools.values()) + len(self.drafts),
+                "free_rows": {name: len(p.free) for name, p in self.pools.items()},
+                "waiting": len(self.waiting) + len(self._inbox),
+                "queued_tokens": self.queued_tokens,
+                "step_ms": round(self.backlog.step_s * 1e3, 2) if self.backlog.step_s is not None else None,
+                "draining": self._draining,
+            }
+
+    def drain(self) -> None:
+        """Refuse new requests (Unavailable); the accepted ones run to their end."""
+        with self._lock:
+            self._draining = True
+
+    def idle(self) -> bool:
+        """Nothing accepted is left: every request submitted has ended (a request between the queue and
+        its rows, while its prompt is read, counts too)."""
+        with self._lock:
+            return not self._open
 
     # --- the engine's thread ---
 
@@ -232,18 +301,32 @@ class Engine:
     def step(self) -> None:
         """One iteration: drop cancelled requests, decode a token for every running choice, admit."""
         self.stats.steps += 1
+        start = time.perf_counter()
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
         for request in [r for r in [*self.waiting, *self._running()] if r.cancelled]:
             self._drop(request)
             self.stats.cancelled += 1
+        decoded = False
         for pool in self.pools.values():
             if pool.busy:
                 self._decode(pool)
+                decoded = True
         for lane in list(self.drafts):
             self._guarded(lane.request, self._draft_round, lane)
+            decoded = True
         self._admit()
+        with self._lock:  # what the client's side reads to estimate a new request's wait
+            if decoded:
+                self.backlog.timed(time.perf_counter() - start)
+            for name, pool in self.pools.items():
+                self.backlog.running[name] = sum(r.max_tokens - len(q.tokens) for r, q in pool.busy.values())
+                self.backlog.free[name] = len(pool.free)
+            self.backlog.running["draft"] = sum(
+                lane.request.max_tokens - len(lane.request.sequences[0].tokens) for lane in self.drafts
+            )
+            self.backlog.free["draft"] = self.limits.max_draft - len(self.drafts)
 
     def _running(self) -> list[Request]:
         requests = {id(r): r for pool in self.pools.values() for r, _ in pool.busy.values()}
@@ -270,25 +353,54 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting requests take free rows, first come first served within each pool; each pool's new
-        prompts are read in one prefill."""
+        prompts are read in one prefill (padded to their longest), the step's prefills within
+        `max_prefill_bytes` and the device's free memory together."""
         joining: dict[str, list[Request]] = {name: [] for name in self.pools}
         blocked = set()
+        held: dict[str, int] = {}  # bytes of each pool's prefill so far, and of each drafted request ("draft" + id)
+        free = None
         for request in list(self.waiting):
             pool = request.pool
             if pool in blocked:
                 continue
             if pool == "draft":
                 fits = len(self.drafts) < self.limits.max_draft
+                key, need = f"draft{id(request)}", self.memory.bytes(request)
             else:
-                fits = len(self.pools[pool].free) >= len(request.sequences) + sum(
-                    len(r.sequences) for r in joining[pool]
+                fits = len(self.pools[pool].free) >= request.choices + sum(r.choices for r in joining[pool])
+                batch = [*joining[pool], request]
+                key = pool
+                need = self.memory.prompt_bytes(
+                    pool,
+                    self.max_loops,
+                    sum(len(r.prompts) for r in batch),
+                    max(len(p) for r in batch for p in r.prompts),
+                    0,
                 )
+            total = sum(n for k, n in held.items() if k != key) + need
+            if fits and total > self.prefill_limit:
+                fits = False
+            if fits:
+                free = free_bytes(self.device) if free is None else free
+                if total > free:
+                    if held:  # the next step, when this step's prompts are read
+                        fits = False
+                    else:  # alone it does not fit what is free now
+                        self._fail(
+                            request,
+                            f"the prompts need {human_bytes(need)} of memory to read, more than the "
+                            f"{human_bytes(free)} free on {self.device} now; retry later",
+                            503,
+                        )
+                        continue
             if not fits:
                 blocked.add(pool)
                 continue
+            held[key] = need
             self.waiting.remove(request)
             with self._lock:
                 self.queued_tokens -= request.cost
+                self.backlog.queue(request, -1)
             request.seed_generators(self.device)
             if pool == "draft":  # its first round now: the prefill and its first token
                 self.drafts.append(DraftLane(request))
@@ -357,7 +469,7 @@ class Engine:
                 pool.leave(sequence.row)
         self._emit(request, Delta(sequence.index, text, logprobs, reason))
         if all(s.finish_reason for s in request.sequences) and not request.finished:
-            request.finished = True
+            self._settle(request)
             self.stats.finished += 1
             self._emit(request, Done())
 
@@ -412,20 +524,27 @@ class Engine:
 
     def _drop(self, request: Request) -> None:
         """Free whatever the request holds, wherever it is."""
-        request.finished = True
+        self._settle(request)
         if request in self.waiting:
             self.waiting.remove(request)
             with self._lock:
                 self.queued_tokens -= request.cost
+                self.backlog.queue(request, -1)
         with self._lock:
             if request in self._inbox:
                 self._inbox.remove(request)
                 self.queued_tokens -= request.cost
+                self.backlog.queue(request, -1)
         for pool in self.pools.values():
             for sequence in request.sequences:
                 if sequence.row is not None and pool.busy.get(sequence.row, (None,))[0] is request:
                     pool.leave(sequence.row)
         self.drafts = [lane for lane in self.drafts if lane.request is not request]
+
+    def _settle(self, request: Request) -> None:
+        request.finished = True
+        with self._lock:
+            self._open.discard(id(request))
 
     def _fail(self, request: Request, message: str, status: int = 500) -> None:
         if request.finished:

@@ -4,11 +4,15 @@ A request asks for `n` choices of each of its prompts; each choice is a `Sequenc
 of a cache (or in its own cache when drafted, elr/infer/speculative.py). Text is released as tokens
 arrive, less what may still change: a trailing incomplete UTF-8 character (decoded as U+FFFD) and a
 tail that may be the start of a stop string. A stop string ends the choice and is cut from its text,
-as OpenAI's `stop` is. The engine (elr/serve/scheduler.py) calls `emit` from its own thread.
+as OpenAI's `stop` is. The work per token is bounded by the token's own text: only the tokens since the
+last complete character are decoded, and the stop strings are found by automata that read each
+character once (`StopScanner`), not by searching the whole text again. The engine
+(elr/serve/scheduler.py) calls `emit` from its own thread.
 """
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +56,54 @@ class Failed:
     status: int = 500
 
 
+class StopScanner:
+    """Finds stop strings in a text fed a piece at a time, each character once: one Knuth-Morris-Pratt
+    automaton per stop string, so the work is linear in the text (times the stops, at most 4), whatever
+    the strings' lengths. `matched[i]` is the longest end of the text fed so far that begins stop i."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.fallback = [self.failure(s) for s in stops]
+        self.matched = [0] * len(stops)
+        self.fed = 0  # characters fed, over every piece
+
+    @staticmethod
+    def failure(s: str) -> list[int]:
+        """fallback[j]: the longest proper prefix of s[:j + 1] that is also its suffix."""
+        table, k = [0] * len(s), 0
+        for j in range(1, len(s)):
+            while k and s[j] != s[k]:
+                k = table[k - 1]
+            if s[j] == s[k]:
+                k += 1
+            table[j] = k
+        return table
+
+    def feed(self, piece: str) -> int | None:
+        """Where in `piece` the earliest stop string found begins (negative: in text fed before), or None."""
+        self.fed += len(piece)
+        first = None
+        for i, (stop, table) in enumerate(zip(self.stops, self.fallback)):
+            k = self.matched[i]
+            for j, char in enumerate(piece):
+                while k and char != stop[k]:
+                    k = table[k - 1]
+                if char == stop[k]:
+                    k += 1
+                if k == len(stop):
+                    start = j + 1 - k
+                    first = start if first is None else min(first, start)
+                    k = table[k - 1]
+                    break
+            self.matched[i] = k
+        return first
+
+    @property
+    def partial(self) -> int:
+        """Characters at the end of the text that may begin a stop string."""
+        return max(self.matched, default=0)
+
+
 @dataclass(eq=False)
 class Sequence:
     """One choice: the prompt it continues, its tokens so far, what it has released."""
@@ -66,22 +118,32 @@ class Sequence:
     loops_run: int = 0  # loops run by the tokens it fed the model, summed (the mean k per token: / fed)
     fed: int = 0
     row: int | None = None  # its row in a slot pool while it decodes there
+    decoded: int = 0  # tokens whose text has been read (those after it end in an incomplete character)
+    piece_read: int = 0  # characters of the tokens after `decoded` already read
+    held: str = ""  # text read but held back: it may begin a stop string
+    scanner: StopScanner | None = None
 
     def release(self, decode: Callable[[list[int]], str], stop: tuple[str, ...], final: bool) -> tuple[str, bool]:
-        """(the text newly released, whether a stop string ended the choice)."""
-        text = decode(self.tokens)
-        longest = max((len(s) for s in stop), default=0)
-        hits = [i for i in (text.find(s, max(0, len(self.text) - longest)) for s in stop) if i >= 0]
-        stopped = bool(hits)
-        if stopped:
-            text = text[: min(hits)]
-        elif not final:
-            text = text.rstrip("\ufffd")  # an incomplete character completes with the next token
-            held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-            text = text[: len(text) - held]
-        new = text[len(self.text) :] if text.startswith(self.text) else ""
-        self.text += new
-        return new, stopped
+        """(the text newly released, whether a stop string ended the choice). Only the tokens since the
+        last complete character are decoded, and each character is scanned for the stop strings once."""
+        if self.scanner is None:
+            self.scanner = StopScanner(stop)
+        piece = decode(self.tokens[self.decoded :])
+        ready = piece if final else piece.rstrip("\ufffd")  # an incomplete character completes with the next token
+        new = ready[self.piece_read :]
+        if len(ready) == len(piece):
+            self.decoded, self.piece_read = len(self.tokens), 0
+        else:
+            self.piece_read = len(ready)
+        pending = self.held + new
+        start = self.scanner.feed(new)
+        if start is not None:
+            released, self.held = pending[: len(self.held) + start], ""
+        else:
+            keep = 0 if final else self.scanner.partial
+            released, self.held = pending[: len(pending) - keep], pending[len(pending) - keep :]
+        self.text += released
+        return released, start is not None
 
 
 def _ignore(event) -> None:
@@ -107,13 +169,16 @@ class Request:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancelled: bool = False  # set by the client's side (a dropped connection); the engine frees its rows
     finished: bool = False
-    sequences: list[Sequence] = field(init=False)
     draft_stats: object = None  # SpeculationStats of a drafted request
 
-    def __post_init__(self):
-        self.sequences = [
-            Sequence(i * self.n + j, prompt) for i, prompt in enumerate(self.prompts) for j in range(self.n)
-        ]
+    @functools.cached_property
+    def sequences(self) -> list[Sequence]:
+        """Its choices, built when first asked for: the engine checks n x prompts against its rows first."""
+        return [Sequence(i * self.n + j, prompt) for i, prompt in enumerate(self.prompts) for j in range(self.n)]
+
+    @property
+    def choices(self) -> int:
+        return self.n * len(self.prompts)
 
     def seed_generators(self, device: torch.device) -> None:
         """One generator per sampled choice, on the device the logits are on."""

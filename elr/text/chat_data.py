@@ -22,14 +22,18 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from elr.errors import DataError
 from elr.text.chat import check_messages, encode_conversation
 from elr.text.chat_formats import read_record
+from elr.text.json_text import parse_json
 from elr.text.tokenizer import Tokenizer, file_sha256
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "chat"
 IGNORE_INDEX = -100  # the loss's ignore index (elr/train/loss.py)
@@ -46,11 +50,7 @@ def read_conversations(path: Path) -> Iterator[tuple[list[dict], list[bool], str
                 if not line.strip():
                     continue
                 where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not valid JSON ({e})") from None
-                messages, trained = read_record(record, where)
+                messages, trained = read_record(parse_json(line, where), where)
                 yield check_messages(messages, where), trained, where
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e})") from None
@@ -191,6 +191,8 @@ class ChatSplit:
 
     def rows(self, conversations: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) [len(conversations), seq_len] int64: one conversation per row, padded."""
+        import torch  # here, not above: preparing data (and its --help) needs no torch
+
         inputs = np.full((len(conversations), seq_len + 1), self.pad_id, dtype=np.int64)
         labels = np.full((len(conversations), seq_len + 1), IGNORE_INDEX, dtype=np.int64)
         for row, i in enumerate(conversations):

@@ -10,7 +10,7 @@ Their vocabularies are tiny and fixed, so no tokenizer is involved.
     var_chain      variable binding: statements "a = b" and "a = 7" in random order, then a query name;
                    the answer is the value its chain of d bindings ends in, among distractor chains.
 
-Streams (elr/train/data.py's TaskDataset, elr/infer/evaluate.py) take example g of a stream from its
+Streams (elr/data/loader.py's TaskDataset, elr/infer/evaluate.py) take example g of a stream from its
 own generator seeded by (seed, stream, g), so a position is the whole state. Train and validation are
 split by a hash of the example's tokens (1 in VAL_BUCKETS buckets is validation), so no validation
 example is ever trained on, and both follow the same distribution.

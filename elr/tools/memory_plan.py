@@ -284,6 +284,15 @@ def microbatch_bytes(
     return activation_bytes(args, cfg, dtype, loops, tp_mesh, cp_mesh), max(loss_work, recompute)
 
 
+def traced_layer_calls(args, cfg: JobConfig) -> int:
+    """The layer calls a plan traces on the meta device (a progress count: the trace is the plan's slow part,
+    a minute for a 4B model at 8192 tokens): the microbatch's forward at k = max_loops, and under AC one call
+    of each layer kind (`largest_layer_bytes`)."""
+    n_in, n_rec, n_out = args.partition
+    kinds = len(set(args.layer_pattern)) if cfg.activation_checkpoint.mode != "none" else 0
+    return n_in + args.recurrence.max_loops * n_rec + n_out + kinds
+
+
 def plan_memory(cfg: JobConfig, model_args, ngpu: int, gpu_memory_gib: float, config_name: str = "") -> MemoryPlan:
     """The plan of cfg's job on `ngpu` GPUs (the layout, expert, context and tensor parallelism included,
     from cfg).

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from elr.data.validation import val_batches
 from elr.infer.load import load_model
 from elr.models.ffn import MoE
-from elr.train.data import val_batches
 
 METRICS = ("kept", "count_cosine", "routed_cosine", "routed_cosine_shifted", "full_cosine", "full_cosine_shifted")
 
@@ -83,7 +83,7 @@ def route_drift(model, batches) -> dict[int, dict[str, float]]:
     sums = {i: dict.fromkeys(METRICS, 0.0) for i in range(2, K + 1)}
     n = 0
     try:
-        for tokens, _ in batches:
+        for tokens, *_ in batches:
             for xs in inputs.values():
                 xs.clear()
             model(tokens, loops=K)

@@ -80,7 +80,8 @@ from elr.checkpoint import (
     write_marker,
     write_values,
 )
-from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, replace_dir, set_aside
+from elr.checkpoint.ownership import claim_tmp, clear_own_tmp, made_here, prune, replace_dir, set_aside
+from elr.console.interrupt import Interrupted
 from elr.console.progress import size
 from elr.errors import CheckpointError, OldCheckpointFormat, UnusableCheckpoint
 from elr.interop import write_export
@@ -162,17 +163,22 @@ class CheckpointManager:
         problem = self._on_rank0(lambda: _space_problem(self.folder, step, needed, shutil.disk_usage(self.folder).free))
         if problem:
             raise CheckpointError(problem)
-        self._rank0_or_raise(lambda: claim_tmp(tmp) or write_values(tmp, values))
-        kwargs = dict(storage_writer=tensor_writer(tmp), process_group=self._pg, no_dist=self._pg is None)
-        if self.async_save:
-            self._pending = (step, dcp.async_save(tensors, **kwargs), needed)
-            return
         try:
-            dcp.save(tensors, **kwargs)
-        except (Exception, CheckpointException) as e:
-            self._raise_if_disk_full(step, needed, e)
+            self._rank0_or_raise(lambda: claim_tmp(tmp) or write_values(tmp, values))
+            kwargs = dict(storage_writer=tensor_writer(tmp), process_group=self._pg, no_dist=self._pg is None)
+            if self.async_save:
+                self._pending = (step, dcp.async_save(tensors, **kwargs), needed)
+                return
+            try:
+                dcp.save(tensors, **kwargs)
+            except (Exception, CheckpointException) as e:
+                self._raise_if_disk_full(step, needed, e)
+                raise
+            self._commit(step)
+        except (Interrupted, KeyboardInterrupt):  # stopped at once (a second Ctrl-C): nothing half-written stays
+            if self._rank == 0 and made_here(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._commit(step)
 
     def wait(self) -> None:
         """Block until a pending async save is written, then commit it. Call before exiting."""
@@ -200,8 +206,9 @@ class CheckpointManager:
         replace_dir(tmp, self.folder / f"step-{step}")
         if self.keep_latest_k > 0:  # never a checkpoint newer than this one (set_aside_after moved those)
             for old in [s for s in self._committed_steps() if s <= step][self.keep_latest_k :]:
-                if made_here(self.folder / f"step-{old}"):
-                    shutil.rmtree(self.folder / f"step-{old}")
+                problem = prune(self.folder / f"step-{old}")  # a file it cannot delete: one line, the run goes on
+                if problem:
+                    logger.warning(problem)
         logger.info(saved_line(self.folder / f"step-{step}", time.perf_counter() - self._save_started))
 
     def _seal(self, tmp: Path, step: int) -> None:

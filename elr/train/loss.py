@@ -124,16 +124,19 @@ def model_loss(
     chunk_tokens: int,
     tensor_parallel: bool,
     every_loop: bool = False,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed cross entropy of the model at `loops`; chunked (chunk_tokens > 0) or whole. every_loop:
     each token's loss is the mean over the exits after loops 1..k (ELRModel.forward's every_loop).
+    document_ids [B, T] (aligned with inputs; None: no masking): the documents packed into each row
+    never see each other (ELRModel.forward's document_ids).
 
     The chunked loss applies the head outside the model's forward: under FSDP the root unit keeps
     its weights (the head's among them) gathered from forward until its backward. Under TP the head
     is vocab-sharded (a DTensor) and the model returns this rank's sequence slice: the vocab-parallel
     variant takes both as they are. (Under TP the caller runs forward and backward in loss_parallel.)
     """
-    out = model(inputs, loops=loops, head=chunk_tokens == 0, every_loop=every_loop)
+    out = model(inputs, loops=loops, head=chunk_tokens == 0, every_loop=every_loop, document_ids=document_ids)
     if every_loop:
         out, labels = out.flatten(0, 1), labels.repeat(loops, 1)
     if chunk_tokens == 0:

@@ -18,6 +18,7 @@ gradients: `update_expert_biases` is that step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from torch.optim._muon import (
     _zeropower_via_newtonschulz,
 )
 
-from elr.config import ELR, LRScheduler, Optimizer
+from elr.config import ELR, JobConfig, LRScheduler, Optimizer, switch_step
 from elr.models.ffn import MoE
 
 # Roles (ELRModel.parameter_roles) whose parameters decay: matrices, not norms, vectors, embeddings or
@@ -41,13 +42,21 @@ from elr.models.ffn import MoE
 # gates have groups of their own; Muon takes the hidden matrices, AdamW the head, gates, router and everything else.
 DECAYED_ROLES = ("matrix", "gate", "router", "head", "conv")
 MUON_ROLES = ("matrix",)
+# The parameters only loops 2..K use: after a late switch they are what trains in the healing window
+# (elr.switch_heal_steps); every other parameter shapes k = 1.
+LOOP_SPECIFIC_ROLES = ("loop_gate", "loop_delta")
 
 
 def param_groups(model: nn.Module, weight_decay: float, lr: float, elr: ELR | None = None) -> list[dict]:
     """Decayed matrices, undecayed rest, then the ELR roles with an lr and decay of their own (from `elr`):
-    the adaptive step, and `identity_loops`' gates."""
+    the adaptive step, `identity_loops`' gates and the later loops' low-rank deltas; the groups of the last two
+    say `loop_specific` (the parameters k = 1 never uses)."""
     elr = elr or ELR()
-    own = {"step_size": (elr.step_lr_scale, elr.step_weight_decay), "loop_gate": (elr.loop_gate_lr_scale, 0.0)}
+    own = {
+        "step_size": (elr.step_lr_scale, elr.step_weight_decay),
+        "loop_gate": (elr.loop_gate_lr_scale, 0.0),
+        "loop_delta": (1.0, 0.0),
+    }
     roles = model.parameter_roles()
     decay, no_decay, by_role = [], [], {role: [] for role in own}
     for name, p in model.named_parameters():
@@ -64,7 +73,10 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float, elr: ELR | No
     for role, params in by_role.items():
         if params:
             scale, decay_rate = own[role]
-            groups.append({"params": params, "weight_decay": decay_rate, "lr": lr * scale})
+            group = {"params": params, "weight_decay": decay_rate, "lr": lr * scale}
+            if role in LOOP_SPECIFIC_ROLES:
+                group["loop_specific"] = True
+            groups.append(group)
     return groups
 
 
@@ -197,8 +209,49 @@ def lr_lambda(step: int, cfg: LRScheduler, total_steps: int) -> float:
     return 1.0 - (1 - cfg.min_lr_ratio) * min(progress, 1.0)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_lambda(step, cfg, total_steps))
+@dataclass(frozen=True)
+class SwitchLR:
+    """What a late switch does to the learning rate, on top of the schedule (elr.switch_warmup_steps,
+    elr.switch_heal_steps and elr.switch_heal_lr_scale); `step` is the switch step (elr.switch_at x steps)."""
+
+    step: int = 0
+    warmup_steps: int = 0
+    heal_steps: int = 0
+    heal_lr_scale: float = 1.0
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> SwitchLR:
+        e = cfg.elr
+        return cls(switch_step(cfg), e.switch_warmup_steps, e.switch_heal_steps, e.switch_heal_lr_scale)
+
+    def factor(self, step: int, loop_specific: bool) -> float:
+        """Multiplier of the scheduled lr for scheduler count `step` (update step + 1; the first mixed-depth
+        update is step == switch): a linear re-warm from 1 / (warmup + 1) over the first `warmup_steps` updates
+        after the switch (every parameter); and in the first `heal_steps`, `heal_lr_scale` for every parameter
+        that k = 1 uses (not `loop_specific`), so only the later loops' own parameters move."""
+        since = step - self.step
+        factor = 1.0
+        if not self.step or since < 0:
+            return factor
+        if since < self.warmup_steps:
+            factor = (since + 1) / (self.warmup_steps + 1)
+        if since < self.heal_steps and not loop_specific:
+            factor *= self.heal_lr_scale
+        return factor
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int, switch: SwitchLR | None = None
+):
+    """The schedule (warmup, then cosine or WSD) of every group, times what a late switch does to each group
+    (`switch`: a re-warm, a healing window for the groups that k = 1 uses)."""
+    switch = switch or SwitchLR()
+
+    def group_lambda(loop_specific: bool):
+        return lambda step: lr_lambda(step, cfg, total_steps) * switch.factor(step, loop_specific)
+
+    lambdas = [group_lambda(group.get("loop_specific", False)) for group in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 # The hyperparameters a job sets per param group (optimizer.lr as each group's peak lr, weight decay,

@@ -21,9 +21,10 @@ from pathlib import Path
 
 from elr.checkpoint import export_path, latest_step, read_config, verify
 from elr.config import JobConfig, recurrence
+from elr.data.job_data import job_tokenizer_path
+from elr.data.mixture import describe_change
 from elr.errors import ConfigError, UnusableCheckpoint
 from elr.text.tokenizer import build_tokenizer
-from elr.train.token_files import job_tokenizer_path
 
 # Keys whose change would build another model, or make the saved optimizer state, data position or
 # loop draws mean something else: every recurrence option (each changes the network), and these.
@@ -73,8 +74,11 @@ def config_changes(saved: dict, job: dict) -> dict[str, list]:
 
 
 def check_resume(saved: dict, job: dict, step: int) -> dict[str, list]:
-    """The allowed changes of a resume at `step`; a ConfigError naming every frozen key that changed."""
+    """The allowed changes of a resume at `step`; a ConfigError naming every frozen key that changed. A new
+    mixture (data.sources) brings its own folders, so their meta.json hash changes with it."""
     changes = config_changes(saved, job)
+    if "data.sources" in changes:
+        changes.pop("data.meta_sha256", None)
     if "data.meta_sha256" in changes:  # the same folder prepared again (prepare_data.py --replace): other data
         was, now = changes["data.meta_sha256"]
         raise ConfigError(
@@ -102,10 +106,13 @@ def _same_folder(a, b) -> bool:
 
 
 def change_line(changes: dict[str, list], step: int) -> str:
-    """The one log line of a resume's changes."""
+    """The one log line of a resume's changes (a mixture's by source: `data.sources web 0.6 -> 0.5, ...`)."""
     return (
         "changed on resume: "
-        + "; ".join(f"{k} {show_value(a)} -> {show_value(b)}" for k, (a, b) in changes.items())
+        + "; ".join(
+            f"{k} {describe_change(a, b)}" if k == "data.sources" else f"{k} {show_value(a)} -> {show_value(b)}"
+            for k, (a, b) in changes.items()
+        )
         + f" (from step {step + 1})"
     )
 

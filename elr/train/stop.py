@@ -1,7 +1,9 @@
 """Preemption: SIGTERM or Ctrl-C asks the run to stop at the end of the current step.
 
-The trainer then saves a checkpoint (when checkpoints are on) and exits 0; a second signal stops at
-once (the default handler is back). Whether to stop is decided by all ranks together, so a signal
+The trainer then saves a checkpoint (when checkpoints are on) and exits 0. A second signal stops at
+once: it raises `Interrupted` (elr/console/interrupt.py) wherever the run is, a save in progress
+removes its partial folder, the lock is released, and train.py says in one line which checkpoint the
+same command resumes from. Whether to stop after a step is decided by all ranks together, so a signal
 that reached one rank stops every rank after the same step.
 """
 
@@ -13,9 +15,9 @@ import signal
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger("elr")
+from elr.console.interrupt import SIGNALS, Interrupted, interrupt_now
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+logger = logging.getLogger("elr")
 
 
 class StopOnSignal:
@@ -36,9 +38,12 @@ class StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         action = "saving a checkpoint" if self.saves else "stopping (checkpoint.enable is false: no save)"
-        logger.warning(f"received {signal.Signals(signum).name}: {action} at the end of this step")
+        logger.warning(
+            f"received {signal.Signals(signum).name}: {action} at the end of this step (a second signal stops at once)"
+        )
         self.requested = True
-        signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+        for s in SIGNALS:  # a second signal, of either kind, stops at once
+            signal.signal(s, interrupt_now)
 
     def now(self) -> bool:
         """Whether any rank was asked to stop (a collective: every rank calls it after each step)."""
@@ -46,3 +51,15 @@ class StopOnSignal:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def interrupted_line(e: Interrupted, step: int, checkpoints: bool, newest: int | None) -> str:
+    """train.py's one line for a run stopped at once (a second signal): where it stood and what the same
+    command does. `step`: the last step trained; `newest`: the newest committed checkpoint, read once the
+    interrupted save removed its partial folder."""
+    where = f"stopped at once by {e.name} after step {step}"
+    if not checkpoints:
+        return f"{where}, without saving (checkpoint.enable is false)"
+    if newest is None:
+        return f"{where}; no checkpoint was committed, so the same command starts this run again from step 0"
+    return f"{where}; the same command resumes from checkpoint step-{newest}"

@@ -18,16 +18,21 @@ import json
 import logging
 import os
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from elr.config import JobConfig
+from elr.data.job_data import check_job_data, job_sources, job_tokenizer_path
+from elr.data.loader import Batch, build_mixture_loader, build_task_loader, build_train_loader, job_task, microbatches
+from elr.data.mixture import ORIGIN, continue_mixture, mixture_origin
 from elr.errors import CheckpointError, ConfigError, RunWriteFailed
 from elr.interop.hf_weights import check_installed
 from elr.models import build_model as build_elr_model
@@ -38,13 +43,13 @@ from elr.parallel.parallel_dims import ParallelDims, init_distributed
 from elr.parallel.parallelize import parallelize
 from elr.text.tokenizer import build_tokenizer
 from elr.train.checkpointer import CheckpointManager
-from elr.train.data import build_task_loader, build_train_loader, job_task, microbatches
 from elr.train.initial_weights import load_weights_from
 from elr.train.loop_sampler import DepthSchedule, wait_factor
 from elr.train.loss import IGNORE_INDEX, model_loss
 from elr.train.metrics import MetricsLogger, log_run_setup, outputs_line
 from elr.train.nonfinite import NonFiniteGuard, check_weights_finite
 from elr.train.optimizer import (
+    SwitchLR,
     apply_job_settings,
     build_lr_scheduler,
     job_settings,
@@ -58,7 +63,7 @@ from elr.train.run_lock import RunLock
 from elr.train.step_report import StepReporter, StepStats
 from elr.train.stop import StopOnSignal
 from elr.train.stragglers import LoopTimer
-from elr.train.token_files import check_data_unchanged, check_tokenizer, job_tokenizer_path
+from elr.train.switch_aids import SwitchObjectives
 from elr.train.train_state import ModelState, OptimizerState
 from elr.train.validate import Validator
 
@@ -115,10 +120,12 @@ class Trainer:
         if self.planned_step is not None:
             self._check_resume(self.planned_step)
         self.checkpointer.config = run_config(cfg, self.resume_history)
-        folder_line = claim_line(cfg, checkpoint_folder, self.planned_step)  # refuses a run it would restart
+        # refuses a run it would restart; `restart`: the earlier run's files go aside first
+        folder_line, restart = claim_line(cfg, checkpoint_folder, self.planned_step)
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonFiniteGuard(t.max_nonfinite_steps)
+        self.switch_objectives = SwitchObjectives.of(cfg)  # the k = 1 anchor, the loop consistency
         self.stop = StopOnSignal(self.device, saves=cfg.checkpoint.enable)
 
         # One run per folder, taken before anything is written: the dump folder, and the checkpoint
@@ -130,8 +137,8 @@ class Trainer:
         try:
             if cfg.job.start_over:
                 self.checkpointer.set_aside_after(-1)
-                if self.rank == 0:
-                    set_aside_run_files(self.dump_folder)
+            if restart and self.rank == 0:
+                set_aside_run_files(self.dump_folder)
             if folder_line:
                 logger.info(folder_line)
             self._build_and_resume()
@@ -156,7 +163,8 @@ class Trainer:
 
     def build_data(self) -> None:
         """Hook, once in __init__ before the model: set `tokenizer` (or None), `vocab_size`, the training
-        stream (`train_loader`, `data_iter`) and `validator`; here token files (data.path) or a task."""
+        stream (`train_loader`, `data_iter`) and `validator`; here a token store (data.path), a mixture of them
+        (data.sources, elr/data/mixture.py) or a task."""
         cfg, t = self.cfg, self.cfg.training
         self.task = job_task(cfg) if cfg.data.task else None
         self.tokenizer = None
@@ -172,23 +180,25 @@ class Trainer:
                 cfg.data.task_curriculum_steps,
             )
         else:
-            data_dir = Path(cfg.data.path)
+            d = cfg.data
             cfg.tokenizer.path = job_tokenizer_path(cfg)  # config.json records the one used
             self.tokenizer = tokenizer = build_tokenizer(cfg.tokenizer.path)
             self.vocab_size = tokenizer.n_vocab
-            check_tokenizer(data_dir, tokenizer, cfg)
-            check_data_unchanged(data_dir, cfg)
-            self.train_loader = build_train_loader(
-                str(data_dir / "train.bin"),
+            check_job_data(cfg, tokenizer)
+            build = build_mixture_loader if d.sources else build_train_loader
+            self.train_loader = build(
+                d.sources or d.path,
                 t.seq_len,
                 t.local_batch_size,
                 self.dp_rank,
                 self.dp_world,
                 t.seed,
-                cfg.data.shuffle,
+                d.shuffle,
+                d.document_masking,
+                self.vocab_size,
             )
         self.data_iter = iter(self.train_loader)
-        self.validator = Validator(cfg, self.task, self.dp_rank, self.dp_world, self.device)
+        self.validator = Validator(cfg, self.task, self.dp_rank, self.dp_world, self.device, self.vocab_size)
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -227,6 +237,8 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
         self.model = model = self.build_model()
         self.loop_timer = LoopTimer(model.recurrent, self.device)  # per-rank loop time: who waits for whom
+        if self.switch_objectives is not None and self.switch_objectives.anchor and mixed_depth:
+            self.switch_objectives.build_teacher(self.model_args, self.device)  # filled by a load or at the switch
         f1 = model.num_flops_per_token(cfg.training.seq_len, 1)
         self.fixed_cost = f1 / max(model.num_flops_per_token(cfg.training.seq_len, 2) - f1, 1) - 1
         self.optimizer, self.lr_scheduler = self.build_optimizer(model)
@@ -245,7 +257,8 @@ class Trainer:
         """Hook, after build_model at each phase's build: the optimizer and its LR schedule (over
         optimizer_updates() updates); a subclass may choose which parameters train, or how."""
         optimizer = build_optimizer_from_config(model, self.cfg.optimizer, self.cfg.elr)
-        return optimizer, build_lr_scheduler(optimizer, self.cfg.lr_scheduler, self.optimizer_updates())
+        schedule = build_lr_scheduler(optimizer, self.cfg.lr_scheduler, self.optimizer_updates(), SwitchLR.of(self.cfg))
+        return optimizer, schedule
 
     def optimizer_updates(self) -> int:
         """Hook, in build_optimizer: the optimizer updates of the whole run, the schedule's length (one per
@@ -273,10 +286,25 @@ class Trainer:
         if loaded != planned:  # fell back past unusable checkpoints: compare with the one loaded
             self._check_resume(loaded)
             self.checkpointer.config = run_config(self.cfg, self.resume_history)
+        self._continue_mixture()
         if self.resume_changes:
             logger.info(change_line(self.resume_changes, loaded))
         if self.depths.mixed_depth(self.step) != self.mixed_depth:
             self._enter_phase(not self.mixed_depth, self.step)
+
+    def _continue_mixture(self) -> None:
+        """After a load: a mixture that a resume changed (this one or an earlier one) starts where it was
+        changed, each source after the samples it had served (elr/data/mixture.py); this resume's change is
+        recorded in its history entry, which config.json and every later checkpoint keep."""
+        dataset = getattr(getattr(self, "train_loader", None), "dataset", None)  # RL stages have no loader
+        if not hasattr(dataset, "set_origin"):  # a task or conversations: no mixture
+            return
+        if "data.sources" in self.resume_changes:
+            old = self.resume_changes["data.sources"][0] or [asdict(job_sources(replace(self.cfg.data, sources=[]))[0])]
+            self.resume_history[-1][ORIGIN] = continue_mixture(old, self.resume_history[:-1], dataset.position)
+        start, consumed = mixture_origin(self.resume_history, [s.name for s in job_sources(self.cfg.data)])
+        if start or any(consumed):
+            dataset.set_origin(start, consumed)
 
     def _enter_phase(self, mixed_depth: bool, step: int) -> None:
         """Rebuild for the phase and load `step` into it, unless both phases are one model (no
@@ -284,10 +312,21 @@ class Trainer:
         one_model = model_args_from_config(self.cfg, self.vocab_size, mixed_depth=mixed_depth) == self.model_args
         if one_model:
             self.mixed_depth = mixed_depth
+            self._teacher_at_switch(step)
             return
         self._build(mixed_depth=mixed_depth)
         if step:
             self._load(step)
+
+    def _teacher_at_switch(self, step: int) -> None:
+        """The k = 1 anchor's teacher (elr.k1_anchor) becomes the model as it is now, once the mixed-depth phase
+        starts at or before the switch step: after that it only ever comes from the checkpoints."""
+        objectives = self.switch_objectives
+        if objectives is None or not objectives.anchor or not self.mixed_depth or step > self.depths.switch_step:
+            return
+        if objectives.teacher is None:
+            objectives.build_teacher(self.model_args, self.device)
+        objectives.copy_model(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True)))
 
     def states(self) -> dict:
         """Hook, at every save and load: what a checkpoint holds, by name (DCP Stateful objects); a subclass
@@ -297,7 +336,12 @@ class Trainer:
             "optimizer": OptimizerState(self.model, self.optimizer),
             "lr_scheduler": self.lr_scheduler,
             "train_state": self,
-        }
+        } | ({"k1_teacher": ModelState(self.teacher)} if self.teacher is not None else {})
+
+    @property
+    def teacher(self) -> nn.Module | None:
+        """The k = 1 anchor's teacher (elr.k1_anchor) once the mixed-depth phase has one, else None."""
+        return self.switch_objectives.teacher if self.switch_objectives is not None else None
 
     def state_dict(self) -> dict:
         """Hook, at every save: the trainer's own state in a checkpoint (JSON values or tensors); a subclass
@@ -320,7 +364,8 @@ class Trainer:
         """The keys a checkpoint from before the late switch lacks and this phase's model has: those of
         the conditioning parameters (weights and optimizer state), which keep their fresh values."""
         names = [name for name, role in self.model.parameter_roles().items() if role == "conditioning"]
-        return lambda key: any(f".{name}." in f".{key}." for name in names)
+        # the k = 1 anchor's teacher is saved from the first mixed-depth update on, so the switch checkpoint lacks it
+        return lambda key: key.startswith("k1_teacher.") or any(f".{name}." in f".{key}." for name in names)
 
     def _load(self, step: int | None) -> int | None:
         """Resume from `step` (None: the newest usable), with this job's optimizer settings; newer
@@ -331,6 +376,7 @@ class Trainer:
             logger.info(f"resumed from {self.checkpointer.folder}/step-{loaded} (step {self.step})")
             self.checkpointer.set_aside_after(loaded)
             apply_job_settings(self.optimizer, self.lr_scheduler, settings)  # logged as config changes
+            self._teacher_at_switch(loaded)
         return loaded
 
     def load_initial_weights(self, path: str, model: nn.Module | None = None) -> None:
@@ -361,7 +407,7 @@ class Trainer:
         # over the world / tp ranks that hold different tokens, so each rank's summed loss is scaled by
         # (world / tp) / scored, with `scored` counted over all ranks (tp times over: TP ranks share
         # their tokens): world / that count. Without ignored labels it is 1 / this rank's tokens.
-        scored = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in batches]).sum().double()
+        scored = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().double()
         if dist.is_initialized():
             dist.all_reduce(scored)
         loss_scale = self.world_size / max(scored.item(), 1.0)
@@ -372,12 +418,12 @@ class Trainer:
         # Every TP rank of a data-parallel rank reads the same batches and runs the same k: ks is drawn
         # per data-parallel rank, the same on every process.
         self.loop_timer.active = True
-        for (inputs, labels), k in zip(batches, ks[self.dp_rank].tolist()):
-            loss_sum, aux = self.forward_backward_step(inputs, labels, k, loss_scale, every_loop)
+        for batch, k in zip(batches, ks[self.dp_rank].tolist()):
+            loss_sum, aux = self.forward_backward_step(*batch[:2], k, loss_scale, every_loop, batch.document_ids)
             if aux is not None:
                 aux_sum += aux
             per_k[0, k - 1] += loss_sum.double()
-            per_k[1, k - 1] += (labels != IGNORE_INDEX).sum()
+            per_k[1, k - 1] += (batch.labels != IGNORE_INDEX).sum()
             for i, stats in enumerate(self.model.loop_statistics(), start=1):
                 for name, value in stats.items():
                     loop_stats.setdefault(f"loop{i}/{name}", []).append(value)
@@ -403,31 +449,47 @@ class Trainer:
             "lr": lr,
             "loops/mean": ks.float().mean().item(),
             "loops/wait_expected": wait_factor(self.depths.by_rank(ks), self.fixed_cost),
+            **self.train_loader.dataset.progress(),  # a mixture: each source's epochs so far
         }
         for k, (loss_sum, tokens) in enumerate(zip(*per_k.tolist()), start=1):
             if tokens > 0:
                 scalars[f"loss/k{k}"] = loss_sum / tokens
         scalars.update(moe_stats)
+        if self.switch_objectives is not None:
+            scalars.update(self.switch_objectives.report(step))
         if self.model.moe_layers():  # logged whatever the coefficient (unscaled; 1 per routing call if balanced)
             if dist.is_initialized():
                 dist.all_reduce(aux_sum)
             scalars["moe/aux_loss"] = (aux_sum / (self.n_micro * self.dp_world)).item()
         return StepStats(scalars, ks, per_k, loop_stats, every_loop)
 
-    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Hook, once per step in train_step: this rank's n_micro (inputs, labels) microbatches, on the device;
-        a subclass may filter or change them (a label of IGNORE_INDEX is not scored)."""
-        return [self._slice(*next(self.data_iter)) for _ in range(self.n_micro)]
+    def batches(self, step: int) -> list[Batch]:
+        """Hook, once per step in train_step: this rank's n_micro microbatches (Batch: inputs, labels and the
+        document ids or None), on the device; a subclass may filter or change them (a label of IGNORE_INDEX is
+        not scored)."""
+        return [self._slice(next(self.data_iter)) for _ in range(self.n_micro)]
 
     def forward_backward_step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, k: int, loss_scale: float, every_loop: bool
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        k: int,
+        loss_scale: float,
+        every_loop: bool,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hook, per microbatch in train_step: the forward at k loops and the backward of loss_scale x its
         summed token loss (plus the MoE balance term); returns that summed loss and the balance loss,
         detached, for the step's report. A subclass may add terms to what is backpropagated."""
         with self._loss_context():
-            loss_sum = self.model_loss(inputs, labels, k, every_loop=every_loop)
-            micro_loss = loss_sum * loss_scale
+            objectives, step = self.switch_objectives, self.step + 1
+            if objectives is not None and objectives.applies(step, k, self.mixed_depth):
+                # the anchor, the consistency
+                loss_sum, extra = objectives.loss(self.model, inputs, labels, k, step, document_ids)
+                micro_loss = (loss_sum + extra) * loss_scale
+            else:
+                loss_sum = self.model_loss(inputs, labels, k, every_loop=every_loop, document_ids=document_ids)
+                micro_loss = loss_sum * loss_scale
             # Under TP or CP: this rank's share of its sequences' balance loss. FSDP averages over the cp
             # ranks (the token loss is per rank) but the shares add up: hence x cp.
             aux = self.model.moe_aux_loss()
@@ -437,19 +499,27 @@ class Trainer:
             micro_loss.backward()
         return loss_sum.detach(), (aux.detach() if aux is not None else None)
 
-    def _slice(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the device; under context parallelism, this rank's contiguous slice of each sequence
-        (every CP rank of a data-parallel rank read the same sequences)."""
+    def _slice(self, batch: Batch) -> Batch:
+        """On the device; under context parallelism, this rank's contiguous slice of each sequence and of its
+        document ids (every CP rank of a data-parallel rank read the same sequences, so the ids agree)."""
         if self.dims.cp > 1:
-            inputs, labels = (shard_sequence(x, self.dims.cp_rank, self.dims.cp) for x in (inputs, labels))
-        return inputs.to(self.device), labels.to(self.device)
+            batch = Batch(*(x if x is None else shard_sequence(x, self.dims.cp_rank, self.dims.cp) for x in batch))
+        return Batch(*(x if x is None else x.to(self.device) for x in batch))
 
     def _loss_context(self):
         """loss_parallel under TP (forward and backward of the loss on vocab-sharded logits)."""
         return loss_parallel() if self.dims.tp_mesh is not None else contextlib.nullcontext()
 
-    def model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, k: int, every_loop: bool = False) -> torch.Tensor:
-        """Summed cross entropy at k loops, as training.loss_chunk_tokens and the layout ask."""
+    def model_loss(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        k: int,
+        every_loop: bool = False,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Summed cross entropy at k loops, as training.loss_chunk_tokens and the layout ask; document_ids
+        (this rank's slice, as `_slice` gives it): documents packed into a row never see each other."""
         return model_loss(
             self.model,
             inputs,
@@ -458,15 +528,16 @@ class Trainer:
             self.cfg.training.loss_chunk_tokens,
             tensor_parallel=self.dims.tp_mesh is not None,
             every_loop=every_loop,
+            document_ids=document_ids,
         )
 
     def validate(self) -> dict[str, float]:
         """Hook, every validation.freq steps (and at step 0 and the last): validation loss at every k in 1..K
         (on a task also answer accuracy), elr/train/validate.py; a subclass measures its own."""
 
-        def loss(inputs, labels, k):
+        def loss(inputs, labels, k, document_ids=None):
             with self._loss_context():
-                return self.model_loss(inputs, labels, k)
+                return self.model_loss(inputs, labels, k, document_ids=document_ids)
 
         return self.validator(self.model, self._slice, loss)
 

@@ -36,11 +36,11 @@ def extrapolate(folder: Path, factor: int, examples: int) -> dict[int, list[floa
     return {k: task_accuracy(model, task, cfg["training"]["seed"], examples, k) for k in range(1, factor * K + 1)}
 
 
-def collect(runs: list[Run], variants: dict, steps: int, difficulties: int, extrapolation_examples: int) -> dict:
+def collect(runs: list[Run], variants: dict, difficulties: int, extrapolation_examples: int) -> dict:
     """variant -> label, seeds, per-seed accuracy [k][d], their mean, and (unconditioned ELR) past K."""
     results = {}
     for variant, spec in variants.items():
-        finished = [(r, final_record(r.folder, steps)) for r in runs if r.variant == variant]
+        finished = [(r, final_record(r.folder, r.steps)) for r in runs if r.variant == variant]
         finished = [(r, rec) for r, rec in finished if rec is not None]
         if not finished:
             continue

@@ -52,6 +52,17 @@ GROUPS = {
         "(not in the paper) one ingredient changed at a time; wanted: "
         "k = 1 at the matched baseline and a best k well below its own k = 1.",
     ),
+    "switch_wsd": (
+        "The late switch under warmup-stable-decay (issue 57)",
+        "(the card's procedure, not a paper table) one loop for the first half, then mixed depth; wanted: k = 1 "
+        "within +0.5% of the matched baseline (mean of 3 seeds, no seed above +1%), the best k at least 1% below "
+        "the run's own k = 1 and k = K within 0.3% of the best k, on both corpora.",
+    ),
+    "switch_cosine": (
+        "The late switch under the cosine schedule (the check, issues 46 and 57)",
+        "(the card's procedure, not a paper table) the same rows under the study's cosine schedule, where the "
+        "mixed phase after a 50% switch gets about a fifth of the learning-rate integral.",
+    ),
     "aids": (
         "The looped-model training aids on the recommended recipe",
         "(not in the paper) one aid at a time "

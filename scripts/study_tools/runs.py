@@ -2,7 +2,8 @@
 
 A suite is a base TOML (train_configs/study/<suite>.toml) and its variants
 (train_configs/study/<suite>_variants.toml: each a label, the groups it belongs to and its
---section.key overrides as TOML values, plus a [quick] subset). Every run is an ordinary checkpointed
+--section.key overrides as TOML values, plus a [quick] subset and the groups' [protocol.<group>] tables,
+study_tools/protocol.py). Every run is an ordinary checkpointed
 `train.py` run in <runs>/<variant>/seed<N>: a finished run (its last step's validation is in its
 metrics.jsonl) is skipped, an interrupted one resumes from its checkpoint.
 """
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import tomli
 
-from elr.checkpoint import latest_step
 from elr.console.progress import duration
+
+from .protocol import check_protocols
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "train_configs/study"
@@ -39,6 +41,7 @@ class Suite:
     variants: dict[str, dict]  # name -> {label, groups, overrides}
     quick: dict  # {variants, steps}
     steps: int  # the base run's training.steps
+    protocols: dict[str, dict]  # group -> {baseline: variant} (study_tools/protocol.py)
 
     @classmethod
     def load(cls, name: str) -> Suite:
@@ -49,7 +52,9 @@ class Suite:
             variants = tomli.load(f)
         with open(config, "rb") as f:
             steps = tomli.load(f)["training"]["steps"]
-        return cls(name, config, variants, variants.pop("quick"), steps)
+        quick, protocols = variants.pop("quick"), variants.pop("protocol", {})
+        check_protocols(variants, protocols)
+        return cls(name, config, variants, quick, steps, protocols)
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Run:
     seed: int
     folder: Path
     overrides: dict
+    steps: int  # its updates: the suite's, or a FLOPs-matched run's own (study_tools/protocol.py)
 
     @property
     def name(self) -> str:
@@ -72,7 +78,7 @@ def cli_value(value) -> str:
     return str(value)
 
 
-def train_command(run: Run, config: Path, data: Path | None, steps: int | None, val_steps: int | None) -> list[str]:
+def train_command(run: Run, config: Path, data: Path | None, val_steps: int | None) -> list[str]:
     cmd = [
         sys.executable,
         str(ROOT / "train.py"),
@@ -82,11 +88,11 @@ def train_command(run: Run, config: Path, data: Path | None, steps: int | None, 
         str(run.folder),
         "--training.seed",
         str(run.seed),
+        "--training.steps",
+        str(run.steps),
     ]
     if data is not None:
         cmd += ["--data.path", str(data)]
-    if steps is not None:
-        cmd += ["--training.steps", str(steps)]
     if val_steps is not None:
         cmd += ["--validation.steps", str(val_steps)]
     for key, value in run.overrides.items():
@@ -116,17 +122,18 @@ def final_validation(folder: Path, steps: int) -> list[float] | None:
 
 def latest_checkpoint(folder: Path) -> Path:
     """The run's newest committed checkpoint (the trainer's own rule: a half-written one never counts)."""
+    from elr.checkpoint import latest_step
+
     step = latest_step(folder / "checkpoint")
     if step is None:
         raise FileNotFoundError(f"{folder}: no committed checkpoint")
     return folder / "checkpoint" / f"step-{step}"
 
 
-def train_all(
-    runs: list[Run], config: Path, data: Path | None, steps: int, jobs: int, val_steps: int | None = None
-) -> list[Run]:
-    """Train every unfinished run, `jobs` at a time with one thread each; returns the runs that failed."""
-    todo = [r for r in runs if final_record(r.folder, steps) is None]
+def train_all(runs: list[Run], config: Path, data: Path | None, jobs: int, val_steps: int | None = None) -> list[Run]:
+    """Train every unfinished run, `jobs` at a time with one thread each, in the given order; returns the runs
+    that failed."""
+    todo = [r for r in runs if final_record(r.folder, r.steps) is None]
     log(f"{len(runs) - len(todo)} of {len(runs)} runs already finished; training {len(todo)}, {jobs} at a time")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     running: list[tuple[Run, subprocess.Popen, float]] = []
@@ -138,7 +145,7 @@ def train_all(
             run.folder.mkdir(parents=True, exist_ok=True)
             with open(run.folder / "train.log", "a") as out:
                 proc = subprocess.Popen(
-                    train_command(run, config, data, steps, val_steps),
+                    train_command(run, config, data, val_steps),
                     cwd=ROOT,
                     env=env,
                     stdout=out,
@@ -152,7 +159,7 @@ def train_all(
                 continue
             running.remove(item)
             done += 1
-            record = final_record(run.folder, steps)
+            record = final_record(run.folder, run.steps)
             if proc.returncode != 0 or record is None:
                 failed.append(run)
                 log(f"FAILED {run.name} (exit {proc.returncode}); see {run.folder / 'train.log'}")

@@ -62,3 +62,43 @@ def verdict(diffs: list[float], expected_sign: int) -> str:
         if sd > 0 and expected_sign * mean / (sd / math.sqrt(len(diffs))) > 2:
             return "reproduced"
     return "inconclusive"
+
+
+def seed_range(diffs: dict[int, float]) -> dict | None:
+    """Per-seed differences {seed: d} as the switch study reports them: mean, smallest and largest, the count
+    of seeds below and above zero; None without a seed."""
+    if not diffs:
+        return None
+    values = [diffs[s] for s in sorted(diffs)]
+    return {
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "below": sum(v < 0 for v in values),
+        "above": sum(v > 0 for v in values),
+    }
+
+
+def fmt_range(r: dict | None) -> str:
+    """A relative seed range in percent: `mean (min..max) below/n`, the mean and range over seeds and how
+    many seeds lie below zero; one seed prints its value and `1 seed`."""
+    if r is None:
+        return "–"
+    if r["n"] == 1:
+        return f"{100 * r['mean']:+.2f}% (1 seed)"
+    return f"{100 * r['mean']:+.2f}% ({100 * r['min']:+.2f}..{100 * r['max']:+.2f}) {r['below']}/{r['n']} below"
+
+
+def sign_word(r: dict | None) -> str:
+    """What the signs of a seed range allow one to say, no more: lower or higher on every seed (with at least
+    two), split, or one seed."""
+    if r is None:
+        return "no shared seed"
+    if r["n"] == 1:
+        return "one seed, no sign verdict"
+    if r["below"] == r["n"]:
+        return f"lower on {r['n']} of {r['n']} seeds"
+    if r["above"] == r["n"]:
+        return f"higher on {r['n']} of {r['n']} seeds"
+    return f"split ({r['below']} of {r['n']} lower)"

@@ -6,18 +6,18 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from elr.tools.route_diagnostics import route_drift
-
 from .aids_report import aids_section
 from .paper import CLAIMS, GROUPS, PAPER, PAPER_BASELINE, READING_WORDS, READINGS, paper_difference, paper_rows
+from .protocol import PROTOCOL_KEYS
 from .runs import Run, carried_note, final_validation, latest_checkpoint
 from .sampling_report import sampling_section, wait_figures
 from .stats import best_k, fmt_paired, paired, per_seed, relative, summarise, verdict
+from .switch_report import switch_section
 
 
 def val_windows(data: Path, cfg: dict, batches: int):
     """The first validation batches of the run's shape: the same windows its own validation read."""
-    from elr.train.data import val_batches
+    from elr.data.validation import val_batches
 
     t = cfg["training"]
     return val_batches(str(data / "val.bin"), t["seq_len"], t["local_batch_size"], batches, 0, 1)
@@ -34,7 +34,7 @@ def loop_statistics(model, batches) -> dict[str, list[float]]:
     model.record_loop_statistics(True)
     sums: dict[str, list[float | None]] = {}  # None: the loop has no such statistic (an unconditioned loop's gate)
     with torch.no_grad():
-        for inputs, _ in batches:
+        for inputs, *_ in batches:
             model(inputs, loops=loops)
             for i, stats in enumerate(model.loop_statistics()):
                 for name, value in stats.items():
@@ -54,7 +54,7 @@ def replay_at_inference_loss(model, batches) -> float:
     model.route_replay = True
     total = count = 0.0
     with torch.no_grad():
-        for inputs, labels in batches:
+        for inputs, labels, *_ in batches:
             total += summed_loss(model(inputs, loops=model.args.recurrence.max_loops), labels).item()
             count += labels.numel()
     model.route_replay = False
@@ -71,11 +71,13 @@ def mean_per_key(dicts: list[dict]) -> dict:
     return statistics.fmean(dicts)
 
 
-def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batches: int, val_steps: int | None) -> dict:
+def collect(runs: list[Run], variants: dict, data: Path, stats_batches: int, val_steps: int | None) -> dict:
+    from elr.tools.route_diagnostics import route_drift
+
     results = {}
     for variant, spec in variants.items():
         # every finished seed counts: a grid cut short reports each variant over the seeds it has
-        finished = [(r, final_validation(r.folder, steps)) for r in runs if r.variant == variant]
+        finished = [(r, final_validation(r.folder, r.steps)) for r in runs if r.variant == variant]
         finished = [(r, run_losses) for r, run_losses in finished if run_losses is not None]
         if not finished:
             continue
@@ -89,7 +91,9 @@ def collect(runs: list[Run], variants: dict, data: Path, steps: int, stats_batch
             "loss": [m for m, _ in per_k],
             "std": [s for _, s in per_k],
             "per_seed": losses,
+            "steps": mine[0].steps,
         }
+        entry.update({key: spec[key] for key in PROTOCOL_KEYS if key in spec})
         replay_check = "table_1" in spec["groups"] and not spec["overrides"].get("moe.route_replay")
         if K > 1:  # one load of each run's final weights for every measurement below
             from elr.infer.load import load_model
@@ -119,11 +123,17 @@ def rank_of(values: dict[str, float]) -> dict[str, int]:
     return {name: i + 1 for i, name in enumerate(sorted(values, key=values.get))}
 
 
-def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carried: list[str] = ()) -> None:
+SWITCH_GROUPS = ("switch_wsd", "switch_cosine")  # protocol groups (study_tools/protocol.py, switch_report.py)
+
+
+def write_markdown(
+    results: dict, out: Path, steps: int, seeds: list[int], carried: list[str] = (), corpus: str = "prose"
+) -> None:
     K = max(len(r["loss"]) for r in results.values())
     base = results.get("baseline_matched") or results.get("baseline")
     lines = [
-        f"# ELR study results (seeds {', '.join(map(str, seeds))}; {steps} updates each)",
+        f"# ELR study results ({corpus}; seeds {', '.join(map(str, seeds))}; {steps} updates each unless a row "
+        "says otherwise)",
         "",
         "Validation loss (nats per byte) at each loop count k: mean ± standard deviation over the finished "
         "seeds. Δ compares k = 1 and the best k with the matched baseline's mean. Paper: arXiv 2610.12582, "
@@ -144,6 +154,9 @@ def write_markdown(results: dict, out: Path, steps: int, seeds: list[int], carri
             continue
         if group == "aids":
             lines += aids_section(results, members, title, claim)
+            continue
+        if group in SWITCH_GROUPS:
+            lines += switch_section(results, members, title, claim)
             continue
         if group in ("controls", "remedies"):
             extra = [v for v in ("default",) if v in results and v not in members] if group == "remedies" else []

@@ -4,8 +4,10 @@
 "triton" is the chunked Triton kernel set (GPU, or CPU under TRITON_INTERPRET=1); "auto" picks
 triton for CUDA tensors and chunk otherwise. Every implementation accumulates in fp32 (fp64 stays
 fp64 where the PyTorch forms are used) and takes the same, flash-linear-attention style,
-batch-first arguments, so the model never needs to know which one ran. `gated_delta_product_step`
-is the one-token form for decoding.
+batch-first arguments, so the model never needs to know which one ran. `resets` marks the tokens
+that start a new sequence (documents packed into one row): the state before such a token is zero,
+in every implementation, forward and backward. `gated_delta_product_step` is the one-token form
+for decoding.
 """
 
 import torch
@@ -58,6 +60,7 @@ def gated_delta_product(
     output_final_state=False,
     use_qk_l2norm=False,
     impl="chunk",
+    resets=None,
 ):
     """Run the gated DeltaProduct recurrence over a batch of sequences.
 
@@ -65,24 +68,38 @@ def gated_delta_product(
     g: [B, T, H] (log decay, <= 0), with n_h = num_householder. Row t*n_h + j of k, v and beta is
     Householder sub-step j of token t. q and k must be L2-normalised, or use_qk_l2norm=True
     normalises them (`l2_normalize`; in-kernel for triton). scale defaults to K**-0.5.
-    initial_state: [B, H, K, V] or None.
+    initial_state: [B, H, K, V] or None. resets: [B, T] bool or None; True where a token starts a
+    new sequence: the state it sees is zero, not the decayed state before it (the initial state
+    included, where the first token resets). None: no resets, the same result bit for bit as
+    all False.
 
     Returns (o [B, T, H, V] in q's dtype, final_state [B, H, K, V] in fp32, or None unless
     output_final_state).
     """
     impl = _resolve(impl, q)
     _check_shapes(q, k, v, g, beta, num_householder, initial_state)
+    _check_resets(resets, q)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if impl == "triton":
         o, final_state = triton_gated_delta_product(
-            q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, qk_l2norm=use_qk_l2norm
+            q,
+            k,
+            v,
+            g,
+            beta,
+            num_householder,
+            scale,
+            initial_state,
+            output_final_state,
+            qk_l2norm=use_qk_l2norm,
+            resets=resets,
         )
     else:
         if use_qk_l2norm:
             q, k = l2_normalize(q), l2_normalize(k)
         o, final_state = IMPLEMENTATIONS[impl](
-            q, k, v, g, beta, num_householder, scale, initial_state, output_final_state
+            q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, resets=resets
         )
     return o.to(q.dtype), final_state
 
@@ -144,3 +161,12 @@ def _check_shapes(q, k, v, g, beta, num_householder, initial_state):
                 f"(B={B}, T={T}, H={H}, K={K}, V={V}, "
                 f"num_householder={num_householder})"
             )
+
+
+def _check_resets(resets, q):
+    if resets is None:
+        return
+    if resets.dtype != torch.bool or tuple(resets.shape) != tuple(q.shape[:2]):
+        raise ValueError(
+            f"resets must be a bool tensor [B, T] = {tuple(q.shape[:2])}, got {resets.dtype} {tuple(resets.shape)}"
+        )

@@ -17,6 +17,12 @@ Backward recomputes those (nothing of size L*K is kept between forward and backw
 `_state_grad_kernel` runs the chunks in reverse for the state gradients and du, and
 `_chunk_grad_kernel` turns them into dq, dk, dv, dbeta, dg chunk by chunk. Every product
 accumulates in fp32; inputs may be fp32, bf16 or fp16. Derivation of the backward: docs/LOG.md.
+
+Resets (HAS_RESETS; a token that starts a new sequence sees a zero state): each kernel numbers its
+chunk's rows by the resets at or before them (`_segments`) and zeroes every decay factor that
+crosses one (`_decay_matrix`, `_from_start`, `_to_end`, `_chunk_decay`), as chunk.py does; without
+resets each is the plain exp it replaces, where it was. The backward needs nothing else:
+it is written in those factors, whose derivatives in G are themselves (zero stays zero).
 """
 
 import torch
@@ -62,11 +68,51 @@ def _store_rows(ptr, x, row, mask, H, h, D: tl.constexpr):
 
 
 @triton.jit
-def _decay_matrix(G, C: tl.constexpr):
-    """D_ij = exp(G_i - G_j) on and below the diagonal, 0 above (never exp of a positive)."""
+def _segments(resets, b, T, token, first, C: tl.constexpr, HAS_RESETS: tl.constexpr):
+    """Per row of a chunk, the resets at or before it in the chunk (a token's reset sits on its first
+    sub-step, with its decay), as fp32; zeros without resets."""
+    seg = tl.zeros([C], dtype=tl.float32)
+    if HAS_RESETS:
+        seg = tl.cumsum(tl.load(resets + b * T + token, mask=first, other=0).to(tl.float32), 0)
+    return seg
+
+
+@triton.jit
+def _decay_matrix(G, seg, C: tl.constexpr, HAS_RESETS: tl.constexpr):
+    """D_ij = exp(G_i - G_j) on and below the diagonal within one segment, 0 elsewhere (never exp of
+    a positive)."""
     i = tl.arange(0, C)
     causal = i[:, None] >= i[None, :]
+    if HAS_RESETS:
+        causal = causal & (seg[:, None] == seg[None, :])
     return tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
+
+
+@triton.jit
+def _from_start(G, seg, HAS_RESETS: tl.constexpr):
+    """exp(G) [C]: the chunk's start state's decay at each row; 0 from the chunk's first reset on."""
+    decay = tl.exp(G)
+    if HAS_RESETS:
+        decay = tl.where(seg == 0, decay, 0.0)
+    return decay
+
+
+@triton.jit
+def _to_end(G, G_end, seg, C: tl.constexpr, HAS_RESETS: tl.constexpr):
+    """exp(G_end - G) [C]: each row's decay to the chunk's end; 0 before the chunk's last reset."""
+    decay = tl.exp(G_end - G)
+    if HAS_RESETS:
+        decay = tl.where(seg == _last(seg, C), decay, 0.0)
+    return decay
+
+
+@triton.jit
+def _chunk_decay(G_end, seg, C: tl.constexpr, HAS_RESETS: tl.constexpr):
+    """exp(G_end): the start state's decay over the whole chunk; 0 if the chunk holds a reset."""
+    decay = tl.exp(G_end)
+    if HAS_RESETS:
+        decay = tl.where(_last(seg, C) == 0, decay, 0.0)
+    return decay
 
 
 @triton.jit
@@ -117,6 +163,7 @@ def _prepare_kernel(
     v,
     g,
     beta,
+    resets,
     G_out,
     W_out,
     U_out,
@@ -129,6 +176,7 @@ def _prepare_kernel(
     C: tl.constexpr,
     STORE_INVERSE: tl.constexpr,
     NORM: tl.constexpr,
+    HAS_RESETS: tl.constexpr,
 ):
     """Per chunk: cumulative decay G, the inverse Tinv, W = Tinv (beta exp(G) k) and
     U = Tinv (beta v)."""
@@ -141,11 +189,12 @@ def _prepare_kernel(
     beta_c = tl.load(beta + (b * L + pos) * H + h, mask=valid, other=0.0).to(tl.float32)
     g_c = tl.load(g + (b * T + token) * H + h, mask=first, other=0.0).to(tl.float32)
     G = tl.cumsum(g_c, 0)
+    seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
 
     i = tl.arange(0, C)
-    A = tl.dot(k_c, tl.trans(k_c)) * _decay_matrix(G, C) * beta_c[:, None]
+    A = tl.dot(k_c, tl.trans(k_c)) * _decay_matrix(G, seg, C, HAS_RESETS) * beta_c[:, None]
     Tinv = _unit_lower_inverse(tl.where(i[:, None] > i[None, :], A, 0.0), C)
-    W = tl.dot(Tinv, k_c * (beta_c * tl.exp(G))[:, None])
+    W = tl.dot(Tinv, k_c * (beta_c * _from_start(G, seg, HAS_RESETS))[:, None])
     U = tl.dot(Tinv, v_c * beta_c[:, None])
 
     row = bh * tl.num_programs(0) * C + chunk * C + i  # row in the padded [B*H, N*C] buffers
@@ -159,6 +208,7 @@ def _prepare_kernel(
 @triton.jit
 def _state_kernel(
     k,
+    resets,
     G_buf,
     W_buf,
     U_buf,
@@ -176,6 +226,7 @@ def _state_kernel(
     BV: tl.constexpr,
     HAS_INITIAL: tl.constexpr,
     NORM: tl.constexpr,
+    HAS_RESETS: tl.constexpr,
 ):
     """Walk the chunks in order for one (batch, head, value block): store each chunk-start state
     h[n] and the effective values u = U - W S, and the final state."""
@@ -199,7 +250,10 @@ def _state_kernel(
         u = U - tl.dot(W, S)
         tl.store(u_out + row[:, None] * V + cols_v[None, :], u)
         G_end = _last(G, C)
-        S = S * tl.exp(G_end) + tl.dot(tl.trans(k_c * tl.exp(G_end - G)[:, None]), u)
+        seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
+        S = S * _chunk_decay(G_end, seg, C, HAS_RESETS) + tl.dot(
+            tl.trans(k_c * _to_end(G, G_end, seg, C, HAS_RESETS)[:, None]), u
+        )
     tl.store(_state_ptrs(final_out + bh * K * V, K, V, BV, v_block), S)
 
 
@@ -207,6 +261,7 @@ def _state_kernel(
 def _output_kernel(
     q,
     k,
+    resets,
     G_buf,
     h_buf,
     u_buf,
@@ -220,6 +275,7 @@ def _output_kernel(
     C: tl.constexpr,
     BV: tl.constexpr,
     NORM: tl.constexpr,
+    HAS_RESETS: tl.constexpr,
 ):
     """o = (q exp(G)) S + ((q k^T) * D) u for one chunk and value block; only each token's last
     sub-step is an output row."""
@@ -235,8 +291,9 @@ def _output_kernel(
     G = tl.load(G_buf + row)
     S = tl.load(_state_ptrs(h_buf + (bh * N + chunk) * K * V, K, V, BV, v_block))
     u = tl.load(u_buf + row[:, None] * V + cols_v[None, :])
-    P = tl.dot(q_c, tl.trans(k_c)) * _decay_matrix(G, C)
-    o_c = tl.dot(q_c * tl.exp(G)[:, None], S) + tl.dot(P, u)
+    seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
+    P = tl.dot(q_c, tl.trans(k_c)) * _decay_matrix(G, seg, C, HAS_RESETS)
+    o_c = tl.dot(q_c * _from_start(G, seg, HAS_RESETS)[:, None], S) + tl.dot(P, u)
     ptrs = o + ((b * T + token[:, None]) * H + h) * V + cols_v[None, :]
     tl.store(ptrs, o_c.to(o.dtype.element_ty), mask=last[:, None])
 
@@ -250,6 +307,7 @@ def _state_grad_kernel(
     q,
     k,
     do,
+    resets,
     G_buf,
     W_buf,
     d_final,
@@ -267,6 +325,7 @@ def _state_grad_kernel(
     BV: tl.constexpr,
     HAS_D_FINAL: tl.constexpr,
     NORM: tl.constexpr,
+    HAS_RESETS: tl.constexpr,
 ):
     """Walk the chunks in reverse for one (batch, head, value block): dh[n] is the gradient of
     the state at chunk n's end, du the gradient of the effective values u, and what remains at
@@ -292,10 +351,15 @@ def _state_grad_kernel(
         G = tl.load(G_buf + row)
         W = tl.load(W_buf + row[:, None] * K + tl.arange(0, K)[None, :])
         G_end = _last(G, C)
-        P = tl.dot(q_c, tl.trans(k_c)) * _decay_matrix(G, C)
-        du = tl.dot(tl.trans(P), do_c) + tl.dot(k_c * tl.exp(G_end - G)[:, None], dS)
+        seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
+        P = tl.dot(q_c, tl.trans(k_c)) * _decay_matrix(G, seg, C, HAS_RESETS)
+        du = tl.dot(tl.trans(P), do_c) + tl.dot(k_c * _to_end(G, G_end, seg, C, HAS_RESETS)[:, None], dS)
         tl.store(du_out + row[:, None] * V + cols_v[None, :], du)
-        dS = dS * tl.exp(G_end) + tl.dot(tl.trans(q_c * tl.exp(G)[:, None]), do_c) - tl.dot(tl.trans(W), du)
+        dS = (
+            dS * _chunk_decay(G_end, seg, C, HAS_RESETS)
+            + tl.dot(tl.trans(q_c * _from_start(G, seg, HAS_RESETS)[:, None]), do_c)
+            - tl.dot(tl.trans(W), du)
+        )
     tl.store(_state_ptrs(d_initial + bh * K * V, K, V, BV, v_block), dS)
 
 
@@ -306,6 +370,7 @@ def _chunk_grad_kernel(
     v,
     beta,
     do,
+    resets,
     G_buf,
     W_buf,
     Tinv_buf,
@@ -327,6 +392,7 @@ def _chunk_grad_kernel(
     C: tl.constexpr,
     BV: tl.constexpr,
     NORM: tl.constexpr,
+    HAS_RESETS: tl.constexpr,
 ):
     """Gradients of one chunk's inputs, given its state h, its end-state gradient dh and du.
 
@@ -353,7 +419,8 @@ def _chunk_grad_kernel(
     W = tl.load(W_buf + row[:, None] * K + cols_k[None, :])
     Tinv = tl.load(Tinv_buf + row[:, None] * C + i[None, :])
     G_end = _last(G, C)
-    D = _decay_matrix(G, C)
+    seg = _segments(resets, b, T, token, first, C, HAS_RESETS)
+    D = _decay_matrix(G, seg, C, HAS_RESETS)
     kk = tl.dot(k_c, tl.trans(k_c))
     qk = tl.dot(q_c, tl.trans(k_c))
 
@@ -394,8 +461,8 @@ def _chunk_grad_kernel(
     # d(I + A)^-1 = -Tinv^T (.) Tinv^T, folded into the two products above; A's strict part only.
     dA = tl.where(strict, -dA, 0.0)
 
-    eG = tl.exp(G)
-    e_to_end = tl.exp(G_end - G)
+    eG = _from_start(G, seg, HAS_RESETS)
+    e_to_end = _to_end(G, G_end, seg, C, HAS_RESETS)
     kkD = tl.where(strict, kk * D, 0.0)
     dbeta_c += tl.sum(dA * kkD, 1) + tl.sum(d_beta_gk * k_c, 1) * eG
     dkk = dA * beta_c[:, None] * D
@@ -417,7 +484,9 @@ def _chunk_grad_kernel(
         + tl.sum(dDD, 1)
         - tl.sum(dDD, 0)
     )
-    dG_end = tl.sum(dG_end_rows, 0) * tl.exp(G_end) + tl.sum(tl.sum(dk_to_end * k_c, 1) * e_to_end, 0)
+    dG_end = tl.sum(dG_end_rows, 0) * _chunk_decay(G_end, seg, C, HAS_RESETS) + tl.sum(
+        tl.sum(dk_to_end * k_c, 1) * e_to_end, 0
+    )
     dG += tl.where(i == C - 1, dG_end, 0.0)
     # G = cumsum(g) within the chunk, so dg_i = sum_{m >= i} dG_m.
     dg_c = tl.sum(tl.where(i[None, :] >= i[:, None], dG[None, :], 0.0), 1)
@@ -452,7 +521,7 @@ def _check_dims(K, V, chunk_size):
             raise ValueError(f"triton gated_delta_product needs {name} a power of two >= 16, got {d}")
 
 
-def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse, norm):
+def _prepare(k, v, g, beta, resets, T, n_h, chunk_size, store_inverse, norm):
     B, L, H, K = k.shape
     V, C = v.shape[-1], chunk_size
     N = triton.cdiv(L, C)
@@ -466,6 +535,7 @@ def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse, norm):
         v,
         g,
         beta,
+        resets if resets is not None else G,
         G,
         W,
         U,
@@ -478,12 +548,13 @@ def _prepare(k, v, g, beta, T, n_h, chunk_size, store_inverse, norm):
         C=C,
         STORE_INVERSE=store_inverse,
         NORM=norm,
+        HAS_RESETS=resets is not None,
         num_warps=NUM_WARPS,
     )
     return G, W, U, Tinv
 
 
-def _states(k, G, W, U, initial_state, T, n_h, chunk_size, norm):
+def _states(k, resets, G, W, U, initial_state, T, n_h, chunk_size, norm):
     B, L, H, K = k.shape
     V, C = U.shape[-1], chunk_size
     N = G.shape[1] // C
@@ -494,6 +565,7 @@ def _states(k, G, W, U, initial_state, T, n_h, chunk_size, norm):
     has_initial = initial_state is not None
     _state_kernel[(V // BV, B * H)](
         k,
+        resets if resets is not None else G,
         G,
         W,
         U,
@@ -511,34 +583,60 @@ def _states(k, G, W, U, initial_state, T, n_h, chunk_size, norm):
         BV=BV,
         HAS_INITIAL=has_initial,
         NORM=norm,
+        HAS_RESETS=resets is not None,
         num_warps=NUM_WARPS,
     )
     return h, u, final
 
 
-def chunk_forward(q, k, v, g, beta, initial_state, n_h, scale, chunk_size, qk_l2norm):
+def _reset_flags(resets):
+    """The [B, T] bool resets as bytes the kernels load (None stays None: HAS_RESETS off)."""
+    return resets.contiguous().view(torch.uint8) if resets is not None else None
+
+
+def chunk_forward(q, k, v, g, beta, initial_state, n_h, scale, chunk_size, qk_l2norm, resets=None):
     """o [B, T, H, V] in q's dtype and the final state [B, H, K, V] in fp32. Inputs contiguous,
-    shapes as in `gated_delta_product`; qk_l2norm: normalise q and k rows in the kernels."""
+    shapes as in `gated_delta_product`; qk_l2norm: normalise q and k rows in the kernels; resets
+    [B, T] bool or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     _check_dims(K, V, chunk_size)
-    G, W, U, _ = _prepare(k, v, g, beta, T, n_h, chunk_size, False, qk_l2norm)
-    h, u, final = _states(k, G, W, U, initial_state, T, n_h, chunk_size, qk_l2norm)
+    resets = _reset_flags(resets)
+    G, W, U, _ = _prepare(k, v, g, beta, resets, T, n_h, chunk_size, False, qk_l2norm)
+    h, u, final = _states(k, resets, G, W, U, initial_state, T, n_h, chunk_size, qk_l2norm)
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
     BV = min(V, BLOCK_V)
     _output_kernel[(h.shape[1], B * H, V // BV)](
-        q, k, G, h, u, o, scale, T, H, n_h, K=K, V=V, C=chunk_size, BV=BV, NORM=qk_l2norm, num_warps=NUM_WARPS
+        q,
+        k,
+        resets if resets is not None else G,
+        G,
+        h,
+        u,
+        o,
+        scale,
+        T,
+        H,
+        n_h,
+        K=K,
+        V=V,
+        C=chunk_size,
+        BV=BV,
+        NORM=qk_l2norm,
+        HAS_RESETS=resets is not None,
+        num_warps=NUM_WARPS,
     )
     return o, final
 
 
-def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chunk_size, qk_l2norm):
+def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chunk_size, qk_l2norm, resets=None):
     """Gradients (dq, dk, dv, dg, dbeta, d_initial_state) from those of o and the final state.
     The chunk states are recomputed, as the forward keeps none."""
     B, T, H, K = q.shape
     V, C = v.shape[-1], chunk_size
-    G, W, U, Tinv = _prepare(k, v, g, beta, T, n_h, C, True, qk_l2norm)
-    h, u, _ = _states(k, G, W, U, initial_state, T, n_h, C, qk_l2norm)
+    resets = _reset_flags(resets)
+    G, W, U, Tinv = _prepare(k, v, g, beta, resets, T, n_h, C, True, qk_l2norm)
+    h, u, _ = _states(k, resets, G, W, U, initial_state, T, n_h, C, qk_l2norm)
     N = h.shape[1]
     dh, du = torch.empty_like(h), torch.empty_like(u)
     d_initial = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
@@ -548,6 +646,7 @@ def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chu
         q,
         k,
         do,
+        resets if resets is not None else G,
         G,
         W,
         d_final if has_d_final else d_initial,
@@ -565,6 +664,7 @@ def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chu
         BV=BV,
         HAS_D_FINAL=has_d_final,
         NORM=qk_l2norm,
+        HAS_RESETS=resets is not None,
         num_warps=NUM_WARPS,
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -575,6 +675,7 @@ def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chu
         v,
         beta,
         do,
+        resets if resets is not None else G,
         G,
         W,
         Tinv,
@@ -596,6 +697,7 @@ def chunk_backward(do, d_final, q, k, v, g, beta, initial_state, n_h, scale, chu
         C=C,
         BV=min(V, GRAD_BLOCK_V),
         NORM=qk_l2norm,
+        HAS_RESETS=resets is not None,
         num_warps=NUM_WARPS,
         num_stages=1,
     )  # 1: spare shared memory

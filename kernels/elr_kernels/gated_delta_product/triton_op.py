@@ -26,16 +26,17 @@ def gated_delta_product_op(
     scale: float,
     chunk_size: int,
     qk_l2norm: bool,
+    resets: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(o in q's dtype, final state in fp32); shapes as in `gated_delta_product`."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return chunk_forward(q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm)
+    return chunk_forward(q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm, resets)
 
 
 @gated_delta_product_op.register_fake
-def _(q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm):
+def _(q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm, resets=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32)
@@ -55,6 +56,7 @@ def gated_delta_product_backward_op(
     scale: float,
     chunk_size: int,
     qk_l2norm: bool,
+    resets: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg, dbeta, d_initial_state in fp32) from the gradients of o and the final
     state; d_final None means the final state was not used."""
@@ -63,11 +65,13 @@ def gated_delta_product_backward_op(
         d_final = d_final.contiguous()
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return chunk_backward(do, d_final, q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm)
+    return chunk_backward(
+        do, d_final, q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm, resets
+    )
 
 
 @gated_delta_product_backward_op.register_fake
-def _(do, d_final, q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm):
+def _(do, d_final, q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm, resets=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     # contiguous, as the real op returns them whatever the inputs' strides
@@ -82,23 +86,23 @@ def _(do, d_final, q, k, v, g, beta, initial_state, num_householder, scale, chun
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, initial_state, num_householder, scale, chunk_size, qk_l2norm, resets = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, resets)
     ctx.options = (num_householder, scale, chunk_size, qk_l2norm)
 
 
 def _backward(ctx, do, d_final):
-    q, k, v, g, beta, initial_state = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, resets = ctx.saved_tensors
     if do is None:  # only the final state was used
         do = torch.zeros(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
     dq, dk, dv, dg, dbeta, d_initial = gated_delta_product_backward_op(
-        do, d_final, q, k, v, g, beta, initial_state, *ctx.options
+        do, d_final, q, k, v, g, beta, initial_state, *ctx.options, resets
     )
     if initial_state is not None:
         d_initial = d_initial.to(initial_state.dtype)
     else:
         d_initial = None
-    return dq, dk, dv, dg, dbeta, d_initial, None, None, None, None
+    return dq, dk, dv, dg, dbeta, d_initial, None, None, None, None, None
 
 
 gated_delta_product_op.register_autograd(_backward, setup_context=_setup_context)
@@ -116,10 +120,11 @@ def triton_gated_delta_product(
     output_final_state=False,
     chunk_size=CHUNK_SIZE,
     qk_l2norm=False,
+    resets=None,
 ):
     """Same arguments and results as chunk_gated_delta_product; chunk_size a power of two >= 16
     (tests lower it to keep the interpreter fast)."""
     o, final = torch.ops.elr.gated_delta_product(
-        q, k, v, g, beta, initial_state, num_householder, float(scale), chunk_size, qk_l2norm
+        q, k, v, g, beta, initial_state, num_householder, float(scale), chunk_size, qk_l2norm, resets
     )
     return o, (final if output_final_state else None)

@@ -1,11 +1,10 @@
 """Token files and their tokenizer: opening a prepared data folder's `train.bin` / `val.bin` with the
 dtype its meta.json gives, refusing token ids past the vocabulary, and checking (before any work) that
-the files were made by the configured tokenizer. The batches drawn from them are elr/train/data.py's.
+the files were made by the configured tokenizer. The batches drawn from them are elr/data/loader.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -16,7 +15,7 @@ from elr.config import JobConfig
 from elr.errors import ConfigError, DataError
 from elr.text.tokenizer import Tokenizer
 
-_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 def read_meta(data_dir: str | Path) -> dict:
@@ -39,31 +38,6 @@ def read_meta(data_dir: str | Path) -> dict:
     return meta
 
 
-def job_tokenizer_path(cfg: JobConfig) -> str:
-    """tokenizer.path, or when empty the tokenizer data.path's meta.json records: its `tokenizer_path`
-    if that file exists, else its file name beside the data, in a `tokenizer/` folder next to the
-    data folder, or in the repository's data/tokenizer/; else the recorded name (a tiktoken encoding)."""
-    if cfg.tokenizer.path:
-        return cfg.tokenizer.path
-    data_dir = Path(cfg.data.path)
-    meta = read_meta(data_dir)
-    name = meta.get("tokenizer")
-    if not name:
-        raise ConfigError(
-            f"tokenizer.path: empty, and {data_dir / 'meta.json'} records no tokenizer; set tokenizer.path"
-        )
-    repository = Path(__file__).resolve().parents[2]
-    for candidate in (
-        meta.get("tokenizer_path"),
-        data_dir / name,
-        data_dir.parent / "tokenizer" / name,
-        repository / "data" / "tokenizer" / name,
-    ):
-        if candidate and Path(candidate).is_file():
-            return str(candidate)
-    return name
-
-
 def check_tokenizer(data_dir: Path, tokenizer: Tokenizer, cfg: JobConfig) -> None:
     """The data was tokenized by this tokenizer: same vocabulary size and, where recorded, the same
     file (a shuffled ranks file has the size but not the ids). Records the hash in the config."""
@@ -84,20 +58,6 @@ def check_tokenizer(data_dir: Path, tokenizer: Tokenizer, cfg: JobConfig) -> Non
     tok.sha256 = tok.sha256 or have or ""
 
 
-def check_data_unchanged(data_dir: Path, cfg: JobConfig) -> None:
-    """The data folder is the one the job names: its meta.json (which prepare_data.py rewrites with the
-    sources, counts and sizes of every preparation) has the SHA-256 `data.meta_sha256` gives; an empty key
-    is filled in, so config.json and every checkpoint carry it and a resume compares (elr/train/resume.py)."""
-    have = hashlib.sha256((Path(data_dir) / "meta.json").read_bytes()).hexdigest()
-    want = cfg.data.meta_sha256
-    if want and want != have:
-        raise ConfigError(
-            f"data.meta_sha256: {data_dir}'s meta.json has SHA-256 {have}, not the {want} this job "
-            "names: another preparation of the data"
-        )
-    cfg.data.meta_sha256 = have
-
-
 def load_tokens(path: str | Path) -> np.memmap:
     """Open a token file read-only, with the dtype from the meta.json beside it; every token id must
     be below meta.json's vocab_size (the largest id is read once per file content: `largest_token_id`)."""
@@ -108,9 +68,9 @@ def load_tokens(path: str | Path) -> np.memmap:
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} is missing: it gives the dtype of {path}")
     meta = read_meta(path.parent)
-    if meta.get("dtype") not in _DTYPES:
-        raise DataError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {list(_DTYPES)}")
-    dtype = np.dtype(_DTYPES[meta["dtype"]])
+    if meta.get("dtype") not in DTYPES:
+        raise DataError(f"{meta_path}: dtype {meta.get('dtype')!r} is not one of {list(DTYPES)}")
+    dtype = np.dtype(DTYPES[meta["dtype"]])
     size = path.stat().st_size
     if size == 0 or size % dtype.itemsize:
         raise DataError(f"{path}: size {size} bytes is not a positive multiple of {dtype.name}")
