@@ -1,7 +1,7 @@
 """The RLVR update against hand-computed values: loss/train for each loss type on a two-group batch, the
 world-size scaling, one k per group in the sampler's proportions (dynamic sampling keeping them), the clip binding
-once `rl.minibatches` splits a batch, RLTT's loop weights, DAPO's overlong punishment, and the k3 estimator
-averaging to the exact KL."""
+once `rl.minibatches` splits a batch, RLTT's loop weights, DAPO's overlong punishment, the k3 estimator
+averaging to the exact KL, and the non-finite guard deciding on each update's reduced loss."""
 
 import math
 
@@ -194,3 +194,34 @@ def test_rltt_loop_weights_and_their_gradient():
 def test_dapos_soft_overlong_punishment():
     assert [overlong_penalty(n, 20, 4) for n in (10, 16, 17, 18, 20)] == [0.0, 0.0, -0.25, -0.5, -1.0]
     assert overlong_penalty(20, 20, 0) == 0.0
+
+
+@pytest.mark.parametrize("poisoned", [{0}, {0, 1}])
+def test_an_update_whose_reduced_loss_is_not_finite_is_skipped(tmp_path, sft_model, monkeypatch, poisoned):  # noqa: F811
+    """The non-finite guard decides per update on the loss summed over the update's microbatches (and ranks),
+    not on the gradient alone: a loss made infinite by a constant keeps a finite gradient, yet its update is
+    skipped and the next minibatch's is applied; with both minibatches poisoned the weights do not move."""
+    import dataclasses
+
+    import elr.rl.trainer as rl_trainer
+
+    calls = []
+
+    def poisoned_loss(*args, **kwargs):
+        parts = micro_loss(*args, **kwargs)
+        calls.append(len(calls))
+        if calls[-1] in poisoned:  # one microbatch per minibatch here: call i is minibatch i's
+            parts = dataclasses.replace(parts, loss=parts.loss + math.inf)
+        return parts
+
+    monkeypatch.setattr(rl_trainer, "micro_loss", poisoned_loss)
+    t = trainer(tmp_path, sft_model, "--rl.minibatches", "2", "--training.local_batch_size", "4")
+    try:
+        before = torch.cat([p.detach().flatten().clone() for p in t.model.parameters()])
+        stats = t.train_step(1).scalars
+        after = torch.cat([p.detach().flatten() for p in t.model.parameters()])
+    finally:
+        t.close()
+    assert len(calls) == 2 and math.isfinite(stats["grad_norm"]) and stats["loss/train"] == math.inf
+    assert t.nonfinite.streak == (2 if poisoned == {0, 1} else 0)
+    assert torch.equal(before, after) == (poisoned == {0, 1})
