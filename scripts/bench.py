@@ -8,6 +8,7 @@
     python scripts/bench.py decode --checkpoint outputs/study/.../step-N --batches 1 8 64 --new-tokens 32
     python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
     python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
+    python scripts/bench.py rl_cache --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
     python scripts/bench.py loader --shards 1000 --seq-len 8192 --batch 8 --steps 200   # elr/tools/data_bench.py
     python scripts/bench.py prepare --mb 40 --workers 1 2
 
@@ -421,6 +422,99 @@ def bench_rollout(args):
     run(args)
 
 
+def bench_rl_cache(args):
+    """The RLVR stage's choice of rollout cache on one batch of its rollouts (the stage's arithmetic prompts, groups
+    of 8 at k drawn 4:1:1:1, sampled at T = 1 from the stage's draws): for `per_loop` (exact) and `last_loop_kv`,
+    the decoding time (interleaved medians), the inference state's bytes for the batch, and how far the sampler's
+    log-probs are from the training forward's (per token, and the sequence ratios TRL's `sequence_mask` weighs
+    by, with the share its cap of 3 drops); then the training forward a non-exact cache adds when a batch has
+    several updates (its rollout policy's log-probs), timed beside an update's forward and backward."""
+    import torch
+
+    from elr.infer.generate import Sampling, generate
+    from elr.infer.load import load_model, load_tokenizer
+    from elr.infer.memory import inference_state_bytes
+    from elr.rl.logprobs import placed, right_padded, scored_positions, token_logprobs
+    from elr.rl.prompts import load_prompts
+    from elr.train.loop_sampler import LoopSampler
+
+    if not args.checkpoint:
+        raise SystemExit("rl_cache: --checkpoint is required (a model trained with the chat template)")
+    model, cfg = load_model(args.checkpoint, "cpu")
+    model.eval()
+    tokenizer = load_tokenizer(cfg)
+    G, K, new, eot = 8, args.max_loops, args.new_tokens, tokenizer.eot_id
+    groups = args.batch // G
+    prompts = [p.encode(tokenizer) for p in load_prompts("arithmetic")[::97][:groups] for _ in range(G)]
+    ks = LoopSampler(K, "stratified", 0.0, [4, 1, 1, 1][:K]).sample(1, 1, groups)[0].repeat_interleave(G).tolist()
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.rand(new, len(prompts), generator=gen, dtype=torch.float64)
+    sampling = Sampling(1.0)
+    rows = []
+    print(f"rollouts: {len(prompts)} completions ({groups} groups of {G}), k per group {ks[::G]}, {new} new tokens")
+    timings = {}
+    for mode in ("per_loop", "last_loop_kv"):
+
+        def decode(mode=mode):
+            return generate(
+                model, prompts, ks, new, eot, mode, sampling, uniforms=lambda t: draws[t], with_logprobs=True
+            )
+
+        out = decode()
+        (timings[mode],) = interleaved_medians([decode], repeats=args.repeats)
+        seqs = [p + t + ([eot] if len(t) < new else []) for p, t in zip(prompts, out.tokens)]
+        starts = [len(p) for p in prompts]
+        tokens = right_padded(seqs, eot, "cpu")
+        mask = scored_positions(starts, [len(s) for s in seqs], tokens.shape[1], "cpu")
+        mu = placed(
+            [out.logprobs[i, : len(s) - len(p)] for i, (s, p) in enumerate(zip(seqs, prompts))],
+            starts,
+            tokens.shape[1],
+            0.0,
+            "cpu",
+        )
+        with torch.no_grad():
+            pi, _ = token_logprobs(model, tokens, torch.tensor(ks))
+        gap = (pi - mu) * mask
+        ratio = gap.sum(-1).exp()
+        state = sum(
+            inference_state_bytes(model.args, K, tokens.shape[1], mode, torch.float32, batch=len(prompts)).values()
+        )
+        for k in sorted(set(ks)):
+            sel = torch.tensor([x == k for x in ks])
+            rows.append(
+                [
+                    mode,
+                    k,
+                    f"{gap[sel].abs().sum().item() / mask[sel].sum().item():.2e}",
+                    f"{gap[sel].abs().max().item():.3f}",
+                    f"{ratio[sel].min().item():.3f} / {ratio[sel].mean().item():.3f} / {ratio[sel].max().item():.3f}",
+                    f"{(ratio[sel] > 3).float().mean().item():.0%}",
+                ]
+            )
+        speed = sum(len(t) for t in out.tokens) / timings[mode]
+        print(f"{mode}: decoding {timings[mode]:.2f} s ({speed:.1f} tokens/s), inference state {state / 2**20:.2f} MiB")
+    print_table(["cache", "k", "mean |log pi - log mu|", "max", "sequence ratio min / mean / max", "> cap 3"], rows)
+    model.train()
+    micro = args.micro_rows
+
+    def forward():
+        with torch.no_grad():
+            token_logprobs(model, tokens[:micro], torch.tensor(ks[:micro]))
+
+    def forward_backward():
+        logp, _ = token_logprobs(model, tokens[:micro], torch.tensor(ks[:micro]))
+        logp.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    t_fwd, t_step = interleaved_medians([forward, forward_backward], repeats=args.repeats)
+    print(
+        f"a {micro}-completion microbatch: the rollout policy's extra forward (no gradient) {t_fwd:.3f} s, the "
+        f"update's forward and backward {t_step:.3f} s: a non-exact cache with several updates per batch adds "
+        f"{t_fwd / t_step:.0%} of the update's time"
+    )
+
+
 def _gather(results, procs) -> list[dict]:
     """One result per rank process; a rank that dies (out of memory, say) ends the benchmark with one
     line instead of leaving the others waiting in a collective."""
@@ -538,6 +632,7 @@ BENCHMARKS = {
     "decode": bench_decode,
     "speculative": bench_speculative,
     "rollout": bench_rollout,
+    "rl_cache": bench_rl_cache,
     "loader": bench_loader,
     "prepare": bench_prepare,
 }
@@ -559,8 +654,8 @@ def main():
     parser.add_argument("--micro", type=int, default=4, help="sampling: microbatches per rank per update")
     parser.add_argument(
         "--checkpoint",
-        help="decode, speculative, rollout: a checkpoint to decode with (decode's and speculative's default: a "
-        "fresh --flavor)",
+        help="decode, speculative, rollout, rl_cache: a checkpoint to decode with (decode's and speculative's "
+        "default: a fresh --flavor)",
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode: batch sizes to time")
     parser.add_argument(
@@ -573,9 +668,10 @@ def main():
     parser.add_argument("--draft-loops", type=int, default=1, help="speculative: the drafting k")
     parser.add_argument("--draft-tokens", type=int, default=4, help="speculative: tokens drafted per round")
     parser.add_argument(
-        "--new-tokens", type=int, default=64, help="decode, speculative, rollout: tokens generated per prompt"
+        "--new-tokens", type=int, default=64, help="decode, speculative, rollout, rl_cache: tokens generated per prompt"
     )
     parser.add_argument("--kv", default="per_loop", help="decode, speculative, rollout: KV cache mode")
+    parser.add_argument("--micro-rows", type=int, default=8, help="rl_cache: completions per timed training forward")
     parser.add_argument("--json", help="model: also write the results to this JSON file (to compare commits)")
     parser.add_argument("--shards", type=int, default=1000, help="loader: shards of the largest source")
     parser.add_argument("--steps", type=int, default=200, help="loader: batches timed")

@@ -8,9 +8,11 @@ numbers, spelling a word backwards, facts about the bundled prose (Shakespeare's
 the Union addresses) and counting letters. Every answer follows from the question by a fixed rule, so
 the assistant-token loss on held-out conversations can fall. `--kinds sum` writes the RLVR stage's
 arithmetic instead (elr/text/arithmetic.py): three-term sums answered worked or direct, half each,
-leaving out the questions the stage holds out for evaluation:
+leaving out the questions the stage holds out for evaluation; `--kinds var_chain` its variable chains
+(elr/text/depth_questions.py) the same way, a worked answer following the bindings from the queried name:
 
     python scripts/make_chat_data.py --kinds sum --count 8000 --out outputs/arith_chat/conversations.jsonl
+    python scripts/make_chat_data.py --kinds var_chain --count 8000 --out outputs/var_chat/conversations.jsonl
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 
 from elr.cli import HelpFormatter
-from elr.text import arithmetic
+from elr.text import arithmetic, depth_questions
 
 WORDS = (
     "king",
@@ -99,12 +101,34 @@ def three_term_sum(rng: random.Random) -> tuple[str, str]:
     return question, (arithmetic.worked_answer(terms) if rng.random() < 0.5 else arithmetic.direct_answer(terms))
 
 
+def chain_steps(question: str) -> list[str]:
+    """A variable-chain question's bindings from the queried name to its value: ["w = c.", "c = 7."]."""
+    *statements, query = question.split(". ")
+    binding = dict(statement.rstrip(".").split(" = ") for statement in statements)
+    name, steps = query.removeprefix("What is ").removesuffix("?"), []
+    while not name.isdigit():
+        steps.append(f"{name} = {binding[name]}.")
+        name = binding[name]
+    return steps
+
+
+def variable_chain(rng: random.Random, pool: list[tuple[str, str]]) -> tuple[str, str]:
+    """A chain the RLVR stage asks (never one it holds out), answered by following it or directly."""
+    question, answer = rng.choice(pool)
+    if rng.random() < 0.5:
+        return question, " ".join(chain_steps(question)) + f" The answer is {answer}."
+    return question, f"The answer is {answer}."
+
+
+# The RLVR stage's own prompts, one user turn each: the kinds that stand alone.
+RLVR_KINDS = ("sum", "var_chain")
+
 KINDS = {"arithmetic": arithmetic_question, "reverse": reverse, "fact": fact, "letters": letters}
 
 
-def conversation(rng: random.Random, kinds: list[str]) -> dict:
-    if kinds == ["sum"]:  # the RLVR stage's prompts: one user turn, no system line
-        question, answer = three_term_sum(rng)
+def conversation(rng: random.Random, kinds: list[str], pool: list[tuple[str, str]]) -> dict:
+    if kinds[0] in RLVR_KINDS:  # the RLVR stage's prompts: one user turn, no system line
+        question, answer = three_term_sum(rng) if kinds == ["sum"] else variable_chain(rng, pool)
         return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
     messages = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.3 else []
     for _ in range(2 if rng.random() < 0.25 else 1):
@@ -121,15 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kinds",
         nargs="+",
-        choices=[*KINDS, "sum"],
+        choices=[*KINDS, *RLVR_KINDS],
         default=list(KINDS),
-        help="the kinds drawn (uniformly); `sum` alone: the RLVR stage's arithmetic",
+        help="the kinds drawn (uniformly); `sum` or `var_chain` alone: the RLVR stage's prompts",
     )
     args = p.parse_args(argv)
-    if "sum" in args.kinds and len(args.kinds) > 1:
-        p.error("--kinds sum stands alone (the RLVR stage's arithmetic, one user turn each)")
+    alone = [k for k in args.kinds if k in RLVR_KINDS]
+    if alone and len(args.kinds) > 1:
+        p.error(f"--kinds {alone[0]} stands alone (the RLVR stage's prompts, one user turn each)")
+    pool = []
+    if args.kinds == ["var_chain"]:
+        from elr.rl.prompts import from_question, is_held_out  # imports torch: after --help
+
+        pool = [(q, a) for q, a in depth_questions.questions("var_chain") if not is_held_out(from_question(q, a))]
     rng = random.Random(args.seed)
-    lines = [json.dumps(conversation(rng, args.kinds)) for _ in range(args.count)]
+    lines = [json.dumps(conversation(rng, args.kinds, pool)) for _ in range(args.count)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text("\n".join(lines) + "\n")

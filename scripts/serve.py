@@ -25,15 +25,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
+# Only what the arguments need is imported here: --help and a usage error come at once; torch, the model code
+# and the server once the arguments are known.
 from elr.cli import HelpFormatter, argument_type
 from elr.errors import UserError
-from elr.infer.cache import MODES
-from elr.infer.chat import DEFAULT_EXIT
-from elr.models.early_exit import ExitRule
+from elr.infer.kv_modes import MODES
 from elr.serve.limits import Limits
-from elr.serve.scheduler import Engine
 
 
 def parse_budget(text: str) -> int | str:
@@ -62,10 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--exit",
-        type=argument_type(ExitRule.parse),
-        default=DEFAULT_EXIT,
         metavar="RULE:THRESHOLD",
-        help=f'the exit rule of loop_budget "auto" (state:T or kl:T), capped at K (default {DEFAULT_EXIT}, '
+        help='the exit rule of loop_budget "auto" (state:T or kl:T), capped at K (default: chat\'s, kl:0.01, '
         "untuned: pick one per model with scripts/evaluate.py --exit)",
     )
     p.add_argument(
@@ -130,19 +125,28 @@ def main(argv: list[str] | None = None) -> int:
         "graph compiled on first use and kept in outputs/inductor-cache; auto: on a GPU (CUDA graphs), off on a "
         "CPU, where the first requests of each shape wait for a compile (docs/serving.md)",
     )
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (cuda when available)"
-    )
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
     p.add_argument("--served-model-name", help="the model id clients give (default: from the checkpoint's folder)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level")
     args = p.parse_args(argv)
+    import torch  # the arguments are known: now the model code
+
+    from elr.infer.chat import DEFAULT_EXIT
+    from elr.models.early_exit import ExitRule
+
+    try:
+        args.exit = ExitRule.parse(args.exit) if args.exit else DEFAULT_EXIT
+    except ValueError as e:
+        p.error(f"argument --exit: {e}")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         import uvicorn
 
         from elr.serve.api import Server, create_app
         from elr.serve.protocol import Served
+        from elr.serve.scheduler import Engine
     except ImportError as e:
         if (e.name or "").split(".")[0] not in ("fastapi", "starlette", "pydantic", "uvicorn"):
             raise

@@ -119,9 +119,7 @@ def test_every_script_parses_its_arguments_before_importing_torch(tmp_path):
     import ast
     import json
 
-    # serve.py is the one left: its flags take their defaults from the server's limits and exit rule, which the
-    # server's own branch of issue 58 (s58-server) moves; then it joins the others here.
-    paths = [str(p) for p in [*SCRIPTS, ROOT / "train.py"] if p.name != "serve.py"]
+    paths = [str(p) for p in [*SCRIPTS, ROOT / "train.py"]]
     code = BLOCKED_HELP.format(heavy=repr(HEAVY), paths=repr(paths))
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'kernels'}:{ROOT / 'scripts'}", "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)

@@ -93,6 +93,23 @@ def test_tokenizer_sha256_is_a_hex_digest_or_empty():
             [],
             "training.global_batch_size",
         ),  # -1: a batch of rollouts needs its size
+        *[
+            (
+                '[rl]\nenable = true\nprompts = "arithmetic"\n[checkpoint]\ninitial_load_path = "x"\n[training]\n'
+                "global_batch_size = 16\n",
+                [f"--rl.{key}", value],
+                f"rl.{key}",
+            )
+            for key, value in [
+                ("minibatches", "0"),
+                ("rollout_correction_cap", "0.5"),
+                ("overlong_buffer", "64"),  # not below max_new_tokens
+                ("rollout_correction", "token"),
+                ("loss_type", "bnpo"),
+                ("loop_credit", "every_loop"),  # RLTT's weights are named now
+                ("dynamic_sampling_rounds", "-1"),
+            ]
+        ],
         (
             '[elr]\nswitch_conditioning = "from_start"\nswitch_at = 0.5\nconditioning = false\n'
             "[checkpoint]\nenable = true\n",
@@ -434,3 +451,15 @@ def test_the_config_package_loads_and_prints_its_reference_without_torch():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("torch is blocked\nsteps 7\n"), result.stdout[:200]
     assert help_text() in result.stdout and markdown_table() in result.stdout
+
+
+def test_a_saved_config_from_before_issue_59_loads_under_the_new_names():
+    """A run's config.json written before `rl.advantage` became `rl.loss_type` with `rl.scale_rewards` (and
+    `every_loop` RLTT's `uniform`) still loads: checkpoints of every stage carry the [rl] section."""
+    from elr.config import JobConfig, config_from_dict
+
+    raw = JobConfig().to_dict()
+    for old, loss_type, scale in (("grpo", "dapo", "group"), ("dr_grpo", "dr_grpo", "none")):
+        rl = {k: v for k, v in raw["rl"].items() if k not in ("loss_type", "scale_rewards")}
+        cfg = config_from_dict({**raw, "rl": {**rl, "advantage": old, "loop_credit": "every_loop"}})
+        assert (cfg.rl.loss_type, cfg.rl.scale_rewards, cfg.rl.loop_credit) == (loss_type, scale, "uniform")

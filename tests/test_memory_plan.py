@@ -126,8 +126,9 @@ def test_full_ac_grows_with_k_by_about_one_layer_input_per_recurrent_call():
         ("koi4b_midtrain.toml", [], True),  # 256K over CP 8: fits through the chunked loss alone
         ("koi4b_midtrain.toml", ["--training.loss_chunk_tokens", "0"], False),
         ("koi4b_sft.toml", [], True),  # 8192-token conversation rows, FSDP 8, AC full
-        ("koi4b_rlvr.toml", [], True),  # 128 rollouts per rank of 8192 tokens through the last-loop KV cache
-        ("koi4b_rlvr.toml", ["--rl.rollout_kv", "per_loop", "--training.global_batch_size", "4096"], False),
+        ("koi4b_rlvr.toml", [], True),  # rollouts of 8192 tokens through the per-loop cache, 64 rows at a time
+        ("koi4b_rlvr.toml", ["--rl.rollout_rows", "0"], False),  # all 128 of a rank's rows at once
+        ("koi4b_rlvr.toml", ["--rl.rollout_rows", "0", "--rl.rollout_kv", "last_loop_kv"], True),
     ],
 )
 def test_plan_verdicts_of_shipped_configs(config, overrides, fits):
@@ -234,6 +235,9 @@ def test_the_rlvr_stage_plans_its_rollout_peak_from_the_inference_state():
         assert plan.rollout_rows == 16 and plan.rollout_cache == cache
         assert plan.total == max(plan.training_total, plan.rollout_total) and "rollout peak" in plan.report()
     assert plans["per_loop"].rollout_cache > plans["last_loop_kv"].rollout_cache
+    cfg = load_config(ROOT / "train_configs" / "debug.toml", [*base, "--rl.rollout_rows", "4"])
+    plan = plan_memory(cfg, model_args_from_config(cfg, 8193), 2, 80)  # rl.rollout_rows decoded at a time
+    assert plan.rollout_rows == 4 and plan.rollout_cache == plans["per_loop"].rollout_cache / 4
 
 
 @pytest.mark.parametrize("mode", ["none", "full"])

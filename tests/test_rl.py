@@ -195,6 +195,28 @@ def test_the_depth_tasks_in_words_have_the_answers_a_solver_finds(source, solve)
     assert train_prompts and held
 
 
+def test_the_sft_data_for_variable_chains_follows_the_chain_or_answers_directly(tmp_path):
+    """make_chat_data.py --kinds var_chain: questions the RLVR stage trains on (none it holds out), answered by
+    writing out the bindings from the queried name to its value, or with the value alone, about half each."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_chat_data", ROOT / "scripts" / "make_chat_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "chains.jsonl"
+    assert script.main(["--kinds", "var_chain", "--count", "200", "--out", str(out)]) == 0
+    worked = 0
+    for line in out.read_text().splitlines():
+        question, answer = (m["content"] for m in json.loads(line)["messages"])
+        value = solve_var_chain(question)
+        assert answer.endswith(f"The answer is {value}.") and not is_held_out(from_question(question, value))
+        if answer != f"The answer is {value}.":
+            worked += 1
+            steps = answer.removesuffix(f" The answer is {value}.").split(" ")
+            assert steps[0] == question.split("What is ")[1].rstrip("?") and steps[-1] == f"{value}."
+    assert 60 < worked < 140
+
+
 def test_the_cache_modes_of_the_config_are_the_caches():
     assert set(choices(rl_config.RL, "rollout_kv")) == set(MODES)
 
@@ -409,18 +431,28 @@ def test_several_updates_per_batch_move_the_ratio_and_dr_grpo_runs(tmp_path, sft
         sft_model,
         "--rl.updates_per_batch",
         "3",
-        "--rl.advantage",
+        "--rl.loss_type",
         "dr_grpo",
+        "--rl.scale_rewards",
+        "none",
         "--rl.kl_coeff",
         "0.1",
         "--rl.loop_credit",
-        "every_loop",
+        "uniform",
         "--metrics.enable_tensorboard",
         "true",
+        # every other option of the update at once: two minibatches, the sampling temperature and nucleus, a
+        # shared cache's per-token correction, DAPO's punishment and refill (its filter would drop every row here:
+        # six tokens are too few for this model to stop)
+        *("--rl.minibatches", "2", "--rl.temperature", "0.7", "--rl.top_p", "0.9"),
+        *("--rl.rollout_kv", "last_loop_kv", "--rl.rollout_correction", "token_truncate"),
+        *("--rl.overlong_buffer", "2", "--rl.dynamic_sampling_rounds", "1"),
     )
     assert any((tmp_path / "ppo" / "tb").iterdir())  # the samples table beside the scalars
     assert run[1]["rl/kl"] > 0  # after the first update the policy has left the reference
     assert run[1]["rl/clip_frac"] > 0  # lr 1e-2 over three updates moves some ratios past the clip
+    assert {"rl/is_ratio_mean_k1", "rl/is_capped", "rl/refilled_frac"} <= set(run[1])
+    assert math.isfinite(run[1]["loss/train"]) and run[1]["grad_norm"] > 0
 
 
 @pytest.mark.slow  # traces the decode step once per loop cap
@@ -492,7 +524,20 @@ def test_bad_inputs_are_one_line_before_any_weight_changes(tmp_path, sft_model, 
 
 
 @pytest.mark.slow  # multi-process: the slow tier
-def test_two_ranks_equal_one_process(tmp_path, sft_model):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        # two minibatches of whole groups (the same groups on any number of ranks), each completion's mean, the
+        # shared cache's importance weights with their ratios reduced over the ranks, and dynamic sampling (every
+        # rank decodes as many refill groups as the rank that needs most)
+        [
+            *("--rl.group_size", "2", "--rl.minibatches", "2", "--rl.loss_type", "grpo"),
+            *("--rl.rollout_kv", "last_loop_kv", "--rl.dynamic_sampling_rounds", "2"),
+        ],
+    ],
+)
+def test_two_ranks_equal_one_process(tmp_path, sft_model, extra):
     """Each rank samples its share of the groups with the batch's own draws: the same completions, rewards
     and updates as one process (FSDP on gloo)."""
     args = [
@@ -501,6 +546,7 @@ def test_two_ranks_equal_one_process(tmp_path, sft_model):
         *[a for a in RL],
         "--training.mixed_precision_param",
         "float32",
+        *extra,
     ]
     run_script(tmp_path / "one", 2, *args)
     run_script(tmp_path / "two", 2, *args, "--training.local_batch_size", "2", nproc=2)
@@ -509,3 +555,8 @@ def test_two_ranks_equal_one_process(tmp_path, sft_model):
         assert a["rl/reward"] == pytest.approx(b["rl/reward"], abs=1e-9) and a["rl/length"] == b["rl/length"]
         assert a["loss/train"] == pytest.approx(b["loss/train"], rel=2e-5, abs=2e-6), step
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-4), step
+        assert a["rl/refilled_frac"] == b["rl/refilled_frac"]
+        ratios = sorted(k for k in a if k.startswith("rl/is_"))
+        assert ratios == sorted(k for k in b if k.startswith("rl/is_"))
+        for key in ratios:
+            assert a[key] == pytest.approx(b[key], rel=1e-4), (step, key)

@@ -133,8 +133,8 @@ def _check_rl_job(cfg: JobConfig) -> None:
     require(
         r.loop_credit == "last" or e.prefix_consistent,
         "rl.loop_credit",
-        "every_loop needs a prefix-consistent recurrence (no budget embedding in the loops: elr.conditioning_budget "
-        "= false, or FiLM on the output block only)",
+        "other than `last` (RLTT's credit to every loop) needs a prefix-consistent recurrence (no budget embedding "
+        "in the loops: elr.conditioning_budget = false, or FiLM on the output block only)",
         r.loop_credit,
     )
     require(not cfg.data.task, "data.task", "is not an RLVR prompt source (use rl.prompts)", cfg.data.task)

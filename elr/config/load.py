@@ -75,10 +75,25 @@ def resolve_bundled_paths(cfg: JobConfig, cwd: Path | None = None) -> None:
         source.path, source.val_path = bundled(source.path), bundled(source.val_path)
 
 
+def upgraded(raw: dict) -> dict:
+    """A saved config's keys as they are named now: `rl.advantage` (until issue 59) became `rl.loss_type` with
+    `rl.scale_rewards` (grpo: dapo and group; dr_grpo: dr_grpo and none), `rl.loop_credit = every_loop` RLTT's
+    `uniform` weights."""
+    rl = dict(raw.get("rl", {}))
+    if "advantage" in rl:
+        dr = rl.pop("advantage") == "dr_grpo"
+        rl.setdefault("loss_type", "dr_grpo" if dr else "dapo")
+        rl.setdefault("scale_rewards", "none" if dr else "group")
+    if rl.get("loop_credit") == "every_loop":
+        rl["loop_credit"] = "uniform"
+    return {**raw, "rl": rl} if "rl" in raw else raw
+
+
 def config_from_dict(raw: dict) -> JobConfig:
-    """A JobConfig from `JobConfig.to_dict()` output, e.g. a run's config.json; validated. The run's
-    list of resume changes ("resumes", elr/train/resume.py) is history, not config: skipped."""
+    """A JobConfig from `JobConfig.to_dict()` output, e.g. a run's config.json (its retired keys renamed);
+    validated. The run's list of resume changes ("resumes", elr/train/resume.py) is history, not config:
+    skipped."""
     cfg = JobConfig()
-    apply_tables(cfg, {k: v for k, v in raw.items() if k != "resumes"})
+    apply_tables(cfg, {k: v for k, v in upgraded(raw).items() if k != "resumes"})
     validate(cfg)
     return cfg

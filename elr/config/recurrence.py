@@ -79,8 +79,8 @@ class RecurrenceOptions:
     budget j >= 2 is that of 1 plus a zero-initialised offset; so at init, and at a late switch after a one-loop
     phase, every k computes exactly what k = 1 computes (function-preserving growth)"""
     loop_gate: Literal["added", "scaled"] = "added"
-    """`identity_loops`: how each gate γ_i combines its learned part w_i with the fade f (a ramp from 0 to 1 after the
-    late switch, `loop_fade_steps`): `added`, γ_i = w_i + f, which the optimizer can cancel (w_i → −f shuts the loop
+    """`identity_loops`: how each gate γ_i combines its learned part w_i with the fade f (a ramp from 0 to 1 after
+    the late switch, `loop_fade_steps`): `added`, γ_i = w_i + f, which the optimizer can cancel (w_i → −f shuts the loop
     the ramp opened); `scaled`, γ_i = f · max(1 + w_i, `loop_gate_floor`), the loop opened by a schedule the
     optimizer cannot undo (masked structural growth, arXiv 2305.02869): w_i scales the open loop but never takes
     it below `loop_gate_floor` × f. Both are 0 before the fade starts, so the switch stays function-preserving"""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,27 @@ class Sampling:
 GREEDY = Sampling()
 
 
+def sampling_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """logits [..., vocab] -> the distribution a sampler at `sampling` (temperature > 0) draws from, as float32
+    logits: divided by the temperature, the tokens top-k and top-p drop at -inf. The RLVR update scores its
+    samples with the same function (elr/rl/logprobs.py), so sampler and update agree on what was sampled."""
+    # Each row's largest logit becomes 0 before the division: a temperature below float32's range (1e-300
+    # is 0 there) then leaves the largest at 0 and the others at -inf (greedy in effect), never NaN.
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(sampling.temperature, torch.finfo(torch.float32).tiny)
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already hold top_p; the first always stays.
+        drop = probs.cumsum(-1) - probs >= sampling.top_p
+        drop[..., 0] = False  # a top_p below float32's range (1e-50 is 0 there) would drop every token
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
 def sample(
     logits: torch.Tensor,
     sampling: Sampling,
@@ -49,28 +71,31 @@ def sample(
 ) -> torch.Tensor:
     """logits [B, vocab] -> next token ids [B]. `uniforms` [B] in [0, 1): each row's draw, by the inverse of
     its distribution's CDF, instead of the generator's (draws that do not depend on how rows are batched)."""
+    return sample_with_logprobs(logits, sampling, generator, uniforms)[0]
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `sample`, with what the sampler knows of its choice, all [B]: the token ids, the log-probability of
+    each under the distribution it was drawn from (after temperature, top-k and top-p; 0 when greedy), and how
+    many tokens that distribution kept (the vocabulary when nothing was cut; 1 when greedy)."""
     if sampling.temperature == 0:
-        return logits.argmax(-1)
-    # Each row's largest logit becomes 0 before the division: a temperature below float32's range (1e-300
-    # is 0 there) then leaves the largest at 0 and the others at -inf (greedy in effect), never NaN.
-    logits = logits.float()
-    logits = (logits - logits.amax(-1, keepdim=True)) / max(sampling.temperature, torch.finfo(torch.float32).tiny)
-    if sampling.top_k:
-        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1:
-        sorted_logits, order = logits.sort(-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already hold top_p; the first always stays.
-        drop = probs.cumsum(-1) - probs >= sampling.top_p
-        drop[:, 0] = False  # a top_p below float32's range (1e-50 is 0 there) would drop every token
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        ids = logits.argmax(-1)
+        return ids, torch.zeros(ids.shape, device=ids.device), torch.ones_like(ids)
+    logits = sampling_logits(logits, sampling)
     probs = logits.softmax(-1)
     if uniforms is None:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    cdf = probs.double().cumsum(-1)
-    picked = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    return picked.clamp(max=logits.shape[-1] - 1)
+        ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    else:
+        cdf = probs.double().cumsum(-1)
+        picked = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        ids = picked.clamp(max=logits.shape[-1] - 1)
+    logp = logits.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+    return ids, logp, torch.isfinite(logits).sum(-1)
 
 
 def left_pad(
@@ -107,6 +132,18 @@ class AdaptiveDepth:
         return self.loops / self.tokens if self.tokens else float("nan")
 
 
+class Sampled(NamedTuple):
+    """generate(..., with_logprobs=True): the new tokens, and what the sampler knew of each choice, as plain
+    tensors [B, max_new_tokens]: `logprobs` of each chosen token under the distribution it was drawn from (after
+    temperature, top-k and top-p), with the closing <|endoftext|> of a row that stopped there at index
+    len(tokens[row]), 0 past a row's end; `kept`, how many tokens that distribution held (what the RLVR update
+    needs to renormalise over the same nucleus)."""
+
+    tokens: list[list[int]]
+    logprobs: torch.Tensor
+    kept: torch.Tensor
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -122,7 +159,8 @@ def generate(
     uniforms: Callable[[int], torch.Tensor] | None = None,
     all_done: Callable[[bool], bool] | None = None,
     compile: bool | DecodeStep = False,
-) -> list[list[int]]:
+    with_logprobs: bool = False,
+) -> list[list[int]] | Sampled:
     """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
     (without the end-of-text token). `loops`: k for all, or one k per prompt, a list or a LongTensor
     (mixed budgets in one batch, each row decoded as it would be alone). `stop`, given the new tokens so far, says which
@@ -131,7 +169,8 @@ def generate(
     (it counts the loops of the tokens kept). `uniforms(t)`: the rows' draws for new token t (see `sample`).
     `all_done(mine)`: whether every process's rows are done, given this one's (a collective), so processes
     that share the model's weights (FSDP) run the same number of forwards. `compile`: decode through the
-    compiled step (elr/infer/decode.py; or this DecodeStep) over a static cache: the tokens of eager decoding."""
+    compiled step (elr/infer/decode.py; or this DecodeStep) over a static cache: the tokens of eager decoding.
+    `with_logprobs`: a `Sampled`, the tokens with the sampler's log-prob of each choice."""
     if adaptive is not None and not isinstance(loops, int):
         raise ValueError("adaptive depth caps every row at one k: give one loop count")
     device = model.output.weight.device
@@ -165,8 +204,14 @@ def generate(
 
     out = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    logprobs = torch.zeros(len(prompts), max_new_tokens, device=device)
+    kept = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
-        nxt = sample(logits, sampling, generator, uniforms(step) if uniforms is not None else None)
+        nxt, logp, held = sample_with_logprobs(
+            logits, sampling, generator, uniforms(step) if uniforms is not None else None
+        )
+        logprobs[:, step] = logp.masked_fill(done, 0.0)  # a row that ended before this step chose nothing here
+        kept[:, step] = held.masked_fill(done, 0)
         done |= nxt == eot_id
         for row, (tok, ended) in enumerate(zip(nxt.tolist(), done.tolist())):
             if not ended:
@@ -181,4 +226,4 @@ def generate(
         logits = forward(nxt)
         if adaptive is not None:
             adaptive.count(model.loops_used()[~done, 0])
-    return out
+    return Sampled(out, logprobs, kept) if with_logprobs else out

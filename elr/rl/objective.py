@@ -1,4 +1,5 @@
-"""The RLVR objective, each formula once: group-relative advantages, the clipped ratio, the KL penalty.
+"""The RLVR objective, each formula once: group-relative advantages, the clipped ratio, the KL penalty, the loss's
+normalisation, RLTT's loop weights and DAPO's soft overlong punishment.
 
     advantage   A_i = (r_i - mean_g r) / (std_g r + eps)     GRPO (Shao et al. 2024, arXiv 2402.03300)
                 A_i =  r_i - mean_g r                        Dr. GRPO (Liu et al. 2025, arXiv 2503.20783)
@@ -8,10 +9,16 @@
                                                              (Yu et al. 2025, arXiv 2503.14476)
     kl          exp(q) - q - 1,  q = log pi_ref - log pi      the k3 estimator (Schulman, "Approximating KL
                                                              divergence", 2020): unbiased, never negative
+    loss        dapo     sum_i sum_t l_it / sum_i |y_i|       (TRL's names for the three normalisations)
+                grpo     (1/N) sum_i (1/|y_i|) sum_t l_it
+                dr_grpo  sum_i sum_t l_it / (N * max_new_tokens)
+    loops       RLTT (arXiv 2602.10520, Eq. 6): sum_t w_t l^(t), l^(t) the loss of the readout after loop t,
+                w_t = 1/k (uniform) or t^alpha / sum_s s^alpha (progressive)
+    overlong    0 for |y| <= L - B, (L - B - |y|) / B up to -1 at |y| = L     DAPO's soft punishment, L the
+                                                             longest completion, B the buffer
 
-Every token of a completion carries its completion's advantage. The per-token terms are summed; the
-caller divides by the batch's completion tokens (GRPO as DAPO normalises it: long completions weigh by
-their tokens) or by completions x max_new_tokens (Dr. GRPO: a constant, so no length bias).
+Every token of a completion carries its completion's advantage. N and the token counts are an update's
+completions on every rank together (the caller counts them).
 """
 
 from __future__ import annotations
@@ -45,3 +52,38 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per token: an estimate of KL(pi || pi_ref) from the sampled token's log-probs under both."""
     q = ref_logp - logp
     return torch.exp(q) - q - 1
+
+
+def token_weights(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
+    """[N, T]: each scored token's weight in the loss's sum before the update's denominator: 1, or for `grpo`
+    1 / its completion's scored tokens (a completion's mean)."""
+    mask = mask.float()
+    if loss_type == "grpo":
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return mask
+
+
+def loss_denominator(loss_type: str, tokens: float, completions: float, max_new_tokens: int) -> float:
+    """What an update's weighted sum is divided by, from its scored tokens and completions over every rank."""
+    if loss_type == "dapo":
+        return max(tokens, 1.0)
+    if loss_type == "grpo":
+        return max(completions, 1.0)
+    return max(completions * max_new_tokens, 1.0)
+
+
+def loop_weights(credit: str, loops: int, alpha: float = 1.0) -> torch.Tensor:
+    """[loops]: RLTT's weight of the readout after each loop 1..k (`last`: all on loop k)."""
+    t = torch.arange(1, loops + 1, dtype=torch.float64)
+    if credit == "last":
+        return (t == loops).double()
+    if credit == "uniform":
+        return torch.full((loops,), 1.0 / loops, dtype=torch.float64)
+    return t**alpha / (t**alpha).sum()
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment of a completion of `length` tokens (0 with no buffer)."""
+    if buffer == 0 or length <= max_new_tokens - buffer:
+        return 0.0
+    return max((max_new_tokens - buffer - length) / buffer, -1.0)

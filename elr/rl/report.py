@@ -31,6 +31,7 @@ WINDOW = (
     "rl/rollout_share",
     "rl/gen_tokens_per_s",
     "rl/zero_std_frac",
+    "rl/is_capped",
 )
 
 
@@ -70,7 +71,12 @@ class RLReporter:
             f"step {step:>{len(str(total_steps))}}/{total_steps} | reward {mean['rl/reward']:.3f} ({per_k}) | "
             f"len {mean['rl/length']:.1f} | no signal {mean['rl/zero_std_frac']:.0%} | "
             f"clip {mean['rl/clip_frac']:.3f} | "
-            f"entropy {mean['rl/entropy']:.3f} | lr {s['lr']:.2e} | gnorm {mean['grad_norm']:.3f} | "
+            + (
+                f"IS mean {s['rl/is_ratio_mean']:.3f} capped {mean['rl/is_capped']:.1%} | "
+                if "rl/is_capped" in s
+                else ""
+            )
+            + f"entropy {mean['rl/entropy']:.3f} | lr {s['lr']:.2e} | gnorm {mean['grad_norm']:.3f} | "
             f"rollout {mean['rl/rollout_share']:.0%} of the step, {mean['rl/gen_tokens_per_s']:,.0f} tok/s | "
             f"mem {s['memory/max_gib']:.2f} GiB | elapsed {duration(time.perf_counter() - self.session_start)} | "
             f"eta {duration(eta)}"

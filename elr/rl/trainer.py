@@ -3,12 +3,14 @@
 A step, on every data-parallel rank for its share of the batch:
 1. prompts and a loop count per group, drawn from (seed, step) alone (elr/rl/prompts.py, the `[elr]`
    sampler over groups): the same draws on any number of ranks, and after a resume;
-2. G completions per prompt sampled at the group's k in one batched decode (mixed budgets in one
-   forward, `rl.rollout_kv`'s cache), each row's draws from (seed, step, row, position);
-3. rewards, and advantages within each group (elr/rl/objective.py);
-4. `rl.updates_per_batch` optimizer updates: per microbatch of completions, the log-probs recomputed by
-   the training forward at each row's k, the clipped surrogate (and KL), summed over tokens and divided
-   by the batch's denominator (GRPO: its completion tokens; Dr. GRPO: completions x max_new_tokens).
+2. G completions per prompt sampled at the group's k (elr/rl/rollout.py: `rl.rollout_kv`'s cache, each row's
+   draws from (seed, step, row, position)), with the sampler's log-prob of every token; rewards; with
+   `rl.dynamic_sampling_rounds`, groups without signal replaced by fresh ones;
+3. advantages within each group (elr/rl/objective.py);
+4. `rl.minibatches` x `rl.updates_per_batch` optimizer updates (elr/rl/update.py): per microbatch the log-probs
+   recomputed by the training forward at each row's k and the sampling temperature, the clipped surrogate
+   against the rollout policy (and the importance weights from the sampler where the cache is not exact, and
+   KL), summed with the loss type's weights and divided by the update's denominator.
 Everything else (checkpoints and exact resume, the console, metrics, signals, the run folder) is the
 pretraining Trainer's; this class changes it only through the Trainer's public hooks.
 """
@@ -18,49 +20,25 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from elr.errors import ConfigError
-from elr.infer.generate import Sampling, generate
 from elr.parallel.gradients import clip_gradients, reduce_gradients
-from elr.rl.logprobs import right_padded, scored_positions, token_logprobs
-from elr.rl.objective import clipped_surrogate, group_advantages, k3_kl
-from elr.rl.prompts import Prompt, drawn, load_prompts, split
+from elr.rl.logprobs import token_logprobs
+from elr.rl.objective import group_advantages, loss_denominator
+from elr.rl.prompts import drawn, load_prompts, split
 from elr.rl.report import RLEvaluator, RLReporter
-from elr.rl.rewards import load_reward, score
+from elr.rl.rewards import load_reward
+from elr.rl.rollout import Rollouts, sample_groups, without_signal
+from elr.rl.update import EXACT_CACHES, Micro, RatioStats, micro_loss, plan, ratio_and_weights
 from elr.text.tokenizer import build_tokenizer
-from elr.train.loop_sampler import mix_seed
 from elr.train.metrics import log_run_setup
 from elr.train.step_report import StepStats
 from elr.train.trainer import Trainer
 
 logger = logging.getLogger("elr")
-
-
-@dataclass
-class Rollouts:
-    """This rank's completions of one step: one row per completion, `group_size` consecutive rows a group."""
-
-    prompts: list[Prompt]
-    prompt_ids: list[list[int]]
-    completions: list[list[int]]  # the new tokens, without the <|endoftext|> that ended a row
-    loops: list[int]
-    rewards: list[float] = field(default_factory=list)
-
-    def sequences(self, eot_id: int, max_new_tokens: int) -> tuple[list[list[int]], list[int], list[int]]:
-        """Prompt + completion token rows (with the <|endoftext|> the policy chose, where it stopped there),
-        and each row's scored span [start, end)."""
-        rows, starts, ends = [], [], []
-        for ids, new in zip(self.prompt_ids, self.completions):
-            ended = len(new) < max_new_tokens  # generation stops early only at <|endoftext|>
-            row = ids + new + ([eot_id] if ended else [])
-            rows.append(row)
-            starts.append(len(ids))
-            ends.append(len(row))
-        return rows, starts, ends
 
 
 class RLTrainer(Trainer):
@@ -94,11 +72,18 @@ class RLTrainer(Trainer):
                 f"training.global_batch_size: {self.global_batch} completions are {self.n_groups} groups "
                 f"of {r.group_size}, which {self.dp_world} data-parallel ranks cannot share evenly"
             )
-        if r.loop_credit == "every_loop" and r.group_size % cfg.training.local_batch_size:
+        groups = self.n_groups // self.dp_world
+        if groups % r.minibatches or self.n_micro % r.minibatches:
             raise ConfigError(
-                f"training.local_batch_size: with rl.loop_credit = every_loop a microbatch must hold "
-                f"one group's completions (one k): {cfg.training.local_batch_size} must divide "
-                f"rl.group_size = {r.group_size}"
+                f"rl.minibatches: {r.minibatches} must divide each rank's {groups} groups and its {self.n_micro} "
+                f"microbatches of training.local_batch_size = {cfg.training.local_batch_size} completions "
+                "(a minibatch is whole groups, whole microbatches)"
+            )
+        if r.loop_credit != "last" and r.group_size % cfg.training.local_batch_size:
+            raise ConfigError(
+                f"training.local_batch_size: with rl.loop_credit = {r.loop_credit} a microbatch must hold one "
+                f"group's completions (one k): {cfg.training.local_batch_size} must divide rl.group_size = "
+                f"{r.group_size}"
             )
         if r.rollout_compile and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
@@ -108,8 +93,8 @@ class RLTrainer(Trainer):
         self.validator = RLEvaluator(self)
 
     def optimizer_updates(self) -> int:
-        """`rl.updates_per_batch` updates per step."""
-        return self.cfg.training.steps * self.cfg.rl.updates_per_batch
+        """`rl.minibatches` x `rl.updates_per_batch` updates per step."""
+        return self.cfg.training.steps * self.cfg.rl.minibatches * self.cfg.rl.updates_per_batch
 
     def after_load(self) -> None:
         """With a KL term: the stage's initial model, frozen (built after the trained one is loaded)."""
@@ -133,8 +118,15 @@ class RLTrainer(Trainer):
             f"RLVR: {len(self.prompts)} training prompts, {len(self.eval_prompts)} held out | "
             f"{self.n_groups} prompts x {r.group_size} completions per step, one k per group drawn "
             f"{e.sampling} from weights {e.loop_weights or 'uniform'} over 1..{e.max_loops} | "
-            f"{r.advantage}, clip [{1 - r.clip_low:g}, {1 + r.clip_high:g}], {r.updates_per_batch} update(s) "
-            f"per batch, reward {r.reward}"
+            f"loss {r.loss_type}, rewards scaled by {r.scale_rewards}, clip [{1 - r.clip_low:g}, "
+            f"{1 + r.clip_high:g}], {r.minibatches} minibatch(es) x {r.updates_per_batch} pass(es) per batch, "
+            f"loop credit {r.loop_credit}, reward {r.reward} | rollouts {r.rollout_kv} at temperature "
+            f"{r.temperature:g}, top_p {r.top_p:g}: "
+            + (
+                "on-policy (exact cache)"
+                if r.rollout_kv in EXACT_CACHES
+                else f"{r.rollout_correction} importance weights, cap {r.rollout_correction_cap:g}"
+            )
         )
 
     def build_reporter(self) -> RLReporter:
@@ -150,19 +142,6 @@ class RLTrainer(Trainer):
         per_rank = self.n_groups // self.dp_world
         return range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
 
-    def uniforms(self, step: int, rows: range):
-        """Sampling draws for new token t of this rank's rows: from (seed, step, t) over the whole batch, so
-        a completion is the same whichever rank, and however many, sample it."""
-        seed = self.cfg.training.seed
-
-        def draw(t: int) -> torch.Tensor:
-            gen = torch.Generator().manual_seed(mix_seed(seed + 0x5EED, step * 65_536 + t))
-            return torch.rand(self.global_batch, generator=gen, dtype=torch.float64)[rows.start : rows.stop].to(
-                self.device
-            )
-
-        return draw
-
     def all_done(self):
         """The decode loop's stopping rule across ranks: every rank runs the same number of forwards."""
         if not dist.is_initialized():
@@ -177,34 +156,40 @@ class RLTrainer(Trainer):
 
     @torch.no_grad()
     def rollout(self, step: int) -> Rollouts:
+        """This rank's groups of the step, sampled and scored; with dynamic sampling, the groups without signal
+        replaced round by round (a fresh prompt at the group's own k, so the counts per k stay the sampler's)."""
         r, G = self.cfg.rl, self.cfg.rl.group_size
-        groups = self.my_groups()
+        groups = list(self.my_groups())
         ks = self.depths.sampler.sample(step, 1, self.n_groups)[0].tolist()
-        chosen = drawn(len(self.prompts), self.cfg.training.seed, step, self.n_groups)
-        prompts = [self.prompts[chosen[g]] for g in groups for _ in range(G)]
-        prompt_ids = [self.prompt_ids[chosen[g]] for g in groups for _ in range(G)]
-        loops = [ks[g] for g in groups for _ in range(G)]
-        rows = range(groups.start * G, groups.stop * G)
-        self.model.eval()
-        self.model.record_loop_statistics(False)
-        completions = generate(
-            self.model,
-            prompt_ids,
-            loops,
-            r.max_new_tokens,
-            self.tokenizer.eot_id,
-            kv_mode=r.rollout_kv,
-            sampling=Sampling(r.temperature, 0, r.top_p),
-            uniforms=self.uniforms(step, rows),
-            all_done=self.all_done(),
-            compile=r.rollout_compile,
-        )
-        self.model.train()
-        out = Rollouts(prompts, prompt_ids, completions, loops)
-        out.rewards = [
-            score(self.reward, p.text, self.tokenizer.decode(c), p.answer) for p, c in zip(prompts, completions)
-        ]
-        return out
+
+        def round_of(round_: int, places: list[int]) -> Rollouts:
+            seed = self.cfg.training.seed + 7919 * round_  # each round its own order of the prompts
+            chosen = drawn(len(self.prompts), seed, step, self.n_groups)
+            return sample_groups(
+                self,
+                step,
+                round_,
+                places,
+                [self.prompts[chosen[g]] for g in places],
+                [self.prompt_ids[chosen[g]] for g in places],
+                [ks[g] for g in places],
+            )
+
+        batch = round_of(0, groups)
+        self.refilled = 0
+        for round_ in range(1, r.dynamic_sampling_rounds + 1):
+            empty = without_signal(batch.rewards, G)
+            most = torch.tensor([len(empty)], device=self.device)
+            if dist.is_initialized():
+                dist.all_reduce(most, op=dist.ReduceOp.MAX)  # every rank decodes as many groups (FSDP)
+            if int(most) == 0:
+                break
+            places = [groups[i] for i in empty]
+            fresh = round_of(round_, places + [groups[0]] * (int(most) - len(places)))
+            for n, i in enumerate(empty):
+                batch.replace_group(i, fresh, n, G)
+            self.refilled += len(empty)
+        return batch
 
     def train_step(self, step: int) -> StepStats:
         cfg, r = self.cfg, self.cfg.rl
@@ -215,63 +200,90 @@ class RLTrainer(Trainer):
             self.write_samples(step, batch)
 
         rewards = torch.tensor(batch.rewards, dtype=torch.float64).view(-1, r.group_size)
-        advantages = group_advantages(rewards, scale_by_std=r.advantage == "grpo").flatten().float().to(self.device)
-        rows, starts, ends = batch.sequences(self.tokenizer.eot_id, r.max_new_tokens)
-        scored = torch.tensor(float(sum(e - s for s, e in zip(starts, ends))), device=self.device)
+        advantages = group_advantages(rewards, scale_by_std=r.scale_rewards == "group").flatten().float()
+        minibatches = plan(batch, advantages.to(self.device), cfg, self.tokenizer.eot_id, self.vocab_size, self.device)
+        # Each update's scored tokens and completions, over every rank: its loss's denominator.
+        counts = torch.tensor(
+            [
+                [float(sum(m.mask.sum() for m in micros)), float(sum(len(m.rows) for m in micros))]
+                for micros in minibatches
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
         if dist.is_initialized():
-            dist.all_reduce(scored)
-        scored = scored.item()  # completion tokens of the whole batch
-        denominator = scored if r.advantage == "grpo" else self.global_batch * r.max_new_tokens
-        scale = self.world_size / max(denominator, 1.0)  # FSDP averages gradients over the ranks
-        every_loop = r.loop_credit == "every_loop"
+            dist.all_reduce(counts)
+        denominators = [loss_denominator(r.loss_type, tokens, n, r.max_new_tokens) for tokens, n in counts.tolist()]
+        scored = counts[:, 0].sum().item()
 
-        # Microbatches of rows in order of k: the deepest row decides a microbatch's cost.
-        order = sorted(range(len(rows)), key=lambda i: batch.loops[i])
-        size = cfg.training.local_batch_size
-        micro = [order[i : i + size] for i in range(0, len(order), size)]
-        old = self._logprobs(self.model, rows, batch.loops, micro) if r.updates_per_batch > 1 else None
-        reference = self._logprobs(self.reference, rows, batch.loops, micro) if self.reference is not None else None
+        exact = r.rollout_kv in EXACT_CACHES
+        credit = r.loop_credit != "last"
+        passes = r.minibatches * r.updates_per_batch
+        # The ratio's reference, the rollout policy: the sampler's log-probs where the cache is exact (the last
+        # loop's), else the training forward before any update (one forward per batch, or the update's own).
+        old = None
+        if passes > 1 and (credit or not exact):
+            old = [[self._logprobs(self.model, m, credit) for m in micros] for micros in minibatches]
+        reference = None
+        if self.reference is not None:
+            reference = [[self._logprobs(self.reference, m, False) for m in micros] for micros in minibatches]
+        ratios = RatioStats(cfg.elr.max_loops, self.device)
+        is_weights: dict[tuple[int, int], torch.Tensor | None] = {}
 
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # surrogate, clipped tokens, entropy, KL
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # clipped tokens, entropy, KL
+        losses, lr, grad_norm = [], 0.0, 0.0
         for _ in range(r.updates_per_batch):
-            sums.zero_()
-            for m, idx in enumerate(micro):
-                tokens = right_padded([rows[i] for i in idx], self.tokenizer.eot_id, self.device)
-                mask = scored_positions([starts[i] for i in idx], [ends[i] for i in idx], tokens.shape[1], self.device)
-                loops = self._loops([batch.loops[i] for i in idx])
-                logp, entropy = token_logprobs(self.model, tokens, loops, cfg.training.loss_chunk_tokens, every_loop)
-                adv = advantages[idx].expand(loops, -1) if every_loop else advantages[idx]
-                per_token, clipped = clipped_surrogate(
-                    logp, old[m] if old is not None else logp.detach(), adv, r.clip_low, r.clip_high
-                )
-                kl = k3_kl(logp, reference[m]) if reference is not None else torch.zeros_like(per_token)
-                per_token = per_token + r.kl_coeff * kl
-                if every_loop:  # each loop's exit is the policy at that budget: the objective is their mean
-                    per_token, clipped, kl, entropy = (
-                        per_token.mean(0),
-                        clipped.float().mean(0),
-                        kl.mean(0),
-                        entropy[-1],
+            for b, micros in enumerate(minibatches):
+                loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+                scale = self.world_size / denominators[b]  # FSDP averages gradients over the ranks
+                for j, m in enumerate(micros):
+                    logp, entropy = token_logprobs(
+                        self.model,
+                        m.tokens,
+                        self._loops(m.ks),
+                        cfg.training.loss_chunk_tokens,
+                        credit,
+                        r.temperature,
+                        m.kept,
                     )
-                loss = (per_token * mask).sum()
-                (loss * scale).backward()
-                sums += torch.stack(
-                    [loss.detach(), (clipped * mask).sum(), (entropy * mask).sum(), (kl.detach() * mask).sum()]
-                ).double()
-            reduce_gradients(self.model, self.dims)
-            grad_norm = clip_gradients(self.model, cfg.training.max_norm)
-            if self.nonfinite.allows_update(step, sums[0].item() / max(denominator, 1.0), grad_norm):
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            lr = self.lr_scheduler.get_last_lr()[0]
-            self.lr_scheduler.step()
+                    if old is not None:
+                        old_m = old[b][j]
+                    elif passes > 1:  # exact cache, last-loop credit: the sampler's log-probs are the policy's
+                        old_m = m.behaviour
+                    else:
+                        old_m = logp.detach()
+                    if (b, j) not in is_weights:  # the rollout policy against the sampler, once per microbatch
+                        last = old_m[-1] if old_m.dim() == 3 else old_m
+                        measured = not exact or old_m is not m.behaviour
+                        weight, ratio, capped = ratio_and_weights(cfg, m, last, apply=not exact)
+                        if measured:
+                            ratios.add(m.ks, m.mask, ratio, capped)
+                        is_weights[b, j] = weight
+                    parts = micro_loss(
+                        cfg, m, logp, entropy, old_m, is_weights[b, j], reference[b][j] if reference else None
+                    )
+                    (parts.loss * scale).backward()
+                    loss_sum += parts.loss.detach().double()
+                    sums += torch.stack([parts.clipped, parts.entropy, parts.kl]).double()
+                reduce_gradients(self.model, self.dims)
+                grad_norm = clip_gradients(self.model, cfg.training.max_norm)
+                if dist.is_initialized():
+                    dist.all_reduce(loss_sum)  # every rank decides on the same loss
+                loss = loss_sum.item() / denominators[b]
+                losses.append(loss)
+                if self.nonfinite.allows_update(step, loss, grad_norm):
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                lr = self.lr_scheduler.get_last_lr()[0]
+                self.lr_scheduler.step()
         if dist.is_initialized():
             dist.all_reduce(sums)
         train_seconds = time.perf_counter() - start - rollout_seconds
+        per_token = max(scored * r.updates_per_batch, 1.0)  # every pass's tokens: the means over the step's updates
         scalars = {
-            "loss/train": sums[0].item() / max(denominator, 1.0),
-            "rl/clip_frac": sums[1].item() / max(scored, 1.0),
-            "rl/entropy": sums[2].item() / max(scored, 1.0),
+            "loss/train": sum(losses) / len(losses),
+            "rl/clip_frac": sums[0].item() / per_token,
+            "rl/entropy": sums[1].item() / per_token,
             "grad_norm": grad_norm,
             "lr": lr,
             "rl/rollout_s": rollout_seconds,
@@ -279,7 +291,8 @@ class RLTrainer(Trainer):
             "rl/rollout_share": rollout_seconds / max(rollout_seconds + train_seconds, 1e-9),
         }
         if reference is not None:
-            scalars["rl/kl"] = sums[3].item() / max(scored, 1.0)
+            scalars["rl/kl"] = sums[2].item() / per_token
+        scalars.update(ratios.scalars())
         return self._stats(batch, rewards, scalars)
 
     def _loops(self, ks: list[int]):
@@ -288,21 +301,15 @@ class RLTrainer(Trainer):
         return ks[0] if len(set(ks)) == 1 else torch.tensor(ks, device=self.device)
 
     @torch.no_grad()
-    def _logprobs(self, model, rows, loops, micro) -> list[torch.Tensor]:
-        """Per microbatch, the log-probs of `model` before this batch's first update: the sampling policy's
-        (the ratio's reference), or the frozen reference model's (the KL's)."""
-        out = []
-        for idx in micro:
-            tokens = right_padded([rows[i] for i in idx], self.tokenizer.eot_id, self.device)
-            logp, _ = token_logprobs(
-                model,
-                tokens,
-                self._loops([loops[i] for i in idx]),
-                self.cfg.training.loss_chunk_tokens,
-                self.cfg.rl.loop_credit == "every_loop",
-            )
-            out.append(logp)
-        return out
+    def _logprobs(self, model, m: Micro, every_loop: bool) -> torch.Tensor:
+        """A microbatch's log-probs under `model` before this batch's first update, at the sampling temperature:
+        the rollout policy's (the ratio's reference; every loop's with RLTT's credit), or the frozen reference
+        model's (the KL's)."""
+        r = self.cfg.rl
+        loops = self._loops(m.ks)
+        return token_logprobs(
+            model, m.tokens, loops, self.cfg.training.loss_chunk_tokens, every_loop, r.temperature, m.kept
+        )[0]
 
     def _stats(self, batch: Rollouts, rewards: torch.Tensor, scalars: dict[str, float]) -> StepStats:
         """The step's metrics over every rank: reward and completion length per k, the groups without
@@ -313,20 +320,26 @@ class RLTrainer(Trainer):
             per_k[:, k - 1] += torch.tensor([reward, len(new), 1.0], dtype=torch.float64)
         spread = rewards.std(dim=1)
         extra = torch.tensor(
-            [float((spread == 0).sum()), float(spread.sum()), float(sum(len(ids) for ids in batch.prompt_ids))],
+            [
+                float((spread == 0).sum()),
+                float(spread.sum()),
+                float(sum(len(ids) for ids in batch.prompt_ids)),
+                float(self.refilled),
+            ],
             dtype=torch.float64,
         )
         sums = torch.cat([per_k.flatten(), extra]).to(self.device)
         if dist.is_initialized():
             dist.all_reduce(sums)
         sums = sums.cpu()
-        per_k, (no_signal, spread_sum, prompt_tokens) = sums[: 3 * K].view(3, K), sums[3 * K :].tolist()
+        per_k, (no_signal, spread_sum, prompt_tokens, refilled) = sums[: 3 * K].view(3, K), sums[3 * K :].tolist()
         n, generated = per_k[2].sum().item(), per_k[1].sum().item()
         scalars.update(
             {
                 "rl/reward": per_k[0].sum().item() / n,
                 "rl/reward_std": spread_sum / self.n_groups,
                 "rl/zero_std_frac": no_signal / self.n_groups,
+                "rl/refilled_frac": refilled / self.n_groups,
                 "rl/length": generated / n,
                 "rl/gen_tokens_per_s": generated / max(scalars["rl/rollout_s"], 1e-9),
                 "rl/tokens": prompt_tokens + generated,

@@ -16,8 +16,9 @@
           + reserve                                        (CUDA context, NCCL, allocator slack: our choice)
 
 The RLVR stage (rl.enable) has a second peak, while it generates: no gradients (freed after each update)
-and no training activations, but this rank's rollouts' inference state (rl.rollout_kv's cache for its
-share of training.global_batch_size completions at training.seq_len tokens and k = K, in the compute
+and no training activations, but this rank's rollouts' inference state (rl.rollout_kv's cache for the
+completions it decodes at once, its share of training.global_batch_size or rl.rollout_rows, at
+training.seq_len tokens and k = K, in the compute
 dtype: elr/infer/memory.py) and one decoding step's logits; with rl.kl_coeff a frozen reference model's
 sharded weights sit beside both. The plan is the larger of the two peaks.
 
@@ -143,7 +144,7 @@ class MemoryPlan:
             lines += [
                 *([f"  reference model (frozen)         {g(self.reference)}"] if self.reference else []),
                 f"  training peak                    {g(self.training_total)}",
-                f"  rollouts: {self.rollout_rows} completions per rank, "
+                f"  rollouts: {self.rollout_rows} completions per rank at once, "
                 f"inference state {g(self.rollout_cache).strip()}, "
                 f"decoding logits {g(self.rollout_logits).strip()}",
                 f"  rollout peak (no gradients)      {g(self.rollout_total)}",
@@ -386,6 +387,7 @@ def _plan(
     rl = {}
     if cfg.rl.enable:
         rows = (t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_world) // dims.dp_world
+        rows = min(rows, cfg.rl.rollout_rows or rows)  # decoded rl.rollout_rows at a time
         cache = sum(inference_state_bytes(args, loops, t.seq_len, cfg.rl.rollout_kv, dtype, batch=rows).values())
         rl = dict(
             rollout_rows=rows,

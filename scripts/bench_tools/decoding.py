@@ -295,8 +295,9 @@ def bench_speculative(args):
 
 
 def bench_rollout(args):
-    """The RLVR stage's rollouts: its in-process batched decoding (elr/infer/generate.py, eager and compiled)
-    against transformers' `generate` on the same model exported to the Hugging Face format, the same prompts
+    """The RLVR stage's rollouts: its in-process batched decoding (elr/infer/generate.py, eager and compiled; the
+    --kv cache, the stage's default is per_loop) against transformers' `generate` on the same model exported to
+    the Hugging Face format, the same prompts
     (the stage's arithmetic, chat-encoded and left-padded), batch, k and greedy decoding, timed interleaved;
     then whether all decoded the same tokens."""
     from elr.infer.decode import DecodeStep, use_compile_cache
