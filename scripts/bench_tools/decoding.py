@@ -47,11 +47,12 @@ def decoding_setup(args, rows: int):
         flavor = flavors[args.flavor].with_recurrence(
             max_loops=args.max_loops, conditioning=True, update="adaptive_delta"
         )
+        path = Path(__file__).resolve().parents[2] / (BYTES_TOKENIZER if flavor.vocab_size < 1000 else BPE_TOKENIZER)
+        tokenizer, cfg = build_tokenizer(str(path)), {}
+        flavor = dataclasses.replace(flavor, vocab_size=tokenizer.n_vocab)  # as training sizes it: the export checks
         torch.manual_seed(0)
         model = build_model(flavor).to(device)
         model.init_weights()
-        path = Path(__file__).resolve().parents[2] / (BYTES_TOKENIZER if flavor.vocab_size < 1000 else BPE_TOKENIZER)
-        tokenizer, cfg = build_tokenizer(str(path)), {}
     generator = torch.Generator().manual_seed(0)
     vocab = min(model.tok_embeddings.num_embeddings, tokenizer.eot_id)  # ids the tokenizer decodes, never eot
     prompts = torch.randint(0, vocab, (rows, args.seq_len), generator=generator).tolist()
