@@ -5,6 +5,7 @@
     python scripts/bench.py model --flavor debug --seq-len 128 --batch 16 --json bench.json
     python scripts/bench.py replay --flavor study_moe --seq-len 128 --batch 8 --max-loops 4
     python scripts/bench.py sampling --ranks 2 4       # gloo, one thread a rank: what waiting costs
+    python scripts/bench.py decode --checkpoint outputs/study/.../step-N --batches 1 8 64 --new-tokens 32
     python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
     python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
     python scripts/bench.py rl_cache --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
@@ -21,32 +22,9 @@ import statistics
 import time
 from pathlib import Path
 
+from bench_tools.timing import interleaved_medians, print_table, time_call
+
 from elr.cli import HelpFormatter
-
-
-def time_call(fn, repeats, warmup=1):
-    """Median wall time of fn() in seconds, after warm-up calls."""
-    return interleaved_medians([fn], repeats, warmup)[0]
-
-
-def interleaved_medians(fns, repeats, warmup=1):
-    """Median wall time of each fn, timed in rounds that call every fn once, after warm-up rounds."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - start)
-    return [statistics.median(ts) for ts in times]
-
-
-def print_table(header, rows):
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    for row in (header, *rows):
-        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
 
 
 def bench_gdp(args):
@@ -423,112 +401,25 @@ def bench_sampling(args):
         )
 
 
-def bench_speculative(args):
-    """Greedy decoding at k = --max-loops: plain, against self-speculative drafting at k = --draft-loops
-    (elr/infer/speculative.py), on a checkpoint (or a freshly initialised --flavor: acceptance then
-    means little). Prompts are windows of the run's validation tokens when it has them (else random
-    ids); one prompt at a time, timed interleaved."""
-    from elr.infer.generate import generate
-    from elr.infer.speculative import speculative_generate
+def bench_decode(args):
+    """Decoding: eager, compiled and transformers' generate at several batches and k (bench_tools/decoding.py)."""
+    from bench_tools.decoding import bench_decode as run
 
-    model, prompts, eot = _decoding_model_and_prompts(args)
-    K, j, n = args.max_loops, args.draft_loops, args.draft_tokens
-    new = args.new_tokens
-    plain = [generate(model, [p], K, new, eot, args.kv)[0] for p in prompts]
-    drafted, stats = speculative_generate(model, prompts, K, new, eot, args.kv, j, n)
-    same = sum(a == b for a, b in zip(plain, drafted))
-    tokens = sum(len(o) for o in plain)
-    t_plain, t_spec = interleaved_medians(
-        [
-            lambda: [generate(model, [p], K, new, eot, args.kv) for p in prompts],
-            lambda: speculative_generate(model, prompts, K, new, eot, args.kv, j, n),
-        ],
-        repeats=args.repeats,
-    )
-    print(
-        f"greedy decoding at k={K}, kv={args.kv}, {len(prompts)} prompts x up to {new} new tokens, "
-        f"median of {args.repeats}"
-    )
-    print_table(
-        ["decoding", "tokens/s", "acceptance", "verifying forwards"],
-        [
-            ["plain", f"{tokens / t_plain:.1f}", "-", tokens],
-            [f"draft k={j}, {n} tokens", f"{tokens / t_spec:.1f}", f"{stats.acceptance:.1%}", stats.rounds],
-        ],
-    )
-    print(
-        f"headline: self-speculative / plain tokens/s = {t_plain / t_spec:.2f}x; {same}/{len(prompts)} "
-        "outputs identical to plain decoding"
-    )
+    run(args)
+
+
+def bench_speculative(args):
+    """Self-speculative against plain decoding, eager and compiled (bench_tools/decoding.py)."""
+    from bench_tools.decoding import bench_speculative as run
+
+    run(args)
 
 
 def bench_rollout(args):
-    """The RLVR stage's rollouts: its in-process batched decoding (elr/infer/generate.py, the --kv cache: the
-    stage's default is per_loop, one batch) against transformers' `generate` on the same model exported to the
-    Hugging Face format, the same prompts (the stage's arithmetic, chat-encoded and left-padded), batch, k and
-    greedy decoding, timed interleaved; then whether both decoded the same tokens."""
-    import tempfile
+    """The RLVR stage's batched rollouts against transformers' generate (bench_tools/decoding.py)."""
+    from bench_tools.decoding import bench_rollout as run
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import elr.interop.hf_model  # noqa: F401  (registers the export's classes with transformers)
-    from elr.infer.generate import generate, left_pad
-    from elr.infer.load import load_model, load_tokenizer
-    from elr.interop import write_export
-    from elr.rl.prompts import load_prompts
-
-    if not args.checkpoint:
-        raise SystemExit("rollout: --checkpoint is required (a model trained with the chat template)")
-    model, cfg = load_model(args.checkpoint, "cpu")
-    model.eval()
-    tokenizer = load_tokenizer(cfg)
-    prompts = [p.encode(tokenizer) for p in load_prompts("arithmetic")[::97][: args.batch]]
-    K, new, eot = args.max_loops, args.new_tokens, tokenizer.eot_id
-    with tempfile.TemporaryDirectory() as tmp:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        folder = write_export(state, model.args, cfg, tokenizer, Path(tmp) / "export", loops=K, kv=args.kv)
-        hf = AutoModelForCausalLM.from_pretrained(folder).eval()
-        tokens, pad = left_pad(prompts, eot, "cpu")
-        mask = (torch.arange(tokens.shape[1])[None] >= pad[:, None]).long()
-
-        def ours():
-            return generate(model, prompts, K, new, eot, kv_mode=args.kv)
-
-        def theirs():
-            with torch.no_grad():
-                out = hf.generate(
-                    tokens,
-                    attention_mask=mask,
-                    max_new_tokens=new,
-                    do_sample=False,
-                    loops=K,
-                    kv=args.kv,
-                    pad_token_id=eot,
-                    eos_token_id=eot,
-                )
-            return [[t for t in row[tokens.shape[1] :].tolist()] for row in out]
-
-        a, b = ours(), theirs()
-        b = [row[: row.index(eot)] if eot in row else row for row in b]
-        same = sum(x == y for x, y in zip(a, b))
-        generated = sum(len(x) for x in a)
-        t_ours, t_theirs = interleaved_medians([ours, theirs], repeats=args.repeats)
-    print(
-        f"rollouts at k={K}, kv={args.kv}: {len(prompts)} prompts in one batch, up to {new} new tokens, greedy, "
-        f"median of {args.repeats}"
-    )
-    print_table(
-        ["decoder", "tokens/s", "seconds"],
-        [
-            ["elr generate (in-process)", f"{generated / t_ours:.1f}", f"{t_ours:.2f}"],
-            ["transformers generate (export)", f"{generated / t_theirs:.1f}", f"{t_theirs:.2f}"],
-        ],
-    )
-    print(
-        f"headline: in-process / transformers tokens/s = {t_theirs / t_ours:.2f}x; {same}/{len(prompts)} "
-        "completions identical"
-    )
+    run(args)
 
 
 def bench_rl_cache(args):
@@ -622,39 +513,6 @@ def bench_rl_cache(args):
         f"update's forward and backward {t_step:.3f} s: a non-exact cache with several updates per batch adds "
         f"{t_fwd / t_step:.0%} of the update's time"
     )
-
-
-def _decoding_model_and_prompts(args):
-    """(model, prompts, end-of-text id) for the decoding benchmarks: a checkpoint and windows of its
-    validation tokens, or a fresh --flavor and random prompts."""
-    import torch
-
-    if args.checkpoint:
-        from elr.infer.evaluate import read_tokens
-        from elr.infer.load import load_model, load_tokenizer
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        model, cfg = load_model(args.checkpoint, device)
-        eot = load_tokenizer(cfg).eot_id
-        val = Path(cfg["data"]["path"]) / "val.bin"  # the val split of the folder (a file, or shards)
-        if not cfg["data"].get("task") and (val.parent / "meta.json").is_file():
-            tokens = read_tokens(val)
-            return (
-                model,
-                [tokens[i * 997 : i * 997 + args.seq_len].astype("int64").tolist() for i in range(args.batch)],
-                eot,
-            )
-    else:
-        from elr.models import build_model, flavors
-
-        model = build_model(
-            flavors[args.flavor].with_recurrence(max_loops=args.max_loops, conditioning=True, update="adaptive_delta")
-        )
-        model.init_weights()
-        eot = -1
-    torch.manual_seed(0)
-    vocab = model.tok_embeddings.num_embeddings
-    return model.eval(), torch.randint(0, vocab, (args.batch, args.seq_len)).tolist(), eot
 
 
 def _gather(results, procs) -> list[dict]:
@@ -771,6 +629,7 @@ BENCHMARKS = {
     "model": bench_model,
     "replay": bench_replay,
     "sampling": bench_sampling,
+    "decode": bench_decode,
     "speculative": bench_speculative,
     "rollout": bench_rollout,
     "rl_cache": bench_rl_cache,
@@ -795,14 +654,23 @@ def main():
     parser.add_argument("--micro", type=int, default=4, help="sampling: microbatches per rank per update")
     parser.add_argument(
         "--checkpoint",
-        help="speculative, rollout, rl_cache: a checkpoint to decode with (speculative's default: a fresh --flavor)",
+        help="decode, speculative, rollout, rl_cache: a checkpoint to decode with (decode's and speculative's "
+        "default: a fresh --flavor)",
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode: batch sizes to time")
+    parser.add_argument(
+        "--decode-loops", type=int, nargs="+", help="decode: loop counts to time (default: 1 and the model's K)"
+    )
+    parser.add_argument(
+        "--baseline",
+        help="decode: the non-recurrent checkpoint k = 1 is timed against (default: the same shapes, fresh weights)",
     )
     parser.add_argument("--draft-loops", type=int, default=1, help="speculative: the drafting k")
     parser.add_argument("--draft-tokens", type=int, default=4, help="speculative: tokens drafted per round")
     parser.add_argument(
-        "--new-tokens", type=int, default=64, help="speculative, rollout, rl_cache: tokens generated per prompt"
+        "--new-tokens", type=int, default=64, help="decode, speculative, rollout, rl_cache: tokens generated per prompt"
     )
-    parser.add_argument("--kv", default="per_loop", help="speculative, rollout: KV cache mode")
+    parser.add_argument("--kv", default="per_loop", help="decode, speculative, rollout: KV cache mode")
     parser.add_argument("--micro-rows", type=int, default=8, help="rl_cache: completions per timed training forward")
     parser.add_argument("--json", help="model: also write the results to this JSON file (to compare commits)")
     parser.add_argument("--shards", type=int, default=1000, help="loader: shards of the largest source")

@@ -13,6 +13,9 @@ turn), greedy, in this one process, so the ratios between arms are what count:
   library, one by one  elr.infer.generate on each request alone (no HTTP)
   export, one by one   the Hugging Face export's generate (transformers) on each request ("auto" runs at K
                        there: transformers has no exit rule; those rows are left out of the comparison)
+  server, concurrent, compiled   (with --compile) the concurrent arm against a second server whose pools
+                       decode through the compiled step (elr/infer/decode.py); its graphs are built in an
+                       untimed round first, whose time is printed apart
 The arms run in rounds (each arm once per round, --repeats rounds), so a burst of load from other
 processes falls on all of them; it prints each arm's tokens/s at its median wall time, time to first
 token over every round (mean and 90th percentile) and how many outputs equal the library's. Without --checkpoint the
@@ -24,6 +27,7 @@ reply early, so every request decodes --new-tokens tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -34,7 +38,7 @@ from pathlib import Path
 from elr.cli import HelpFormatter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, when loaded by path (tests, elr-* commands)
-from bench import print_table  # noqa: E402
+from bench_tools.timing import print_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,11 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit", default="kl:0.01", help="the exit rule of loop_budget auto")
     p.add_argument("--repeats", type=int, default=3, help="rounds of every arm (the median wall time is reported)")
     p.add_argument("--skip-export-arm", action="store_true", help="leave out transformers' generate")
+    p.add_argument(
+        "--compile", action="store_true", help="add the concurrent arm against a server with the compiled decode step"
+    )
     args = p.parse_args(argv)
 
     import openai
     import torch
 
+    from elr.infer.decode import use_compile_cache
     from elr.infer.generate import AdaptiveDepth, generate
     from elr.infer.load import load_model, load_tokenizer, run_config
     from elr.models.early_exit import ExitRule
@@ -200,11 +208,25 @@ def main(argv: list[str] | None = None) -> int:
                 arms["export, one by one"] = lambda: run_local_arm(export_one, requests)
             run_server_arm(client, "bench", requests[:2], 4, 2)  # warm-up
             library_one(texts[0], budgets[0])
-            # Rounds that run every arm once: a burst of load from other processes hits the arms alike.
-            runs = {name: [] for name in arms}
-            for _ in range(args.repeats):
-                for name, arm in arms.items():
-                    runs[name].append(arm())
+            with contextlib.ExitStack() as stack:
+                if args.compile:
+                    use_compile_cache()
+                    compiled = Engine(model, tokenizer.eot_id, tokenizer.decode, args.kv, limits, rule, compile=True)
+                    compiled_url = stack.enter_context(BackgroundServer(create_app(compiled, served)))
+                    compiled_client = openai.OpenAI(base_url=compiled_url, api_key="x", max_retries=0, timeout=3600)
+
+                    def compiled_arm():
+                        return run_server_arm(compiled_client, "bench", requests, args.new_tokens, args.clients)
+
+                    start = time.perf_counter()
+                    compiled_arm()  # builds its graphs: loop caps x attention windows x pools
+                    print(f"server, compiled: its first round (the compiles) took {time.perf_counter() - start:.1f} s")
+                    arms["server, concurrent, compiled"] = compiled_arm
+                # Rounds that run every arm once: a burst of load from other processes hits the arms alike.
+                runs = {name: [] for name in arms}
+                for _ in range(args.repeats):
+                    for name, arm in arms.items():
+                        runs[name].append(arm())
             stats = engine.stats
 
     want = [r["text"] for r in runs["library, one by one"][0]["results"]]
@@ -241,9 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(
             f"{concurrent / rate:.2f}x ({name.split(',')[0]})"
             for name, rate in rates.items()
-            if name != "server, concurrent"
+            if not name.startswith("server, concurrent")
         )
     )
+    if "server, concurrent, compiled" in rates:
+        print(
+            f"headline: compiled / eager server, concurrent: {rates['server, concurrent, compiled'] / concurrent:.2f}x"
+        )
     return 0
 
 

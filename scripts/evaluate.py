@@ -135,7 +135,8 @@ def evaluate(
                 rows.setdefault(f"{name}/acc_decoded/{mode}", {})[k] = result["acc"]
                 rows.setdefault(f"{name}/acc_norm_decoded/{mode}", {})[k] = result["acc_norm"]
         if args.latency_new_tokens:
-            for name, seconds in measure_latency(model, prompt, k, args.kv, args.latency_new_tokens).items():
+            latency = measure_latency(model, prompt, k, args.kv, args.latency_new_tokens, compile=args.compile_latency)
+            for name, seconds in latency.items():
                 rows.setdefault(f"latency/{name}", {})[k] = seconds
         print(f"k={k}: " + ", ".join(f"{m} {v[k]:.4g}" for m, v in rows.items()), file=sys.stderr)
         progress.update()
@@ -245,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--latency-new-tokens", type=int, default=16, help="decode steps timed (0: skip latency)")
     p.add_argument(
+        "--compile-latency",
+        action="store_true",
+        help="time the decode steps through the compiled step over a static cache (elr/infer/decode.py), so "
+        "the latency rows measure the model rather than per-token overhead (the compile is not timed)",
+    )
+    p.add_argument(
         "--exit",
         nargs="*",
         default=[],
@@ -260,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+
+    if args.compile_latency:
+        from elr.infer.decode import use_compile_cache
+
+        use_compile_cache()
 
     from elr.models.early_exit import ExitRule
 

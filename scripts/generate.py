@@ -7,6 +7,7 @@
     python scripts/generate.py --checkpoint ... --budgets 1,3 --prompt "A" --prompt "B"   # a k per prompt, one batch
     python scripts/generate.py --checkpoint ... --loops 3 --draft-loops 1 --prompt "..."   # self-speculative
     python scripts/generate.py --checkpoint ... --exit kl:0.01 --prompt "..."   # adaptive depth, capped at K
+    python scripts/generate.py --checkpoint ... --compile on --max-new-tokens 1024   # the compiled decode step
     python scripts/generate.py --checkpoint ... --memory 131072                # KV/state bytes per request
     python scripts/generate.py --flavor koi_4b --loops 4 --memory 131072 --dtype bfloat16
     python scripts/generate.py --checkpoint outputs/sft_debug/checkpoint/step-80 --chat --loops 3   # REPL
@@ -91,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         "capped at each --loops k; in --chat, the rule of /loops auto",
     )
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (default per_loop)")
+    p.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="decode through the compiled step over a static cache (elr/infer/decode.py; the same tokens): auto "
+        "compiles when this command's decoding steps are enough to pay for the compile (elr.infer.decode."
+        "compile_pays; always in --chat, a session of replies); kernels are kept in outputs/inductor-cache",
+    )
     p.add_argument("--prompt", action="append", help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch  # the arguments are known: now the model code
 
+    from elr.infer.decode import compile_pays, use_compile_cache
     from elr.infer.generate import AdaptiveDepth, Sampling, generate
     from elr.infer.load import load_model, load_tokenizer, run_config
     from elr.infer.memory import check_fits, memory_table
@@ -178,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.route_replay:
         model.route_replay = True
+    steps = args.max_new_tokens * len([args.budgets] if args.budgets is not None else args.loops)
+    compiled = args.compile == "on" or (args.compile == "auto" and compile_pays(steps, args.device))
+    if compiled:
+        use_compile_cache()
+        print("generate: the decode step compiles on its first token (kept in outputs/inductor-cache)", file=sys.stderr)
 
     for k in [args.budgets] if args.budgets is not None else args.loops:
         generator = torch.Generator(args.device).manual_seed(args.seed)
@@ -194,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.kv,
                     args.draft_loops,
                     args.draft_tokens,
+                    compile=compiled,
                 )
                 note = f" draft k={args.draft_loops}: {stats.acceptance:.0%} of {stats.drafted} drafts accepted,"
             else:
@@ -208,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                     sampling,
                     generator,
                     adaptive=depth,
+                    compile=compiled,
                 )
                 if depth is not None:
                     note = f" exit {args.exit}: {depth.mean_loops:.2f} loops per new token,"
@@ -244,6 +261,7 @@ def chat_main(args, p: argparse.ArgumentParser) -> int:
     import torch
 
     from elr.infer import chat
+    from elr.infer.decode import compile_pays, use_compile_cache
     from elr.infer.generate import Sampling
     from elr.infer.load import load_model, load_tokenizer, run_config
 
@@ -257,6 +275,16 @@ def chat_main(args, p: argparse.ArgumentParser) -> int:
         model, _ = load_model(args.checkpoint, args.device, getattr(torch, args.dtype))
         args.loops = args.loops or [model.args.recurrence.max_loops]
         generator = torch.Generator(args.device).manual_seed(args.seed)
+        steps = args.max_new_tokens * len(args.loops)
+        compiled = args.compile == "on" or (
+            args.compile == "auto" and (messages is None or compile_pays(steps, args.device))
+        )
+        if compiled:
+            use_compile_cache()
+            print(
+                "generate: the decode step compiles on the first reply (kept in outputs/inductor-cache)",
+                file=sys.stderr,
+            )
         if messages is None:
             chat.repl(
                 model,
@@ -269,11 +297,14 @@ def chat_main(args, p: argparse.ArgumentParser) -> int:
                 sampling,
                 generator,
                 args.exit or chat.DEFAULT_EXIT,
+                compiled,
             )
         for k in args.loops if messages is not None else []:
             print(
                 f"--- k={k}\n"
-                + chat.reply(model, tokenizer, messages, k, args.max_new_tokens, args.kv, sampling, generator)
+                + chat.reply(
+                    model, tokenizer, messages, k, args.max_new_tokens, args.kv, sampling, generator, compile=compiled
+                )
             )
     except (UserError, FileNotFoundError, ValueError) as e:
         print(f"generate: error: {e}", file=sys.stderr)

@@ -117,6 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         help="after SIGTERM or Ctrl-C, how long the running requests may take to finish (new ones get 503)",
     )
     p.add_argument("--kv", choices=MODES, default="per_loop", help="KV cache mode (docs/inference.md)")
+    p.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="decode through the compiled step over static caches (elr/infer/decode.py; the same tokens), each "
+        "graph compiled on first use and kept in outputs/inductor-cache; auto: on a GPU (CUDA graphs), off on a "
+        "CPU, where the first requests of each shape wait for a compile (docs/serving.md)",
+    )
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the model runs in")
     p.add_argument("--tokenizer", help="tokenizer file (default: the run config's)")
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f'serve: error: {e.name} is missing; install the serve extra: pip install -e ".[serve]"', file=sys.stderr)
         return 2
+    from elr.infer.decode import use_compile_cache
     from elr.infer.load import load_model, load_tokenizer, run_config
 
     try:
@@ -167,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         default = args.default_loop_budget or max_loops
         if default != "auto" and default > max_loops:
             raise ValueError(f"--default-loop-budget {default} is past the model's K = {max_loops}")
-        engine = Engine(model, tokenizer.eot_id, tokenizer.decode, args.kv, limits, args.exit)
+        compile = args.compile == "on" or (args.compile == "auto" and torch.device(args.device).type == "cuda")
+        if compile:
+            use_compile_cache()
+        engine = Engine(model, tokenizer.eot_id, tokenizer.decode, args.kv, limits, args.exit, compile)
     except (UserError, FileNotFoundError, ValueError) as e:  # user errors: one line
         print(f"serve: error: {e}", file=sys.stderr)
         return 2

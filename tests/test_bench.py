@@ -37,3 +37,16 @@ def test_sampling_bench_times_every_mode_on_two_ranks():
     rows = {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
     assert {"synchronized", "independent", "stratified"} <= rows
     assert "headline: time per unit of work against synchronized" in out.stdout
+
+
+@pytest.mark.slow  # inductor compiles the decode step (minutes on a cold cache)
+def test_decode_bench_compares_eager_compiled_and_transformers_on_the_same_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "decode", "--flavor", "debug", "--max-loops", "2"]
+    command += ["--batches", "2", "--decode-loops", "2", "--seq-len", "6", "--new-tokens", "3", "--repeats", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1800, env=env)
+    assert out.returncode == 0, out.stderr
+    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:2] == ["2", "2"])
+    assert row[-1] == "2/2"  # eager, compiled and transformers' generate decoded the same tokens
+    assert "k = 1 decode steps, ELR against the non-recurrent model" in out.stdout

@@ -455,6 +455,37 @@ def test_several_updates_per_batch_move_the_ratio_and_dr_grpo_runs(tmp_path, sft
     assert math.isfinite(run[1]["loss/train"]) and run[1]["grad_norm"] > 0
 
 
+@pytest.mark.slow  # traces the decode step once per loop cap
+def test_compiled_rollouts_give_the_eager_runs_completions_and_updates(tmp_path, sft_model, monkeypatch):
+    """rl.rollout_compile: the rollouts and the held-out evaluation decode through the compiled step (here
+    `aot_eager`: dynamo's whole graph and its functionalised updates, without inductor's C++), and the run's
+    samples, rewards and updates are the eager run's."""
+    from torch._dynamo.utils import counters
+
+    import elr.infer.generate
+
+    class TracedStep(elr.infer.generate.DecodeStep):
+        def __init__(self, model, compile=True, backend="aot_eager"):
+            super().__init__(model, compile, backend)
+
+    evaluated = ["--validation.freq", "2"]  # the held-out prompts at every k after step 2
+    rl_run(tmp_path / "eager", 2, sft_model, *evaluated)
+    monkeypatch.setattr(elr.infer.generate, "DecodeStep", TracedStep)
+    graphs = counters["stats"]["unique_graphs"]
+    rl_run(tmp_path / "compiled", 2, sft_model, *evaluated, "--rl.rollout_compile", "true")
+    assert counters["stats"]["unique_graphs"] > graphs  # the step was traced: the rollouts went through it
+    compared = ("rl/reward", "rl/length", "loss/train", "grad_norm", "val/reward_k", "val/length_k")
+
+    def results(run: str) -> list[dict]:
+        return [{k: v for k, v in r.items() if k.startswith(compared)} for r in records(tmp_path / run)]
+
+    eager = results("eager")
+    assert any("val/reward_k4" in r for r in eager) and any("rl/length" in r for r in eager)
+    assert results("compiled") == eager
+    samples = [(tmp_path / run / "samples.jsonl").read_text() for run in ("eager", "compiled")]
+    assert samples[0] == samples[1] and samples[0]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

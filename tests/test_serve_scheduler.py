@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_infer import small_model
 
+from elr.infer.decode import DecodeStep
 from elr.infer.generate import AdaptiveDepth, Sampling, generate
 from elr.infer.speculative import speculative_generate
 from elr.models.early_exit import ExitRule
@@ -51,21 +52,17 @@ def run(engine: Engine, requests, steps: int | None = None) -> None:
     assert steps is not None, "the requests never finished"
 
 
-@pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv"])
-def test_requests_joining_at_different_steps_decode_as_the_library_decodes_each_alone(mode):
-    model = small_model(max_seq_len=32)  # a short context, so the rows' columns soon move left
-    engine = engine_for(model, mode)
-    moves = []
-    move = engine.pools["budgets"].cache.move_columns
-    engine.pools["budgets"].cache.move_columns = lambda offset: (moves.append(offset), move(offset))
+def decode_as_the_library(model, engine: Engine, mode: str) -> None:
+    """Requests joining at different steps, at every budget, "auto" and drafted, in one engine: each decodes
+    token for token as the library decodes it alone."""
     a, _ = submit(engine, [5, 9, 2, 33, 7], 3, 24)
     b, _ = submit(engine, [8, 60], 1, 14)
     run(engine, [a, b], steps=6)
-    c, _ = submit(engine, [19, 3, 27, 50, 6, 9, 14, 2, 31], 2, 20)  # longer than the columns cached: they move right
+    c, _ = submit(engine, [19, 3, 27, 50, 6, 9, 14, 2, 31], 2, 20)  # longer than every row so far
     d, _ = submit(engine, [4, 4, 4], AUTO, 14)
     e, _ = submit(engine, [7, 1, 2], 3, 10, draft_loops=1)
     run(engine, [a, b, c, d, e], steps=12)
-    f, _ = submit(engine, [11, 12, 13, 14], 1, 12)  # runs past the context's last column: the columns move left
+    f, _ = submit(engine, [11, 12, 13, 14], 1, 28)  # to the context's last column, beside rows far behind it
     run(engine, [a, b, c, d, e, f])
     for r in (a, b, c, f):
         assert r.sequences[0].tokens == generate(model, r.prompts, r.loops, r.max_tokens, EOT, mode)[0], r.loops
@@ -76,8 +73,25 @@ def test_requests_joining_at_different_steps_decode_as_the_library_decodes_each_
     drafted, stats = speculative_generate(model, e.prompts, 3, 10, EOT, mode, draft_loops=1)
     assert e.sequences[0].tokens == drafted[0] and e.draft_stats == stats
     assert engine.stats.max_budgets == 3 and engine.stats.max_rows >= 3  # k = 1, 2, 3 in one forward
-    assert any(m > 0 for m in moves) and any(m < 0 for m in moves)
     assert all(len(pool.free) == pool.rows for pool in engine.pools.values()) and not engine.drafts
+
+
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop_kv"])
+def test_requests_joining_at_different_steps_decode_as_the_library_decodes_each_alone(mode):
+    model = small_model(max_seq_len=32)  # a short context: a request runs to its last column
+    decode_as_the_library(model, engine_for(model, mode), mode)
+
+
+@pytest.mark.slow  # traces a graph per loop cap, the adaptive pool's and the drafts'
+def test_a_compiled_engine_decodes_as_the_library():
+    """The pools and the drafted requests through the compiled step (`aot_eager`: dynamo's whole graph and
+    its functionalised updates), one graph per loop cap for every mix of rows."""
+    model = small_model(max_seq_len=32)
+    engine = engine_for(model, "per_loop")
+    engine = Engine(
+        model, EOT, letters, "per_loop", engine.limits, RULE, compile=DecodeStep(model, backend="aot_eager")
+    )
+    decode_as_the_library(model, engine, "per_loop")
 
 
 def test_sampled_choices_follow_their_seeds_and_text_arrives_whole(model):
@@ -250,4 +264,21 @@ def test_a_step_reads_prompts_within_the_prefill_memory_and_a_long_wait_is_busy(
     with pytest.raises(Busy) as busy:  # behind it: (38 + 20) tokens / 4 rows x 0.1 s, past 0.5 s
         submit(engine, [3], 2, 20)
     assert busy.value.retry_after == 1 and engine.stats.busy == 1 and "wait about 1.4 s" in str(busy.value)
+    engine.close()
+
+
+def test_a_step_that_compiled_a_graph_is_not_the_step_time_the_wait_is_estimated_by(model, monkeypatch):
+    """A compiled engine builds a graph the first time a step needs it (minutes on a CPU): that step's time
+    is the compiler's, so the wait estimate (429 past --max-wait-s) leaves it out and times the next."""
+    import elr.serve.scheduler
+
+    engine = engine_for(model)
+    built = iter(range(100))
+    monkeypatch.setattr(elr.serve.scheduler, "graphs_built", lambda: next(built))  # every step compiles one
+    request, _ = submit(engine, [5, 9, 2], 2, 6)
+    run(engine, [request], steps=3)
+    assert engine.backlog.step_s is None
+    monkeypatch.setattr(elr.serve.scheduler, "graphs_built", lambda: 7)  # the graphs are built
+    run(engine, [request], steps=1)
+    assert engine.backlog.step_s is not None
     engine.close()

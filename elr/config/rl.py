@@ -42,6 +42,10 @@ class RL:
     update is on-policy with no correction; docs/rl.md measures its cost), `last_loop_kv` (the paper's decoding
     mode: attention KV at its one-loop size) or `last_loop`; the two shared caches sample from a slightly
     different distribution at k >= 2, which `rollout_correction` weighs back"""
+    rollout_compile: bool = False
+    """true: rollouts and the held-out evaluation decode through the compiled step over a static cache
+    (elr/infer/decode.py; the same tokens as eager decoding), compiled once per loop cap on first use; one
+    process only (a sharded model decodes eagerly, so more ranks are refused)"""
     rollout_rows: int = 0
     """completions decoded in one batch (0: all of a rank's at once); rows go in order of k, so a batch's deepest
     row sizes its cache: what bounds the rollout peak of the memory plan"""

@@ -27,10 +27,8 @@ in what later chunks read. Batches of prompts of different lengths are left-padd
 start at 0 on its first real token. States are stored in the cache's dtype (our choice; the paper's
 "under 25 MiB" GDP figure needs bf16 states).
 
-A server (elr/serve) keeps one cache whose rows requests join and leave between decoding steps:
-`load_row` copies a request's prefill into a free row, right-aligned at the shared column, so its
-left padding grows instead; `release_row` frees a row; `move_columns` shifts every row's columns
-together (room at the end, or at the start for a longer prompt).
+A server (elr/serve) keeps elr/infer/static_cache.py's StaticCache instead, whose rows have a column
+index each, so requests join and leave by index; it decodes what this cache decodes (tests/test_decode.py).
 """
 
 from __future__ import annotations
@@ -76,6 +74,7 @@ class InferenceCache:
         self.chunk = 0  # columns in the forward now running
         self.valid = self.attn_mask = None
         self.rows = None  # [B] bool: the rows whose results the running loop stores (None: all)
+        self.films = None  # the reference runs the conditioning's heads in every forward
         recurrent = set(model.recurrent.layers)
         self.entries: dict[tuple[torch.nn.Module, int], object] = {}  # (layer, loop) -> its kind's entry
         for layer in model.layers():
@@ -92,6 +91,10 @@ class InferenceCache:
         if LAYER_KINDS[layer.kind].inference_state is None:
             return None
         return self.entries[layer, loop if (layer, loop) in self.entries else 1]
+
+    def loop_range(self, loops: LoopBudget) -> tuple[int, int]:
+        """(the fewest, the most) loops of `loops`: a per-row budget is read back in one transfer."""
+        return budget_range(loops)
 
     def begin(self, chunk: int, loops: LoopBudget) -> torch.Tensor:
         """Start a forward over `chunk` new columns at `loops` (k or per-row budgets [B]); returns each
@@ -112,6 +115,16 @@ class InferenceCache:
         # A padding column sees only itself, so no softmax row is empty; real columns never see it.
         self.attn_mask = (causal[None] & (real[:, None] | (keys[None, :] == columns[:, None])[None]))[:, None]
         return positions.clamp(min=0)
+
+    def store(self, buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write the chunk's `values` [B, H, chunk, D] at columns length.. of `buffer` (rows outside `rows`
+        keep theirs: mixed budgets keep a finished row's own last loop); returns every column so far."""
+        start, end = self.length, self.length + values.shape[2]
+        values = values.to(buffer.dtype)
+        if self.rows is not None:
+            values = torch.where(self.rows[:, None, None, None], values, buffer[:, :, start:end])
+        buffer[:, :, start:end] = values
+        return buffer[:, :, :end]
 
     def set_rows(self, rows: torch.Tensor | None, loop: int | None = None) -> None:
         """The recurrent block's running `loop` counts only for `rows` ([B] bool; None: every row): the
@@ -158,52 +171,6 @@ class InferenceCache:
     def rewind_by_length(self) -> bool:
         """Whether setting `length` back is a whole rewind (no entry folds columns into a state)."""
         return all(entry.snapshot() is None for entry in self.entries.values())
-
-    # Rows that requests join and leave between decoding steps (elr/serve): every row shares the column
-    # index `length`, so a row is a right-aligned run of columns [pad, length); the rest is padding to it.
-
-    def release_row(self, row: int) -> None:
-        """Row `row` holds no request: every column is padding to it (its stale entries are never read,
-        and a forward leaves its GDP states as they are)."""
-        self.pad[row] = self.capacity
-
-    def load_row(self, row: int, source: InferenceCache, source_row: int) -> None:
-        """Copy one request's cached columns and states from row `source_row` of `source` (a prefill with
-        the same model, mode and loop count) into row `row`, right-aligned to end at this cache's
-        current column: its positions, keys, values and states are then what they were in `source`,
-        and it decodes here as it would have there."""
-        same = (source.max_loops, source.mode) == (self.max_loops, self.mode)
-        if not same or source.entries.keys() != self.entries.keys():
-            raise ValueError("a row moves only between caches of one model, KV mode and loop count")
-        n = source.length - int(source.pad[source_row])
-        if n > self.length:
-            raise ValueError(f"a row of {n} columns does not fit before column {self.length}; move_columns first")
-        start = self.length - n
-        for key, entry in self.entries.items():
-            by_column = LAYER_KINDS[key[0].kind].inference_state.name == "attention_kv"
-            for dst, src in zip(entry.tensors(), source.entries[key].tensors()):
-                if by_column:  # k, v [B, H, S, D]
-                    dst[row, :, start : self.length] = src[source_row, :, source.length - n : source.length]
-                else:  # a state holds no columns
-                    dst[row] = src[source_row]
-        self.pad[row] = start
-
-    def move_columns(self, offset: int) -> None:
-        """Shift every row's cached columns by `offset` (negative: to the left, freeing columns at the
-        end; positive: making room at the start for a longer row to load). A row's positions do not
-        change: they count from its own first column."""
-        start, length = max(0, -offset), self.length
-        if not 0 <= length + offset <= self.capacity:
-            raise ValueError(f"moving {length} columns by {offset} leaves the capacity {self.capacity}")
-        busy = self.pad < self.capacity
-        if bool((self.pad[busy] < start).any()):
-            raise ValueError(f"moving by {offset} would drop cached columns of a row")
-        for (layer, _), entry in self.entries.items():
-            if LAYER_KINDS[layer.kind].inference_state.name == "attention_kv":
-                for t in entry.tensors():
-                    t[:, :, start + offset : length + offset] = t[:, :, start:length].clone()
-        self.pad = torch.where(busy, self.pad + offset, self.pad)
-        self.length = length + offset
 
     def nbytes(self) -> dict[str, int]:
         """Measured bytes of the stored tensors, by the name of each kind's state ("attention_kv", ...)."""

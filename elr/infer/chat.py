@@ -38,9 +38,10 @@ def reply(
     sampling: Sampling = GREEDY,
     generator=None,
     adaptive: AdaptiveDepth | None = None,
+    compile: bool = False,
 ) -> str:
     """The assistant's next message after `messages`, decoded at k = loops (with `adaptive`: each
-    token at the depth its exit rule picks, capped at loops)."""
+    token at the depth its exit rule picks, capped at loops; `compile`: through the compiled step)."""
     ids, _ = encode_conversation(messages, tokenizer, add_generation_prompt=True)
     if len(ids) + max_new_tokens > model.args.max_seq_len:
         raise ValueError(
@@ -48,7 +49,16 @@ def reply(
             f"context of {model.args.max_seq_len} tokens; start again (/reset) or shorten it"
         )
     out = generate(
-        model, [ids], loops, max_new_tokens, tokenizer.eot_id, kv_mode, sampling, generator, adaptive=adaptive
+        model,
+        [ids],
+        loops,
+        max_new_tokens,
+        tokenizer.eot_id,
+        kv_mode,
+        sampling,
+        generator,
+        adaptive=adaptive,
+        compile=compile,
     )[0]
     return tokenizer.decode(out)
 
@@ -77,6 +87,7 @@ def repl(
     sampling: Sampling = GREEDY,
     generator=None,
     exit_rule: ExitRule = DEFAULT_EXIT,
+    compile: bool = False,
 ) -> None:
     """Read user turns (and commands) line by line until /quit or end of input; print each reply."""
     messages: list[dict] = []
@@ -118,6 +129,7 @@ def repl(
                     sampling,
                     generator,
                     depth,
+                    compile,
                 )
             except ValueError as e:  # e.g. a k past a conditioned model's K: say so, keep the conversation
                 print(f"error: {e}", file=stdout, flush=True)

@@ -32,7 +32,9 @@ import torch.nn.functional as F
 
 from elr.data.folders import SHARDED, split_tokens
 from elr.infer.cache import InferenceCache
+from elr.infer.decode import DecodeStep, capacity_for
 from elr.infer.generate import AdaptiveDepth
+from elr.infer.static_cache import StaticCache
 from elr.text.chat_data import IGNORE_INDEX, ChatSplit
 from elr.text.tokenizer import Tokenizer
 
@@ -295,27 +297,46 @@ def _sync(device) -> None:
 
 @torch.no_grad()
 def measure_latency(
-    model, prompt: list[int], loops: int, kv_mode: str, new_tokens: int = 16, repeats: int = 3
+    model,
+    prompt: list[int],
+    loops: int,
+    kv_mode: str,
+    new_tokens: int = 16,
+    repeats: int = 3,
+    compile: bool | DecodeStep = False,
 ) -> dict[str, float]:
     """Time to first token (prefill of `prompt` and its first token) and mean per-token decode time,
-    in seconds: the best of `repeats` runs after one warm-up."""
+    in seconds: the best of `repeats` runs after one warm-up (which compiles, with `compile`: the decode
+    steps then run through the compiled step over a static cache, elr/infer/decode.py, or this DecodeStep)."""
     device = model.output.weight.device
     tokens = torch.tensor([prompt], device=device)
+    decode = compile if isinstance(compile, DecodeStep) else DecodeStep(model) if compile else None
     best_ttft = best_decode = math.inf
     for run in range(repeats + 1):
-        cache = InferenceCache(model, 1, len(prompt) + new_tokens, loops, kv_mode)
+        if compile:
+            cache = StaticCache(model, 1, capacity_for(len(prompt) + new_tokens, model), loops, kv_mode)
+
+            def step(nxt):
+                return decode(cache, nxt, loops)
+
+        else:
+            cache = InferenceCache(model, 1, len(prompt) + new_tokens, loops, kv_mode)
+
+            def step(nxt):
+                return model(nxt, loops, cache)
+
         _sync(device)
         start = time.perf_counter()
-        nxt = model(tokens, loops, cache)[:, -1].argmax(-1, keepdim=True)
+        nxt = step(tokens)[:, -1].argmax(-1, keepdim=True)  # the prompt: compiled too, with `compile`
         nxt.item()
         ttft = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(new_tokens - 1):
-            nxt = model(nxt, loops, cache)[:, -1].argmax(-1, keepdim=True)
+            nxt = step(nxt)[:, -1].argmax(-1, keepdim=True)
         nxt.item()
-        decode = (time.perf_counter() - start) / max(new_tokens - 1, 1)
+        decode_time = (time.perf_counter() - start) / max(new_tokens - 1, 1)
         if run:  # the first run warms up
-            best_ttft, best_decode = min(best_ttft, ttft), min(best_decode, decode)
+            best_ttft, best_decode = min(best_ttft, ttft), min(best_decode, decode_time)
     return {"ttft_s": best_ttft, "decode_s_per_token": best_decode}
 
 

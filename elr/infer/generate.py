@@ -3,6 +3,9 @@
 A batch of prompts of different lengths is left-padded into one tensor; the cache gives each row
 its own positions, so a row decodes exactly as it would alone. Rows stop at `<|endoftext|>` or
 after `max_new_tokens`; finished rows keep stepping (their tokens are dropped) until all are done.
+With `compile=True` the prompts are read into a StaticCache and every new token goes through the
+compiled decode step (elr/infer/decode.py); the eager path (InferenceCache) is the reference it is
+tested against, token for token.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import NamedTuple
 import torch
 
 from elr.infer.cache import InferenceCache
+from elr.infer.decode import DecodeStep, capacity_for, prefill_width
+from elr.infer.static_cache import StaticCache
 from elr.models.budget import LoopBudget, as_loop_budget, budget_range
 from elr.models.early_exit import ExitRule
 
@@ -93,11 +98,14 @@ def sample_with_logprobs(
     return ids, logp, torch.isfinite(logits).sum(-1)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows right-aligned in one [B, L] tensor, and each row's count of padding columns."""
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows right-aligned in one [B, L] tensor (L: the longest prompt, or `width`), and each row's
+    count of padding columns."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
+    width = max(len(p) for p in prompts) if width is None else width
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     for row, p in enumerate(prompts):
         tokens[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
@@ -150,6 +158,7 @@ def generate(
     adaptive: AdaptiveDepth | None = None,
     uniforms: Callable[[int], torch.Tensor] | None = None,
     all_done: Callable[[bool], bool] | None = None,
+    compile: bool | DecodeStep = False,
     with_logprobs: bool = False,
 ) -> list[list[int]] | Sampled:
     """Continue each prompt (token ids) for up to `max_new_tokens`; returns the new tokens per row
@@ -159,15 +168,40 @@ def generate(
     prompt is read at k = loops, every new token decides its own depth by the exit rule, capped at k
     (it counts the loops of the tokens kept). `uniforms(t)`: the rows' draws for new token t (see `sample`).
     `all_done(mine)`: whether every process's rows are done, given this one's (a collective), so processes
-    that share the model's weights (FSDP) run the same number of forwards. `with_logprobs`: a `Sampled`, the
-    tokens with the sampler's log-prob of each choice."""
+    that share the model's weights (FSDP) run the same number of forwards. `compile`: decode through the
+    compiled step (elr/infer/decode.py; or this DecodeStep) over a static cache: the tokens of eager decoding.
+    `with_logprobs`: a `Sampled`, the tokens with the sampler's log-prob of each choice."""
     if adaptive is not None and not isinstance(loops, int):
         raise ValueError("adaptive depth caps every row at one k: give one loop count")
     device = model.output.weight.device
     tokens, pad = left_pad(prompts, eot_id, device)
+    cap = max(loops) if isinstance(loops, list) else loops if isinstance(loops, int) else None
     loops = as_loop_budget(loops, len(prompts), device)
-    cache = InferenceCache(model, len(prompts), tokens.shape[1] + max_new_tokens, budget_range(loops)[1], kv_mode, pad)
-    logits = model(tokens, loops, cache)[:, -1]
+    cap = budget_range(loops)[1] if cap is None else cap
+    rule = adaptive.rule if adaptive is not None else None
+    columns = tokens.shape[1] + max_new_tokens
+    if compile:
+        decode = compile if isinstance(compile, DecodeStep) else DecodeStep(model)
+        # The prompts through the compiled step too, left-padded to a bucketed width (a graph per width).
+        width = prefill_width(tokens.shape[1], model.args.max_seq_len - max_new_tokens)
+        tokens, pad = left_pad(prompts, eot_id, device, width)
+        cache = StaticCache(model, len(prompts), capacity_for(width + max_new_tokens, model), cap, kv_mode)
+        cache.start.copy_(pad)
+        logits = decode(cache, tokens, loops, cap)[:, -1]
+        budgets = (
+            loops if torch.is_tensor(loops) or rule is not None else torch.full((len(prompts),), loops, device=device)
+        )
+
+        def forward(nxt: torch.Tensor) -> torch.Tensor:
+            return decode(cache, nxt[:, None], budgets, cap, rule)[:, -1]
+
+    else:
+        cache = InferenceCache(model, len(prompts), columns, cap, kv_mode, pad)
+        logits = model(tokens, loops, cache)[:, -1]
+
+        def forward(nxt: torch.Tensor) -> torch.Tensor:
+            return model(nxt[:, None], loops, cache, exit_rule=rule)[:, -1]
+
     out = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     logprobs = torch.zeros(len(prompts), max_new_tokens, device=device)
@@ -179,8 +213,8 @@ def generate(
         logprobs[:, step] = logp.masked_fill(done, 0.0)  # a row that ended before this step chose nothing here
         kept[:, step] = held.masked_fill(done, 0)
         done |= nxt == eot_id
-        for row, tok in enumerate(nxt.tolist()):
-            if not done[row]:
+        for row, (tok, ended) in enumerate(zip(nxt.tolist(), done.tolist())):
+            if not ended:
                 out[row].append(tok)
         if stop is not None:
             done |= torch.tensor(stop(out), dtype=torch.bool, device=device)
@@ -189,7 +223,7 @@ def generate(
             finished = all_done(finished)
         if finished or step == max_new_tokens - 1:
             break
-        logits = model(nxt[:, None], loops, cache, exit_rule=adaptive.rule if adaptive else None)[:, -1]
+        logits = forward(nxt)
         if adaptive is not None:
             adaptive.count(model.loops_used()[~done, 0])
     return Sampled(out, logprobs, kept) if with_logprobs else out

@@ -11,7 +11,8 @@ no entry-point discovery), and running it as a module is lm-eval's own command l
 registered. `checkpoint` is any folder elr.infer.load reads: a DCP checkpoint, a step-N-model export
 or a Hugging Face export (which plain `lm_eval --model hf ... trust_remote_code=True` also reads, see
 docs/interop.md). Log-likelihoods come from the same scoring as scripts/evaluate.py; generation is the
-KV-cached decoder (`kv`: one of elr.infer.cache.MODES), `batch_size` requests at a time. Tested against
+KV-cached decoder (`kv`: one of elr.infer.cache.MODES), `batch_size` requests at a time, through the
+compiled decode step with `compile=true` (elr/infer/decode.py: the same tokens). Tested against
 lm-eval 0.4.13's `LM` API (requests, rolling windows, generation)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from elr.infer.decode import use_compile_cache
 from elr.infer.evaluate import continuation_logprobs
 from elr.infer.generate import Sampling, generate
 from elr.infer.load import load_model, load_tokenizer
@@ -37,11 +39,15 @@ class ELRHarnessModel(LM):
         batch_size: int = 16,
         max_gen_toks: int = 256,
         tokenizer: str | None = None,
+        compile: bool | str = False,
     ):
         super().__init__()
         self.model, cfg = load_model(checkpoint, device, getattr(torch, dtype))
         self.tokenizer = load_tokenizer(cfg, tokenizer)
         self.loops, self.kv, self.batch_size, self.max_gen_toks = int(loops), kv, int(batch_size), int(max_gen_toks)
+        self.compile = str(compile).lower() in ("true", "1", "yes")  # lm-eval may hand model_args over as text
+        if self.compile:
+            use_compile_cache()
 
     def _context(self, text: str) -> list[int]:
         """Every context starts with <|endoftext|>, as a training document does (so "" works too)."""
@@ -102,6 +108,7 @@ class ELRHarnessModel(LM):
                     self.kv,
                     Sampling(temperature=temperature),
                     stop=stop if until else None,
+                    compile=self.compile,
                 )
                 for i, row in zip(batch, tokens):
                     text = self.tokenizer.decode(row)

@@ -17,6 +17,13 @@ token-by-token decoding is that same computation, so the output equals plain gre
 k = K token for token (up to floating-point ties). In the shared modes (`last_loop_kv`, `last_loop`)
 a token decoded alone reads earlier tokens' final-loop keys while a chunk reads them loop by loop, so
 speculative output is greedy decoding of the chunked cache: it may differ from plain decoding there.
+
+With `compile`, the prompt is read into a StaticCache through the compiled decode step (left-padded to
+a power-of-two width, `prefill_width`) and the forwards are that step (elr/infer/decode.py): a round's n
+drafts in one call (`DecodeStep.draft`: the n forwards and their argmaxes in one graph, read back once;
+drafts past an end-of-text are dropped, as eager never makes them), the verify of the usual width (n + 1
+tokens) in another; the rarer widths (the last round, a draft cut at end-of-text, the GDP re-feed) run
+the same forward eagerly, so no round waits for a compile. The same tokens as eager.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from elr.infer.cache import InferenceCache
+from elr.infer.decode import DecodeStep, capacity_for, prefill_width
+from elr.infer.static_cache import StaticCache
 
 
 @dataclass
@@ -55,6 +64,7 @@ def speculative_generate(
     kv_mode: str = "per_loop",
     draft_loops: int = 1,
     draft_tokens: int = 4,
+    compile: bool | DecodeStep = False,
 ) -> tuple[list[list[int]], SpeculationStats]:
     """Greedy continuation of each prompt at k = `loops`, drafted at k = `draft_loops`, up to
     `draft_tokens` per round; returns the new tokens per prompt (as `generate` does) and the draft
@@ -66,7 +76,7 @@ def speculative_generate(
             [
                 token
                 for gained in speculative_rounds(
-                    model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loops, draft_tokens, stats
+                    model, prompt, loops, max_new_tokens, eot_id, kv_mode, draft_loops, draft_tokens, stats, compile
                 )
                 for token in gained
             ]
@@ -92,6 +102,7 @@ def speculative_rounds(
     draft_loops: int,
     draft_tokens: int,
     stats: SpeculationStats,
+    compile: bool | DecodeStep = False,
 ) -> Iterator[list[int]]:
     """One prompt's greedy continuation, a forward round at a time: yields the prefill's token, then
     after each verifying round the tokens it gained (the accepted drafts and the verifier's own next
@@ -100,9 +111,34 @@ def speculative_rounds(
     if not prompt:
         raise ValueError("every prompt needs at least one token")
     device = model.output.weight.device
-    cache = InferenceCache(model, 1, len(prompt) + max_new_tokens, loops, kv_mode)
+    if compile:
+        # The prompt through the compiled step, left-padded to a bucketed width (a graph per width).
+        width = prefill_width(len(prompt), model.args.max_seq_len - max_new_tokens)
+        cache = StaticCache(model, 1, capacity_for(width + max_new_tokens, model), loops, kv_mode)
+        cache.start.fill_(width - len(prompt))
+        compiled = compile if isinstance(compile, DecodeStep) else DecodeStep(model)
+        eager = DecodeStep(model, compile=False)
+        first = compiled(cache, torch.tensor([[0] * (width - len(prompt)) + prompt], device=device), loops)
+
+        def forward(tokens: list[int], k: int) -> torch.Tensor:
+            step = compiled if len(tokens) in (1, draft_tokens + 1) else eager
+            return step(cache, torch.tensor([tokens], device=device), k)[0]
+
+        def rewind(saved, kept: int) -> None:
+            cache.lengths.copy_(saved[0] + kept)
+
+    else:
+        cache = InferenceCache(model, 1, len(prompt) + max_new_tokens, loops, kv_mode)
+        first = model(torch.tensor([prompt], device=device), loops, cache)
+
+        def forward(tokens: list[int], k: int) -> torch.Tensor:
+            return model(torch.tensor([tokens], device=device), k, cache)[0]
+
+        def rewind(saved, kept: int) -> None:
+            cache.length = saved[0] + kept
+
     rewind_by_length = cache.rewind_by_length()
-    current = int(model(torch.tensor([prompt], device=device), loops, cache)[0, -1].argmax())
+    current = int(first[0, -1].argmax())
     if current == eot_id:
         return
     yield [current]
@@ -111,15 +147,19 @@ def speculative_rounds(
         # Columns: every fed token plus the n drafts stays within prompt + max_new_tokens.
         n = min(draft_tokens, max_new_tokens - count)
         saved = cache.snapshot()
-        drafts, token = [], current
-        for _ in range(n):
-            token = int(model(torch.tensor([[token]], device=device), draft_loops, cache)[0, -1].argmax())
-            drafts.append(token)
-            if token == eot_id:
-                break
+        if compile and n == draft_tokens:  # every draft in one compiled call, cut after an end-of-text
+            drafts = compiled.draft(cache, torch.tensor([[current]], device=device), draft_loops, n)[0].tolist()
+            drafts = drafts[: drafts.index(eot_id) + 1] if eot_id in drafts else drafts
+        else:
+            drafts, token = [], current
+            for _ in range(n):
+                token = int(forward([token], draft_loops)[-1].argmax())
+                drafts.append(token)
+                if token == eot_id:
+                    break
         cache.restore(saved)
         fed = [current, *drafts]
-        choices = model(torch.tensor([fed], device=device), loops, cache)[0].argmax(-1).tolist()
+        choices = forward(fed, loops).argmax(-1).tolist()
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
             accepted += 1
@@ -128,10 +168,10 @@ def speculative_rounds(
         stats.rounds += 1
         if accepted < len(drafts):  # take back the rejected drafts' columns
             if rewind_by_length:
-                cache.length = saved[0] + accepted + 1
+                rewind(saved, accepted + 1)
             else:
                 cache.restore(saved)
-                model(torch.tensor([fed[: accepted + 1]], device=device), loops, cache)
+                forward(fed[: accepted + 1], loops)
         gained = []
         for token in [*drafts[:accepted], choices[accepted]]:  # the verifier's choice is the next `current`
             if token == eot_id or count == max_new_tokens:

@@ -113,16 +113,10 @@ class AttentionKV:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write this chunk's k, v [B, H_kv, T, D] (overwriting an earlier loop's), return all so far."""
-        start, end = self.cache.length, self.cache.length + k.shape[2]
-        rows = self.cache.rows  # mixed budgets: rows past their budget keep their own last loop's entry
-        if rows is not None:
-            keep = ~rows[:, None, None, None]
-            k = torch.where(keep, self.k[:, :, start:end].to(k.dtype), k)
-            v = torch.where(keep, self.v[:, :, start:end].to(v.dtype), v)
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end].to(k.dtype), self.v[:, :, :end].to(v.dtype), self.cache.attn_mask
+        """Write this chunk's k, v [B, H_kv, T, D] (overwriting an earlier loop's) where the cache keeps
+        its columns; return the columns to attend to and their mask."""
+        keys, values = self.cache.store(self.k, k), self.cache.store(self.v, v)
+        return keys.to(k.dtype), values.to(v.dtype), self.cache.attn_mask
 
     def commit(self) -> None:
         """Nothing is held back: `update` wrote the chunk's rows."""

@@ -27,6 +27,11 @@ from elr.models.cache import Cache
 from elr.models.kinds import TensorSplit, WeightLayout
 from elr_kernels.gated_delta_product import gated_delta_product, gated_delta_product_step
 
+# Chunks up to this many columns (a decoded token, self-speculative drafts) convolve as window sums, as
+# packed documents do: one library convolution call costs more than the whole sum at that size, eager or
+# compiled (where the sum is one fused elementwise kernel).
+WINDOWED_CONV_COLUMNS = 16
+
 
 class ShortConv(nn.Module):
     """Causal depthwise convolution over time followed by SiLU.
@@ -52,12 +57,14 @@ class ShortConv(nn.Module):
         if state is None:
             state = x.new_zeros(B, width, C)
         x = torch.cat([state.to(x.dtype), x], dim=1)
-        if positions is None:
+        if positions is None and T > WINDOWED_CONV_COLUMNS:
             y = F.conv1d(x.transpose(1, 2), self.weight, groups=C)
             return F.silu(y).transpose(1, 2), x[:, x.shape[1] - width :]
         # Tap i reads the input width - i tokens back: kept where that is still the token's document.
         y = sum(
-            x[:, i : i + T] * self.weight[:, 0, i] * (positions >= width - i)[..., None].to(x.dtype)
+            x[:, i : i + T]
+            * self.weight[:, 0, i]
+            * (1 if positions is None else (positions >= width - i)[..., None].to(x.dtype))
             for i in range(width + 1)
         )
         return F.silu(y), x[:, x.shape[1] - width :]

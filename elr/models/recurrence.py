@@ -129,6 +129,16 @@ class LoopGates(nn.Module):
         return torch.lerp(s, s_next, self.gate(i).to(s_next.dtype))
 
 
+@dataclass(frozen=True)
+class FiLMTable:
+    """The loop conditioning's output for every loop i and budget k of one set of weights
+    (LoopConditioning.table): `loops[i - 1]`, per recurrent layer, its FiLM tensors [K, dim] (row k - 1 for
+    budget k; None where loop i is unconditioned); `exits`, per output-block layer, the exit FiLM [K, dim]."""
+
+    loops: list[list[tuple[torch.Tensor, ...]] | None]
+    exits: list[tuple[torch.Tensor, ...]]
+
+
 class LoopDeltas(nn.Module):
     """Per loop i = 2..K and recurrent sublayer l, a rank-r map B_{i,l} A_{i,l} whose output the sublayer adds to
     its own (`loop_delta_rank`; elr/models/layers.py, Layer): the later loops' own parameters beside the shared
@@ -197,18 +207,46 @@ class LoopConditioning(nn.Module):
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
 
-    def forward(self, loop: int | None, loops, rows: int = 0) -> list[tuple[torch.Tensor, ...] | None]:
+    def forward(
+        self, loop: int | None, loops, rows: int = 0, table: FiLMTable | None = None
+    ) -> list[tuple[torch.Tensor, ...] | None]:
         """Per recurrent layer (scale, shift, gate), (scale, shift) without the gate, or None, for
         loop `loop` of a `loops`-loop forward; loop None: per output-block layer (`exit`). `loops` may
-        be a LongTensor of budgets, [B] (one per row) or [B, T] (one per token): each gets its own."""
+        be a LongTensor of budgets, [B] (one per row) or [B, T] (one per token): each gets its own.
+        `table` (inference: `table()` of these weights): the same FiLM read from it, no head run."""
+        if table is not None and not rows:
+            films = table.exits if loop is None else table.loops[loop - 1]
+            if films is None:
+                return [None] * self.n_layers
+            index = (loops - 1)[:, None] if torch.is_tensor(loops) and loops.ndim == 1 else loops - 1
+            return [tuple(t[index] for t in film) for film in films]
         if loop is None:
             return self._exit_films(loops, rows)
         if not (self.first_loop if loop == 1 else self.later_loops):
             return [None] * self.n_layers
         c = self._row(self.loop_embed, loop)
+        if self.budget and torch.is_tensor(loops):
+            return self._per_budget(self.heads, lambda budgets: c + self._row(self.budget_embed, budgets), loops)
         if self.budget:
             c = c + self._row(self.budget_embed, loops)
         return self._films(self.heads, c, per_row=True)
+
+    @torch.no_grad()
+    def table(self) -> FiLMTable:
+        """The FiLM of every (loop, budget) pair these weights give: c_{i,k} depends on nothing else, so
+        inference computes it once per set of weights and reads rows of it (elr/infer/static_cache.py)."""
+        embed = self.loop_embed if self.loop_embed is not None else self.budget_embed
+        budgets = torch.arange(1, embed.num_embeddings + 1, device=embed.weight.device)
+        loops = []
+        for i in range(1, embed.num_embeddings + 1):
+            if not (self.first_loop if i == 1 else self.later_loops):
+                loops.append(None)
+                continue
+            c = self._row(self.loop_embed, i)
+            c = c + self._row(self.budget_embed, budgets) if self.budget else c.expand(len(budgets), -1)
+            loops.append(self._films(self.heads, c))  # each [K, dim]: row k - 1 is budget k's
+        exits = self._films(self.exit_heads, self._row(self.budget_embed, budgets)) if self.exit_heads else []
+        return FiLMTable(loops, exits)
 
     def exit(self, loops: int, rows: int = 0) -> list[tuple[torch.Tensor, ...]]:
         """Per output-block layer, FiLM for the state after `loops` loops (needs exit heads). With
@@ -219,6 +257,8 @@ class LoopConditioning(nn.Module):
         return self(None, loops, rows)
 
     def _exit_films(self, loops: int, rows: int) -> list[tuple[torch.Tensor, ...]]:
+        if not rows and torch.is_tensor(loops):
+            return self._per_budget(self.exit_heads, lambda budgets: self._row(self.budget_embed, budgets), loops)
         if not rows:
             return self._films(self.exit_heads, self._row(self.budget_embed, loops), per_row=True)
         budgets = torch.arange(1, loops + 1, device=self.budget_embed.weight.device)
@@ -233,6 +273,15 @@ class LoopConditioning(nn.Module):
         if not torch.is_tensor(index):
             return row if index == 1 else row + embed.weight[0]
         return row + (index > 1).unsqueeze(-1).to(row.dtype) * embed.weight[0]
+
+    def _per_budget(self, heads: nn.ModuleList, c_of, loops: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """FiLM for budgets per row [B] or per token [B, T]: the heads run once on each budget the embeddings
+        cover (`c_of(budgets)`, [K, cond_dim]), not once per row, and each row or token takes its budget's
+        ([B, 1, dim] or [B, T, dim]): a batch's conditioning costs what one budget's does."""
+        budgets = torch.arange(1, self.budget_embed.num_embeddings + 1, device=loops.device)
+        films = self._films(heads, c_of(budgets))  # each [K, dim]
+        index = loops - 1 if loops.ndim > 1 else (loops - 1)[:, None]
+        return [tuple(t[index] for t in film) for film in films]
 
     def _films(self, heads: nn.ModuleList, c: torch.Tensor, per_row: bool = False) -> list[tuple[torch.Tensor, ...]]:
         """c: [..., cond_dim]; `per_row` (c is [B, cond_dim], one budget per row): FiLM [B, 1, dim]."""
@@ -378,7 +427,7 @@ class RecurrentBlock(nn.Module):
           that compare logits read each loop's state through `readout` (the model's output block and
           head, ELRModel.readout). The loops each token ran are left in `loops_used` [B, T]. Through a
           cache it runs one token at a time."""
-        least, most = budget_range(loops)
+        least, most = cache.loop_range(loops) if cache is not None else budget_range(loops)
         per_row = torch.is_tensor(loops)
         self.check_loops(least, most, every_loop, per_row=per_row)
         exited = logp = self.loops_used = None
@@ -404,18 +453,18 @@ class RecurrentBlock(nn.Module):
             if exited is not None and i < most:
                 logp_next = None
                 if exit_rule.needs_logits:
-                    logits = readout(s, rope, cache, self.exit_films(i), documents=documents)
+                    logits = readout(s, rope, cache, self.exit_films(i, cache=cache), documents=documents)
                     logp_next = logits.float().log_softmax(-1)
                 stop = exit_rule.exits(kept, s, logp, logp_next) & ~exited
                 self.loops_used.masked_fill_(stop, i)
                 exited, logp = exited | stop, logp_next
             states.append(s)
-            if exited is not None and bool(exited.all()):
-                break
+            if exited is not None and not torch.compiler.is_compiling() and bool(exited.all()):
+                break  # eager only: a compiled step runs its loops (exited tokens pass them unchanged)
         if cache is not None:
             cache.set_rows(None)
         budget = self.loops_used if exited is not None else loops
-        return (states if every_loop else s), self.exit_films(budget, h_in.shape[0] if every_loop else 0)
+        return (states if every_loop else s), self.exit_films(budget, h_in.shape[0] if every_loop else 0, cache)
 
     def loop_context(
         self,
@@ -437,7 +486,10 @@ class RecurrentBlock(nn.Module):
         kept = s
         s = self._between_loops(s, i, ctx.most)
         s_in = self._loop_input(s, ctx, i)
-        films = self.conditioning(i, ctx.loops) if self.conditioning is not None else [None] * len(self.layers)
+        table = ctx.cache.films if ctx.cache is not None else None  # inference: precomputed FiLM, if the cache has it
+        films = (
+            self.conditioning(i, ctx.loops, table=table) if self.conditioning is not None else [None] * len(self.layers)
+        )
         r = s_in
         for j, (layer, film, route) in enumerate(zip(self.layers, films, ctx.routes)):
             entry = ctx.cache.entry(layer, i) if ctx.cache is not None else None
@@ -470,11 +522,14 @@ class RecurrentBlock(nn.Module):
         """One MoE route store per layer that replays loop 1's routes on later loops (route_replay)."""
         return [Route() if self.route_replay and "route" in layer.inputs else None for layer in self.layers]
 
-    def exit_films(self, loops, rows: int = 0) -> list | None:
+    def exit_films(self, loops, rows: int = 0, cache: Cache | None = None) -> list | None:
         """The output block's FiLM for the state after `loops` loops (an int, or per row or token), or
-        None without exit heads."""
+        None without exit heads (read from the cache's precomputed table where it has one)."""
         c = self.conditioning
-        return c.exit(loops, rows) if c is not None and c.exit_heads else None
+        if c is None or not c.exit_heads:
+            return None
+        table = cache.films if cache is not None else None
+        return c(None, loops, rows, table) if table is not None else c.exit(loops, rows)
 
     def initial_state(self, h_in: torch.Tensor, loops: int) -> torch.Tensor:
         """s_0: h_in, plus sigma ε in a training forward of k >= 2 loops (initial_state_noise). The noise

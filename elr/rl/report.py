@@ -115,6 +115,7 @@ class RLEvaluator:
                 kv_mode=r.rollout_kv,
                 sampling=Sampling(),
                 all_done=t.all_done(),
+                compile=r.rollout_compile,
             )
             for p, c, w in zip(mine, completions, counted.tolist()):
                 sums[:, k - 1] += w * torch.tensor(

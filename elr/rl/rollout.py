@@ -97,6 +97,7 @@ def sample_groups(
             uniforms=round_uniforms(t.cfg.training.seed, step, round_, batch_rows, t.global_batch, t.device),
             all_done=t.all_done(),
             with_logprobs=True,
+            compile=r.rollout_compile,
         )
         for m, n in enumerate(part):
             scored = len(out.tokens[m]) + (len(out.tokens[m]) < r.max_new_tokens)  # the closing <|endoftext|>

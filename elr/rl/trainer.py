@@ -85,6 +85,11 @@ class RLTrainer(Trainer):
                 f"group's completions (one k): {cfg.training.local_batch_size} must divide rl.group_size = "
                 f"{r.group_size}"
             )
+        if r.rollout_compile and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                "rl.rollout_compile: the compiled decode step runs an unsharded model in one process; "
+                f"this run has {dist.get_world_size()} ranks (set it false)"
+            )
         self.validator = RLEvaluator(self)
 
     def optimizer_updates(self) -> int:

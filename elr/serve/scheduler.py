@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elr.infer.chat import DEFAULT_EXIT
+from elr.infer.decode import DecodeStep, graphs_built
 from elr.infer.generate import sample
 from elr.infer.memory import check_fits, free_bytes, human_bytes, inference_state_bytes
 from elr.infer.speculative import SpeculationStats, speculative_rounds
@@ -96,6 +97,7 @@ class Engine:
     kv_mode: str = "per_loop"
     limits: Limits = field(default_factory=Limits)
     exit_rule: ExitRule = DEFAULT_EXIT  # of loop budget "auto"
+    compile: bool | DecodeStep = False  # decode through the compiled step (elr/infer/decode.py; the same tokens)
 
     def __post_init__(self):
         args = self.model.args
@@ -119,9 +121,15 @@ class Engine:
         self.backlog = Backlog(
             {"budgets": self.limits.max_concurrent, AUTO: self.limits.max_auto, "draft": self.limits.max_draft}
         )
-        self.pools = {"budgets": SlotPool(self.model, self.limits.max_concurrent, self.max_loops, self.kv_mode)}
+        decode = self.compile if isinstance(self.compile, DecodeStep) else DecodeStep(self.model, self.compile)
+        self.drafted = decode if decode.compiled else False  # what self-speculative rounds decode through
+        self.pools = {
+            "budgets": SlotPool(self.model, self.limits.max_concurrent, self.max_loops, self.kv_mode, None, decode)
+        }
         if self.limits.max_auto:
-            self.pools[AUTO] = SlotPool(self.model, self.limits.max_auto, self.max_loops, self.kv_mode, self.exit_rule)
+            self.pools[AUTO] = SlotPool(
+                self.model, self.limits.max_auto, self.max_loops, self.kv_mode, self.exit_rule, decode
+            )
         self.drafts: list[DraftLane] = []
         self.waiting: deque[Request] = deque()  # the engine thread's
         self.stats = EngineStats()
@@ -301,7 +309,7 @@ class Engine:
     def step(self) -> None:
         """One iteration: drop cancelled requests, decode a token for every running choice, admit."""
         self.stats.steps += 1
-        start = time.perf_counter()
+        start, graphs = time.perf_counter(), graphs_built()
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
@@ -318,7 +326,7 @@ class Engine:
             decoded = True
         self._admit()
         with self._lock:  # what the client's side reads to estimate a new request's wait
-            if decoded:
+            if decoded and graphs_built() == graphs:  # a step that compiled a graph times the compiler
                 self.backlog.timed(time.perf_counter() - start)
             for name, pool in self.pools.items():
                 self.backlog.running[name] = sum(r.max_tokens - len(q.tokens) for r, q in pool.busy.values())
@@ -495,6 +503,7 @@ class Engine:
                 request.draft_loops,
                 self.limits.draft_tokens,
                 request.draft_stats,
+                self.drafted,
             )
         gained = next(lane.rounds, None)
         if gained is None:  # it ended at an end-of-text

@@ -1,0 +1,1 @@
+"""The parts of scripts/bench.py: timing helpers and the decoding benchmarks."""
