@@ -37,10 +37,11 @@ SMALLEST_PREFILL = 16  # a compiled prefill left-pads its prompts to a power of 
 
 
 # Decoding steps (forwards of one token per row) from which compiling pays for itself, by device type: the
-# compile's time over what a step saves. An estimate (a cold compile of minutes on a 2-core CPU against a few
-# milliseconds saved per step) until `scripts/bench.py decode` is run on idle cores (docs/benchmarks.md).
-# Most one-shot commands on a CPU decode fewer; a server, the RLVR rollouts and a chat session decode more.
-COMPILE_PAYS_AFTER = {"cpu": 2000, "cuda": 2000}
+# compile's time over what a step saves. CPU, measured (docs/benchmarks.md#decoding, the 2-core machine): the
+# first compiled call takes 43-62 s and saves 1.2 ms (k = 1) to 2.9 ms (k = 4) per step at batch 1, so about
+# 20,000 steps; at batch 64 the compiled step is slower than eager and never pays. CUDA: an estimate until
+# scripts/gpu_check.sh runs (CUDA graphs save the launch overhead that dominates a small decode step).
+COMPILE_PAYS_AFTER = {"cpu": 20_000, "cuda": 2000}
 
 
 def compile_pays(steps: int, device) -> bool:
