@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.route_replay:
         model.route_replay = True
     steps = args.max_new_tokens * len([args.budgets] if args.budgets is not None else args.loops)
-    compiled = args.compile == "on" or (args.compile == "auto" and compile_pays(steps, args.device))
+    compiled = args.compile == "on" or (args.compile == "auto" and compile_pays(steps, args.device, len(args.prompt)))
     if compiled:
         use_compile_cache()
         print("generate: the decode step compiles on its first token (kept in outputs/inductor-cache)", file=sys.stderr)

@@ -328,3 +328,14 @@ def test_the_latency_rows_time_the_compiled_prefill_and_steps_without_a_compile_
     with torch.compiler.set_stance("fail_on_recompile"):
         times = measure_latency(model, [5, 9, 2, 33], 2, "per_loop", new_tokens=3, repeats=2, compile=step)
     assert times["ttft_s"] > 0 and times["decode_s_per_token"] > 0
+
+
+def test_compiling_pays_on_a_cpu_only_for_one_row_and_long_decodes():
+    """bench.py decode on the 2-core CPU: the compiled step gains 2.3-2.5x at batch 1 and loses at batch 64,
+    and its first call costs a minute; `--compile auto` follows that (docs/benchmarks.md#decoding)."""
+    from elr.infer.decode import COMPILE_PAYS_AFTER, compile_pays
+
+    after = COMPILE_PAYS_AFTER["cpu"]
+    assert compile_pays(after, "cpu") and not compile_pays(after - 1, "cpu")
+    assert not compile_pays(10 * after, "cpu", rows=64)
+    assert compile_pays(COMPILE_PAYS_AFTER["cuda"], "cuda", rows=64)

@@ -44,9 +44,13 @@ SMALLEST_PREFILL = 16  # a compiled prefill left-pads its prompts to a power of 
 COMPILE_PAYS_AFTER = {"cpu": 20_000, "cuda": 2000}
 
 
-def compile_pays(steps: int, device) -> bool:
-    """Whether `steps` decoding forwards on `device` are enough to pay for compiling the step."""
-    return steps >= COMPILE_PAYS_AFTER.get(torch.device(device).type, COMPILE_PAYS_AFTER["cpu"])
+def compile_pays(steps: int, device, rows: int = 1) -> bool:
+    """Whether `steps` decoding forwards of `rows` rows on `device` are enough to pay for compiling the step
+    (on a CPU only a single row gains at all)."""
+    kind = torch.device(device).type
+    if kind == "cpu" and rows > 1:
+        return False
+    return steps >= COMPILE_PAYS_AFTER.get(kind, COMPILE_PAYS_AFTER["cpu"])
 
 
 def _forward(model, cache: StaticCache, tokens: torch.Tensor, budgets: torch.Tensor, exit_rule: ExitRule | None):
