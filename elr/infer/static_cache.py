@@ -117,11 +117,10 @@ class StaticCache:
         """Scatter the chunk's `values` [B, H, T, D] to each row's own columns of `buffer` [B, H, C, D]
         (rows outside `rows` keep theirs); returns the buffer's window (the mask hides what is not yet
         written)."""
-        index = self._index(buffer)
         values = values.to(buffer.dtype)
         if self.rows is not None:
-            values = torch.where(self.rows[:, None, None, None], values, buffer.gather(2, index))
-        buffer.scatter_(2, index, values)
+            values = torch.where(self.rows[:, None, None, None], values, buffer.gather(2, self._index(buffer)))
+        self._write(buffer, values)
         return buffer[:, :, : self.window]
 
     def set_rows(self, rows: torch.Tensor | None, loop: int | None = None) -> None:
@@ -141,9 +140,17 @@ class StaticCache:
                     skipped = (self.row_loops < loop)[:, None, None, None]
                     for dst, src in zip(entry.tensors(), previous[layer].tensors()):
                         index = self._index(dst)
-                        dst.scatter_(2, index, torch.where(skipped, src.gather(2, index), dst.gather(2, index)))
+                        self._write(dst, torch.where(skipped, src.gather(2, index), dst.gather(2, index)))
                 previous[layer] = entry
         self.lengths.add_(self.active.long() * self.columns.shape[1])
+
+    def _write(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
+        """buffer[b, :, column of row b's t-th new token] = values[b, :, t], in place. An index_put, not a
+        scatter_: compiled, inductor writes an index_put into the buffer where it is, while a scatter_ into a
+        graph input copied the whole buffer every step (the compiled step was 0.3x eager at 64 rows)."""
+        columns = self.columns.clamp(max=self.capacity - 1)  # a free row's writes land on its own last column
+        rows = torch.arange(buffer.shape[0], device=buffer.device)[:, None]
+        buffer[rows, :, columns] = values.transpose(1, 2)
 
     def _index(self, buffer: torch.Tensor) -> torch.Tensor:
         """The running chunk's columns as a scatter/gather index into `buffer` [B, H, C, D]: [B, H, T, D]
