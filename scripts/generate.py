@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="decode through the compiled step over a static cache (elr/infer/decode.py; the same tokens): auto "
         "compiles when this command's decoding steps are enough to pay for the compile (elr.infer.decode."
-        "compile_pays: about 20,000 steps on a CPU, where only a batch of one gains; in --chat, a session of "
-        "replies, on a GPU only); kernels are kept in outputs/inductor-cache",
+        "compile_pays: about 20,000 steps on a CPU; in --chat, a session of replies, on a GPU only); kernels are "
+        "kept in outputs/inductor-cache",
     )
     p.add_argument("--prompt", action="append", help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.route_replay:
         model.route_replay = True
     steps = args.max_new_tokens * len([args.budgets] if args.budgets is not None else args.loops)
-    compiled = args.compile == "on" or (args.compile == "auto" and compile_pays(steps, args.device, len(args.prompt)))
+    compiled = args.compile == "on" or (args.compile == "auto" and compile_pays(steps, args.device))
     if compiled:
         use_compile_cache()
         print("generate: the decode step compiles on its first token (kept in outputs/inductor-cache)", file=sys.stderr)

@@ -330,12 +330,11 @@ def test_the_latency_rows_time_the_compiled_prefill_and_steps_without_a_compile_
     assert times["ttft_s"] > 0 and times["decode_s_per_token"] > 0
 
 
-def test_compiling_pays_on_a_cpu_only_for_one_row_and_long_decodes():
-    """bench.py decode on the 2-core CPU: the compiled step gains 2.3-2.5x at batch 1 and loses at batch 64,
-    and its first call costs a minute; `--compile auto` follows that (docs/benchmarks.md#decoding)."""
+def test_compiling_pays_on_a_cpu_only_for_long_decodes():
+    """bench.py decode on the 2-core CPU: a cold first compiled call costs up to a minute against 3-4 ms a
+    step saves, so `--compile auto` compiles there from 20,000 steps (docs/benchmarks.md#decoding)."""
     from elr.infer.decode import COMPILE_PAYS_AFTER, compile_pays
 
     after = COMPILE_PAYS_AFTER["cpu"]
     assert compile_pays(after, "cpu") and not compile_pays(after - 1, "cpu")
-    assert not compile_pays(10 * after, "cpu", rows=64)
-    assert compile_pays(COMPILE_PAYS_AFTER["cuda"], "cuda", rows=64)
+    assert compile_pays(COMPILE_PAYS_AFTER["cuda"], "cuda") and after > COMPILE_PAYS_AFTER["cuda"]

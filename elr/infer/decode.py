@@ -37,20 +37,16 @@ SMALLEST_PREFILL = 16  # a compiled prefill left-pads its prompts to a power of 
 
 
 # Decoding steps (forwards of one token per row) from which compiling pays for itself, by device type: the
-# compile's time over what a step saves. CPU, measured (docs/benchmarks.md#decoding, the 2-core machine): the
-# first compiled call takes 43-62 s and saves 1.2 ms (k = 1) to 2.9 ms (k = 4) per step at batch 1, so about
-# 20,000 steps; at batch 64 the compiled step is slower than eager and never pays. CUDA: an estimate until
-# scripts/gpu_check.sh runs (CUDA graphs save the launch overhead that dominates a small decode step).
+# compile's time over what a step saves. CPU, measured (docs/benchmarks.md#decoding, the 2-core machine): a
+# cold first call takes 33-62 s; a step saves 3.0 ms at batch 1 and 4.1 ms at batch 64 (k = 4), so about
+# 15,000-20,000 steps. CUDA: an estimate until scripts/gpu_check.sh runs (CUDA graphs save the launch
+# overhead that dominates a small decode step).
 COMPILE_PAYS_AFTER = {"cpu": 20_000, "cuda": 2000}
 
 
-def compile_pays(steps: int, device, rows: int = 1) -> bool:
-    """Whether `steps` decoding forwards of `rows` rows on `device` are enough to pay for compiling the step
-    (on a CPU only a single row gains at all)."""
-    kind = torch.device(device).type
-    if kind == "cpu" and rows > 1:
-        return False
-    return steps >= COMPILE_PAYS_AFTER.get(kind, COMPILE_PAYS_AFTER["cpu"])
+def compile_pays(steps: int, device) -> bool:
+    """Whether `steps` decoding forwards on `device` are enough to pay for compiling the step."""
+    return steps >= COMPILE_PAYS_AFTER.get(torch.device(device).type, COMPILE_PAYS_AFTER["cpu"])
 
 
 def _forward(model, cache: StaticCache, tokens: torch.Tensor, budgets: torch.Tensor, exit_rule: ExitRule | None):
