@@ -60,14 +60,7 @@ class InferenceCache:
         pad: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
     ):
-        if mode not in MODES:
-            raise ValueError(f"unknown KV cache mode {mode!r}; use one of {', '.join(MODES)}")
-        if capacity > model.args.max_seq_len:
-            raise ValueError(
-                f"{capacity} positions exceed the model's RoPE table (max_seq_len={model.args.max_seq_len})"
-            )
-        weight = model.output.weight
-        dtype, device = dtype or weight.dtype, weight.device
+        dtype, device = check_cache_shape(model, capacity, mode, dtype)
         self.batch, self.capacity, self.max_loops, self.mode = batch, capacity, max_loops, mode
         self.pad = torch.zeros(batch, dtype=torch.long, device=device) if pad is None else pad.to(device)
         self.length = 0  # columns already cached
@@ -75,15 +68,7 @@ class InferenceCache:
         self.valid = self.attn_mask = None
         self.rows = None  # [B] bool: the rows whose results the running loop stores (None: all)
         self.films = None  # the reference runs the conditioning's heads in every forward
-        recurrent = set(model.recurrent.layers)
-        self.entries: dict[tuple[torch.nn.Module, int], object] = {}  # (layer, loop) -> its kind's entry
-        for layer in model.layers():
-            state = LAYER_KINDS[layer.kind].inference_state
-            if state is None:
-                continue
-            copies = max_loops if layer in recurrent and keeps_per_loop(mode, state.name) else 1
-            for loop in range(1, copies + 1):
-                self.entries[layer, loop] = state.new(layer.sublayer, self, dtype, device)
+        self.entries = new_entries(model, self, dtype, device)
 
     def entry(self, layer, loop: int):
         """What `layer` keeps at loop i (its only one where it keeps one for all loops); None for a
@@ -178,3 +163,28 @@ class InferenceCache:
         for (layer, _), entry in self.entries.items():
             sizes[LAYER_KINDS[layer.kind].inference_state.name] += sum(t.nbytes for t in entry.tensors())
         return sizes
+
+
+def check_cache_shape(model, capacity: int, mode: str, dtype: torch.dtype | None):
+    """Refuse a mode or a capacity the model cannot serve; returns the (dtype, device) of the cache's storage."""
+    if mode not in MODES:
+        raise ValueError(f"unknown KV cache mode {mode!r}; use one of {', '.join(MODES)}")
+    if capacity > model.args.max_seq_len:
+        raise ValueError(f"{capacity} positions exceed the model's RoPE table (max_seq_len={model.args.max_seq_len})")
+    weight = model.output.weight
+    return dtype or weight.dtype, weight.device
+
+
+def new_entries(model, cache, dtype: torch.dtype, device) -> dict:
+    """(layer, loop) -> the entry its kind keeps: one per loop for a recurrent layer where `cache.mode` keeps
+    its kind per loop (up to `cache.max_loops`), else one (loop 1). Built after the cache's shape is set."""
+    recurrent = set(model.recurrent.layers)
+    entries: dict[tuple[torch.nn.Module, int], object] = {}
+    for layer in model.layers():
+        state = LAYER_KINDS[layer.kind].inference_state
+        if state is None:
+            continue
+        copies = cache.max_loops if layer in recurrent and keeps_per_loop(cache.mode, state.name) else 1
+        for loop in range(1, copies + 1):
+            entries[layer, loop] = state.new(layer.sublayer, cache, dtype, device)
+    return entries

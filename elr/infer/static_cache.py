@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from elr.infer.cache import MODES, keeps_per_loop
+from elr.infer.cache import check_cache_shape, new_entries
 from elr.models.budget import LoopBudget
 from elr.models.layers import LAYER_KINDS
 
@@ -46,14 +46,7 @@ class StaticCache:
         mode: str = "per_loop",
         dtype: torch.dtype | None = None,
     ):
-        if mode not in MODES:
-            raise ValueError(f"unknown KV cache mode {mode!r}; use one of {', '.join(MODES)}")
-        if capacity > model.args.max_seq_len:
-            raise ValueError(
-                f"{capacity} positions exceed the model's RoPE table (max_seq_len={model.args.max_seq_len})"
-            )
-        weight = model.output.weight
-        dtype, device = dtype or weight.dtype, weight.device
+        dtype, device = check_cache_shape(model, capacity, mode, dtype)
         self.batch, self.capacity, self.max_loops, self.mode, self.dtype = batch, capacity, max_loops, mode, dtype
         self.loop_cap = max_loops  # the most loops the next forward runs (the compiled step's own)
         self.window = capacity  # the columns attention reads: every row's length + chunk must stay within it
@@ -68,18 +61,13 @@ class StaticCache:
         # (they depend on nothing else; a cache is built for one set of weights: a generate call, a server).
         self.films = conditioning.table() if conditioning is not None else None
         self.static_marked = False  # whether the compiler was told the buffers keep their addresses (CUDA graphs)
-        recurrent = set(model.recurrent.layers)
-        self.entries: dict[tuple[torch.nn.Module, int], object] = {}  # (layer, loop) -> its kind's entry
-        self.by_column: list[tuple[torch.nn.Module, int, object]] = []  # the attention entries (layer, loop, entry)
-        for layer in model.layers():
-            state = LAYER_KINDS[layer.kind].inference_state
-            if state is None:
-                continue
-            copies = max_loops if layer in recurrent and keeps_per_loop(mode, state.name) else 1
-            for loop in range(1, copies + 1):
-                self.entries[layer, loop] = entry = state.new(layer.sublayer, self, dtype, device)
-                if state.name == "attention_kv":
-                    self.by_column.append((layer, loop, entry))
+        self.entries = new_entries(model, self, dtype, device)
+        # the attention entries (layer, loop, entry): the ones whose columns move with a row
+        self.by_column = [
+            (layer, loop, entry)
+            for (layer, loop), entry in self.entries.items()
+            if LAYER_KINDS[layer.kind].inference_state.name == "attention_kv"
+        ]
 
     # --- the Cache Protocol (elr/models/cache.py) ---
 
