@@ -6,6 +6,7 @@
     python scripts/bench.py replay --flavor study_moe --seq-len 128 --batch 8 --max-loops 4
     python scripts/bench.py sampling --ranks 2 4       # gloo, one thread a rank: what waiting costs
     python scripts/bench.py decode --checkpoint outputs/study/.../step-N --batches 1 8 64 --new-tokens 32
+    python scripts/bench.py one_loop --flavor gpt_0p5b --batches 1 8 --new-tokens 16 --repeats 3
     python scripts/bench.py speculative --checkpoint outputs/study/.../step-N --max-loops 4 --draft-loops 1
     python scripts/bench.py rollout --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
     python scripts/bench.py rl_cache --checkpoint outputs/sft_arith_debug/checkpoint/step-300 --batch 64 --new-tokens 32
@@ -415,6 +416,13 @@ def bench_speculative(args):
     run(args)
 
 
+def bench_one_loop(args):
+    """k = 1 decode steps of a wide fresh flavor against its non-recurrent model (bench_tools/decoding.py)."""
+    from bench_tools.decoding import bench_one_loop as run
+
+    run(args)
+
+
 def bench_rollout(args):
     """The RLVR stage's batched rollouts against transformers' generate (bench_tools/decoding.py)."""
     from bench_tools.decoding import bench_rollout as run
@@ -631,6 +639,7 @@ BENCHMARKS = {
     "sampling": bench_sampling,
     "decode": bench_decode,
     "speculative": bench_speculative,
+    "one_loop": bench_one_loop,
     "rollout": bench_rollout,
     "rl_cache": bench_rl_cache,
     "loader": bench_loader,
@@ -644,7 +653,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is reported)")
     parser.add_argument("--naive-repeats", type=int, default=2, help="repeats of the slow naive GDP loop")
-    parser.add_argument("--flavor", default="debug", help="model: the flavor to time")
+    parser.add_argument("--flavor", default="debug", help="model, decode, one_loop: the flavor to time (fresh weights)")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences per step")
     parser.add_argument(
         "--tiny", action="store_true", help="gdp: the kernel table at tiny shapes (a dry run; CPU interpreter)"

@@ -183,6 +183,45 @@ def bench_decode(args):
         )
 
 
+# koi4b.toml's [elr] as it decides k = 1's work: FiLM on loop 1 and on the output block, the learned step
+KOI4B_RECURRENCE = dict(
+    conditioning=True,
+    conditioning_first_loop=True,
+    conditioning_later_loops=False,
+    conditioning_exit=True,
+    state_norm=True,
+    update="adaptive_delta",
+)
+
+
+def bench_one_loop(args):
+    """k = 1 decode steps alone, ELR against the non-recurrent model of the same shapes, at --batches: for a
+    wide --flavor (fresh weights, koi4b's recurrence options), where the whole-call table of `decode`, with
+    transformers' generate in it, would take too long on a CPU. Also prints the two models' FLOPs per token, to
+    tell the work the baseline does not have (the learned step's projection) from per-step overhead."""
+    from elr.config.recurrence import RecurrenceOptions
+    from elr.models import build_model, flavors
+
+    args.checkpoint = None
+    shapes = flavors[args.flavor]
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(shapes.with_recurrence(max_loops=args.max_loops, **KOI4B_RECURRENCE))
+    model.init_weights()
+    model = model.to(device).eval()
+    vocab = model.args.vocab_size
+    prompts = torch.randint(0, vocab, (max(args.batches), 1), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.device("meta"):  # shapes only, for the count
+        base = build_model(dataclasses.replace(model.args, recurrence=RecurrenceOptions.baseline()))
+    flops = model.num_flops_per_token(args.new_tokens, 1) / base.num_flops_per_token(args.new_tokens, 1)
+    print(
+        f"one_loop: {load_note()}; {args.flavor} (dim {shapes.dim}, {shapes.n_layers} layers), "
+        f"{args.new_tokens} steps, kv={args.kv}; FLOPs per token ELR / baseline at k = 1: {flops:.4f}"
+    )
+    bench_one_loop_against_baseline(args, model, prompts, args.batches, args.kv)
+    print(f"one_loop: {load_note()} at the end")
+
+
 def bench_one_loop_against_baseline(args, model, prompts, batches, kv):
     """Decode steps at k = 1: the ELR model against the non-recurrent one of the same shapes, both compiled
     and both eager, over static caches of one geometry (steps/s x rows; no sampling, no stopping)."""
