@@ -136,6 +136,43 @@ def test_self_speculative_greedy_equals_plain_decoding(build, mode):
     assert got == want and stats.accepted == stats.drafted and stats.rounds < 3 * 12  # drafting at K: all kept
 
 
+def reference_speculation(model, prompt, loops, new, mode, draft_loops, draft_tokens) -> SpeculationStats:
+    """The rounds speculative decoding must make if its drafts are the model's own greedy tokens at
+    `draft_loops` from the accepted text, computed with plain `generate` at both k."""
+    target = generate(model, [prompt], loops, max_new_tokens=new, eot_id=-1, kv_mode=mode)[0]
+    stats, count = SpeculationStats(), 1
+    while count < new:
+        n = min(draft_tokens, new - count)
+        drafts = generate(model, [prompt + target[:count]], draft_loops, n, eot_id=-1, kv_mode=mode)[0]
+        accepted = 0
+        while accepted < n and drafts[accepted] == target[count + accepted]:
+            accepted += 1
+        stats.drafted, stats.accepted, stats.rounds = stats.drafted + n, stats.accepted + accepted, stats.rounds + 1
+        count = min(new, count + accepted + 1)
+    return stats
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "build,mode",
+    [(small_model, "per_loop"), (study_model, "per_loop")],
+)
+def test_self_speculative_drafts_are_the_model_at_the_draft_k(build, mode):
+    """Each round's drafts are what plain greedy decoding at the drafting k proposes from the accepted text,
+    so the acceptance is the model's own k = j against k = K. (Drafts that read keys a K-loop forward wrote
+    are another model: they fail this.) GDP layers (small_model) rewind the drafting cache by a snapshot. In
+    per_loop mode, where speculative text is plain greedy text (the test above)."""
+    model = build()
+    prompts = [[5, 9, 2, 33, 7], [19, 3, 27, 50, 6, 9, 14]]
+    for draft_loops, draft_tokens in [(1, 3), (2, 4)]:
+        want = SpeculationStats()
+        for prompt in prompts:
+            want.add(reference_speculation(model, prompt, 3, 12, mode, draft_loops, draft_tokens))
+        got = speculative_generate(model, prompts, 3, 12, -1, mode, draft_loops, draft_tokens)[1]
+        assert (got.drafted, got.accepted, got.rounds) == (want.drafted, want.accepted, want.rounds)
+        assert 0 < want.accepted < want.drafted
+
+
 def test_self_speculative_stops_at_end_of_text_and_checks_its_options():
     model = small_model()
     prompt = [5, 9, 2, 33, 7]

@@ -1,15 +1,19 @@
-"""Self-speculative greedy decoding: draft at k = j loops, verify at k = K, one model and one cache.
+"""Self-speculative greedy decoding: draft at k = j loops, verify at k = K, one model and two caches.
 
-A round, with `current` the last token chosen and not yet fed:
-1. draft: feed `current`, then each drafted token, at j loops, one token at a time: n tokens;
-2. rewind the cache to where it was (attention: its length; GDP states: a snapshot);
-3. verify: feed `current` and the n drafts at K loops in one forward; its greedy choices accept the
-   drafts up to the first disagreement, and its choice there is one more token (so a round always
-   gains at least one token, and n + 1 when every draft is accepted);
-4. keep the cache entries of the accepted tokens (the verifying pass wrote them) and rewind past the
-   rejected ones. Attention forgets them by its length; a GDP state folds every column in, so it is
-   rewound to the snapshot and the accepted tokens are fed again at K (one more forward, only in
-   rounds that rejected something, only in models with GDP layers).
+Each cache holds what its own k computes: the drafting one is the model at k = j, the verifying one the
+model at k = K. (A single cache shared by both would have the drafts read keys that K-loop forwards
+wrote, in the output block and, with budget conditioning, in loop 1: a draft that is neither k = j nor
+k = K, which agreed with K on 18% of its tokens where the model's own k = 1 agrees on 88%.) Both
+hold every accepted token but the last one chosen. A round, with `current` that last token:
+1. draft: feed `current`, then each drafted token, at j loops through the drafting cache, one token at a
+   time: n tokens;
+2. verify: feed `current` and the n drafts at K loops in one forward through the verifying cache; its
+   greedy choices accept the drafts up to the first disagreement, and its choice there is one more
+   token (so a round always gains at least one token, and n + 1 when every draft is accepted);
+3. keep both caches' entries of the accepted tokens and take back the rest. Attention forgets columns
+   by its length; a GDP state folds every column in, so it is rewound to a snapshot and the accepted
+   tokens are fed again (only in models with GDP layers). When every draft is accepted the drafting
+   cache is fed the last one, which drafting never fed.
 
 What it equals: the verify pass is a chunk forward, the exact full-sequence computation over its
 tokens. In `per_loop` mode (and in any mode when the recurrent block has no attention layer) plain
@@ -23,7 +27,7 @@ a power-of-two width, `prefill_width`) and the forwards are that step (elr/infer
 drafts in one call (`DecodeStep.draft`: the n forwards and their argmaxes in one graph, read back once;
 drafts past an end-of-text are dropped, as eager never makes them), the verify of the usual width (n + 1
 tokens) in another; the rarer widths (the last round, a draft cut at end-of-text, the GDP re-feed) run
-the same forward eagerly, so no round waits for a compile. The same tokens as eager.
+the same forward eagerly, so no round waits for a compile after the first. The same tokens as eager.
 """
 
 from __future__ import annotations
@@ -114,28 +118,40 @@ def speculative_rounds(
     if compile:
         # The prompt through the compiled step, left-padded to a bucketed width (a graph per width).
         width = prefill_width(len(prompt), model.args.max_seq_len - max_new_tokens)
-        cache = StaticCache(model, 1, capacity_for(width + max_new_tokens, model), loops, kv_mode)
-        cache.start.fill_(width - len(prompt))
+        capacity = capacity_for(width + max_new_tokens, model)
         compiled = compile if isinstance(compile, DecodeStep) else DecodeStep(model)
         eager = DecodeStep(model, compile=False)
-        first = compiled(cache, torch.tensor([[0] * (width - len(prompt)) + prompt], device=device), loops)
+        padded = torch.tensor([[0] * (width - len(prompt)) + prompt], device=device)
 
-        def forward(tokens: list[int], k: int) -> torch.Tensor:
-            step = compiled if len(tokens) in (1, draft_tokens + 1) else eager
-            return step(cache, torch.tensor([tokens], device=device), k)[0]
+        def new_cache(k: int) -> StaticCache:
+            fresh = StaticCache(model, 1, capacity, k, kv_mode)
+            fresh.start.fill_(width - len(prompt))
+            return fresh
 
-        def rewind(saved, kept: int) -> None:
-            cache.lengths.copy_(saved[0] + kept)
+        def forward(into, tokens: list[int], k: int) -> torch.Tensor:
+            step = compiled if len(tokens) == 1 or (len(tokens) == draft_tokens + 1 and k == loops) else eager
+            return step(into, torch.tensor([tokens], device=device), k)[0]
 
+        def rewind(into, saved, kept: int) -> None:
+            into.lengths.copy_(saved[0] + kept)
+
+        cache, draft_cache = new_cache(loops), new_cache(draft_loops)
+        first = compiled(cache, padded, loops)
+        compiled(draft_cache, padded, draft_loops)
     else:
-        cache = InferenceCache(model, 1, len(prompt) + max_new_tokens, loops, kv_mode)
-        first = model(torch.tensor([prompt], device=device), loops, cache)
 
-        def forward(tokens: list[int], k: int) -> torch.Tensor:
-            return model(torch.tensor([tokens], device=device), k, cache)[0]
+        def new_cache(k: int) -> InferenceCache:
+            return InferenceCache(model, 1, len(prompt) + max_new_tokens, k, kv_mode)
 
-        def rewind(saved, kept: int) -> None:
-            cache.length = saved[0] + kept
+        def forward(into, tokens: list[int], k: int) -> torch.Tensor:
+            return model(torch.tensor([tokens], device=device), k, into)[0]
+
+        def rewind(into, saved, kept: int) -> None:
+            into.length = saved[0] + kept
+
+        cache, draft_cache = new_cache(loops), new_cache(draft_loops)
+        first = forward(cache, prompt, loops)[None]
+        forward(draft_cache, prompt, draft_loops)
 
     rewind_by_length = cache.rewind_by_length()
     current = int(first[0, -1].argmax())
@@ -144,34 +160,38 @@ def speculative_rounds(
     yield [current]
     count = 1
     while count < max_new_tokens:
-        # Columns: every fed token plus the n drafts stays within prompt + max_new_tokens.
+        # Columns: every fed token plus the n drafts stays within prompt + max_new_tokens. Both caches hold
+        # every accepted token but `current`.
         n = min(draft_tokens, max_new_tokens - count)
-        saved = cache.snapshot()
+        draft_saved = draft_cache.snapshot()
         if compile and n == draft_tokens:  # every draft in one compiled call, cut after an end-of-text
-            drafts = compiled.draft(cache, torch.tensor([[current]], device=device), draft_loops, n)[0].tolist()
+            drafts = compiled.draft(draft_cache, torch.tensor([[current]], device=device), draft_loops, n)[0].tolist()
             drafts = drafts[: drafts.index(eot_id) + 1] if eot_id in drafts else drafts
+            draft_fed = n
         else:
             drafts, token = [], current
             for _ in range(n):
-                token = int(forward([token], draft_loops)[-1].argmax())
+                token = int(forward(draft_cache, [token], draft_loops)[-1].argmax())
                 drafts.append(token)
                 if token == eot_id:
                     break
-        cache.restore(saved)
+            draft_fed = len(drafts)
+        saved = cache.snapshot()
         fed = [current, *drafts]
-        choices = forward(fed, loops).argmax(-1).tolist()
+        choices = forward(cache, fed, loops).argmax(-1).tolist()
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
             accepted += 1
         stats.drafted += len(drafts)
         stats.accepted += accepted
         stats.rounds += 1
+        kept = accepted + 1  # `current` and the accepted drafts stay in both caches
         if accepted < len(drafts):  # take back the rejected drafts' columns
             if rewind_by_length:
-                rewind(saved, accepted + 1)
+                rewind(cache, saved, kept)
             else:
                 cache.restore(saved)
-                forward(fed[: accepted + 1], loops)
+                forward(cache, fed[:kept], loops)
         gained = []
         for token in [*drafts[:accepted], choices[accepted]]:  # the verifier's choice is the next `current`
             if token == eot_id or count == max_new_tokens:
@@ -179,6 +199,14 @@ def speculative_rounds(
             gained.append(token)
             count += 1
         yield gained
-        if len(gained) <= accepted:  # an end-of-text (or the limit) came first
+        if len(gained) <= accepted or count == max_new_tokens:  # an end-of-text (or the limit) came first
             return
         current = gained[-1]
+        # The draft cache was fed `current` and the drafts but the last; it keeps the accepted ones.
+        if not rewind_by_length:
+            draft_cache.restore(draft_saved)
+            forward(draft_cache, fed[:kept], draft_loops)
+        elif draft_fed >= kept:
+            rewind(draft_cache, draft_saved, kept)
+        else:  # every draft accepted: the last was never fed
+            forward(draft_cache, fed[kept - 1 : kept], draft_loops)
