@@ -196,6 +196,19 @@ def test_a_prompt_needing_more_memory_than_a_step_may_hold_is_refused(export):
         assert free(engine)
 
 
+def test_a_drafted_request_is_counted_with_both_of_its_caches(export):
+    """Self-speculative decoding holds a verifying cache at k and a drafting one at the draft k
+    (elr/infer/speculative.py): the admission counts the bytes both really allocate."""
+    from elr.infer.cache import InferenceCache
+
+    _, model, _ = export
+    memory = start(export)[0].memory
+    length = 20 + 8 + memory.draft_tokens  # a prompt of 20, 8 new tokens, a round of drafts past them
+    caches = [InferenceCache(model, 1, length, k, "per_loop") for k in (3, 1)]
+    held = sum(sum(cache.nbytes().values()) for cache in caches)
+    assert memory.prompt_bytes("draft", 3, 1, 20, 8, 1) == held + 20 * memory.vocab * memory.element_size
+
+
 def test_a_prompt_that_does_not_fit_free_memory_fails_with_503_and_the_server_goes_on(server, monkeypatch):
     engine, url = server
     monkeypatch.setattr(scheduler_module, "free_bytes", lambda device: 1000)

@@ -4,7 +4,8 @@ allocated.
 
 Memory comes from the inference memory report (elr/infer/memory.py): a prompt is read in a prefill
 cache of its own at K (left-padded to the request's longest prompt), and the prefill returns logits for
-every position; a drafted request holds a cache of its own at its k for prompt + max_tokens. The rows
+every position; a drafted request holds two caches of its own for prompt + max_tokens, one at its k and
+one at its draft k (elr/infer/speculative.py). The rows
 of the pools are allocated at start and are not counted here.
 
 The wait is an estimate: the tokens still owed in the request's pool (each running choice's max_tokens
@@ -37,12 +38,16 @@ class MemoryModel:
 
     def bytes(self, request: Request) -> int:
         longest = max(len(p) for p in request.prompts)
-        return self.prompt_bytes(request.pool, request.loops, len(request.prompts), longest, request.max_tokens)
+        return self.prompt_bytes(
+            request.pool, request.loops, len(request.prompts), longest, request.max_tokens, request.draft_loops or 0
+        )
 
-    def prompt_bytes(self, pool: str, loops, prompts: int, longest: int, max_tokens: int) -> int:
-        if pool == "draft":  # its own cache at its k, for the whole sequence (and a round of drafts past it)
+    def prompt_bytes(self, pool: str, loops, prompts: int, longest: int, max_tokens: int, draft_loops: int = 0) -> int:
+        if pool == "draft":  # its caches at its k and its draft k, for the whole sequence and a round of drafts
             length = longest + max_tokens + self.draft_tokens
             state = inference_state_bytes(self.args, loops, length, self.kv_mode, self.dtype)
+            drafting = inference_state_bytes(self.args, draft_loops, length, self.kv_mode, self.dtype)
+            state = {kind: n + drafting[kind] for kind, n in state.items()}
         else:  # a prefill cache at K for every prompt, padded to the longest
             state = inference_state_bytes(self.args, self.args.recurrence.max_loops, longest, self.kv_mode, self.dtype)
             state = {kind: prompts * n for kind, n in state.items()}
@@ -51,7 +56,7 @@ class MemoryModel:
     def full_context(self, context: int) -> int:
         """One prompt at the full context, the most any request of one prompt needs (the default limit)."""
         K = self.args.recurrence.max_loops
-        return max(self.prompt_bytes("budgets", K, 1, context, 0), self.prompt_bytes("draft", K, 1, context, 0))
+        return max(self.prompt_bytes("budgets", K, 1, context, 0), self.prompt_bytes("draft", K, 1, context, 0, K))
 
 
 @dataclass
