@@ -187,7 +187,7 @@ def generate(
         tokens, pad = left_pad(prompts, eot_id, device, width)
         cache = StaticCache(model, len(prompts), capacity_for(width + max_new_tokens, model), cap, kv_mode)
         cache.start.copy_(pad)
-        logits = decode(cache, tokens, loops, cap)[:, -1]
+        logits = decode(cache, tokens, loops, cap, last=True)[:, -1]
         budgets = (
             loops if torch.is_tensor(loops) or rule is not None else torch.full((len(prompts),), loops, device=device)
         )

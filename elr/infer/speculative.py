@@ -136,8 +136,8 @@ def speculative_rounds(
             into.lengths.copy_(saved[0] + kept)
 
         cache, draft_cache = new_cache(loops), new_cache(draft_loops)
-        first = compiled(cache, padded, loops)
-        compiled(draft_cache, padded, draft_loops)
+        first = compiled(cache, padded, loops, last=True)
+        compiled(draft_cache, padded, draft_loops, last=True)
     else:
 
         def new_cache(k: int) -> InferenceCache:
