@@ -140,8 +140,9 @@ class DecodeStep:
 
     @torch.no_grad()
     def draft(self, cache: StaticCache, token: torch.Tensor, loops: int, n: int) -> torch.Tensor:
-        """`n` greedy tokens per row from `token` [B, 1] at `loops`, each fed back, in one call (one graph,
-        one read-back): [B, n]; the cache advances by n columns (self-speculative drafts, rewound after)."""
+        """`n` greedy tokens per row from `token` [B, w] at `loops` (the first after the w columns), each fed
+        back but the last, in one call (one graph per w, one read-back): [B, n]; the cache advances by
+        w + n - 1 columns (self-speculative drafts, rewound after)."""
         self._begin(cache, token, loops)
         budgets = torch.full((cache.batch,), loops, dtype=torch.long, device=token.device)
         return self._draft(self.model, cache, token, budgets, n)

@@ -12,8 +12,8 @@ hold every accepted token but the last one chosen. A round, with `current` that 
    token (so a round always gains at least one token, and n + 1 when every draft is accepted);
 3. keep both caches' entries of the accepted tokens and take back the rest. Attention forgets columns
    by its length; a GDP state folds every column in, so it is rewound to a snapshot and the accepted
-   tokens are fed again (only in models with GDP layers). When every draft is accepted the drafting
-   cache is fed the last one, which drafting never fed.
+   tokens are fed again (only in models with GDP layers). When every draft is accepted, the last one,
+   which drafting never fed, opens the next round's first drafting forward (a chunk of two).
 
 What it equals: the verify pass is a chunk forward, the exact full-sequence computation over its
 tokens. In `per_loop` mode (and in any mode when the recurrent block has no attention layer) plain
@@ -27,7 +27,8 @@ a power-of-two width, `prefill_width`) and the forwards are that step (elr/infer
 drafts in one call (`DecodeStep.draft`: the n forwards and their argmaxes in one graph, read back once;
 drafts past an end-of-text are dropped, as eager never makes them), the verify of the usual width (n + 1
 tokens) in another; the rarer widths (the last round, a draft cut at end-of-text, the GDP re-feed) run
-the same forward eagerly, so no round waits for a compile after the first. The same tokens as eager.
+the same forward eagerly, so no round waits for a compile after the first of its shape. The same tokens
+as eager.
 """
 
 from __future__ import annotations
@@ -158,24 +159,26 @@ def speculative_rounds(
     if current == eot_id:
         return
     yield [current]
-    count = 1
+    count, pending = 1, []
     while count < max_new_tokens:
         # Columns: every fed token plus the n drafts stays within prompt + max_new_tokens. Both caches hold
         # every accepted token but `current`.
         n = min(draft_tokens, max_new_tokens - count)
         draft_saved = draft_cache.snapshot()
+        start = [*pending, current]  # what the drafting cache has not been fed yet
         if compile and n == draft_tokens:  # every draft in one compiled call, cut after an end-of-text
-            drafts = compiled.draft(draft_cache, torch.tensor([[current]], device=device), draft_loops, n)[0].tolist()
+            drafts = compiled.draft(draft_cache, torch.tensor([start], device=device), draft_loops, n)[0].tolist()
             drafts = drafts[: drafts.index(eot_id) + 1] if eot_id in drafts else drafts
-            draft_fed = n
+            draft_fed = n - 1  # drafts fed back (the last one never is)
         else:
-            drafts, token = [], current
+            drafts, chunk = [], start
             for _ in range(n):
-                token = int(forward(draft_cache, [token], draft_loops)[-1].argmax())
+                token = int(forward(draft_cache, chunk, draft_loops)[-1].argmax())
                 drafts.append(token)
+                chunk = [token]
                 if token == eot_id:
                     break
-            draft_fed = len(drafts)
+            draft_fed = len(drafts) - 1
         saved = cache.snapshot()
         fed = [current, *drafts]
         choices = forward(cache, fed, loops).argmax(-1).tolist()
@@ -202,11 +205,12 @@ def speculative_rounds(
         if len(gained) <= accepted or count == max_new_tokens:  # an end-of-text (or the limit) came first
             return
         current = gained[-1]
-        # The draft cache was fed `current` and the drafts but the last; it keeps the accepted ones.
-        if not rewind_by_length:
-            draft_cache.restore(draft_saved)
-            forward(draft_cache, fed[:kept], draft_loops)
-        elif draft_fed >= kept:
-            rewind(draft_cache, draft_saved, kept)
-        else:  # every draft accepted: the last was never fed
-            forward(draft_cache, fed[kept - 1 : kept], draft_loops)
+        # The drafting cache keeps the accepted drafts it was fed; one it was not fed (every draft accepted:
+        # the last) waits for the next round's first drafting forward.
+        pending = [drafts[-1]] if accepted > draft_fed else []
+        if accepted < draft_fed:  # it was fed drafts the verifier rejected: take them back
+            if rewind_by_length:
+                rewind(draft_cache, draft_saved, len(start) + accepted)
+            else:
+                draft_cache.restore(draft_saved)
+                forward(draft_cache, start + drafts[:accepted], draft_loops)
