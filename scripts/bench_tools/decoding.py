@@ -183,15 +183,16 @@ def bench_decode(args):
         )
 
 
-# koi4b.toml's [elr] as it decides k = 1's work: FiLM on loop 1 and on the output block, the learned step
-KOI4B_RECURRENCE = dict(
-    conditioning=True,
-    conditioning_first_loop=True,
-    conditioning_later_loops=False,
-    conditioning_exit=True,
-    state_norm=True,
-    update="adaptive_delta",
-)
+def koi4b_recurrence() -> dict:
+    """The recurrence options of train_configs/koi4b.toml's [elr] (read from the file, so the benchmark follows
+    the card): FiLM on loop 1 and on the output block, the learned step, the state norm."""
+    import tomllib
+
+    from elr.config.recurrence import names
+
+    config = Path(__file__).resolve().parents[2] / "train_configs" / "koi4b.toml"
+    elr = tomllib.loads(config.read_text())["elr"]
+    return {key: value for key, value in elr.items() if key in names() and key != "max_loops"}
 
 
 def bench_one_loop(args):
@@ -206,7 +207,7 @@ def bench_one_loop(args):
     shapes = flavors[args.flavor]
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(shapes.with_recurrence(max_loops=args.max_loops, **KOI4B_RECURRENCE))
+    model = build_model(shapes.with_recurrence(max_loops=args.max_loops, **koi4b_recurrence()))
     model.init_weights()
     model = model.to(device).eval()
     vocab = model.args.vocab_size
