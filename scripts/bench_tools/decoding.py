@@ -207,7 +207,9 @@ def bench_one_loop(args):
     shapes = flavors[args.flavor]
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(shapes.with_recurrence(max_loops=args.max_loops, **koi4b_recurrence()))
+    # over the [elr] defaults a job starts from, not the flavor's own recurrence
+    recurrence = RecurrenceOptions(max_loops=args.max_loops, **koi4b_recurrence())
+    model = build_model(dataclasses.replace(shapes, recurrence=recurrence))
     model.init_weights()
     model = model.to(device).eval()
     vocab = model.args.vocab_size
