@@ -155,6 +155,16 @@ def speculative_rounds(
         forward(draft_cache, prompt, draft_loops)
 
     rewind_by_length = cache.rewind_by_length()
+
+    def take_back(into, saved, kept: list[int], k: int) -> None:
+        """Leave `into` holding what it held at `saved` and then `kept`: by its length where attention is all
+        it keeps, else from the snapshot with `kept` fed again (GDP states fold every column in)."""
+        if rewind_by_length:
+            rewind(into, saved, len(kept))
+        else:
+            into.restore(saved)
+            forward(into, kept, k)
+
     current = int(first[0, -1].argmax())
     if current == eot_id:
         return
@@ -190,11 +200,7 @@ def speculative_rounds(
         stats.rounds += 1
         kept = accepted + 1  # `current` and the accepted drafts stay in both caches
         if accepted < len(drafts):  # take back the rejected drafts' columns
-            if rewind_by_length:
-                rewind(cache, saved, kept)
-            else:
-                cache.restore(saved)
-                forward(cache, fed[:kept], loops)
+            take_back(cache, saved, fed[:kept], loops)
         gained = []
         for token in [*drafts[:accepted], choices[accepted]]:  # the verifier's choice is the next `current`
             if token == eot_id or count == max_new_tokens:
@@ -209,8 +215,4 @@ def speculative_rounds(
         # the last) waits for the next round's first drafting forward.
         pending = [drafts[-1]] if accepted > draft_fed else []
         if accepted < draft_fed:  # it was fed drafts the verifier rejected: take them back
-            if rewind_by_length:
-                rewind(draft_cache, draft_saved, len(start) + accepted)
-            else:
-                draft_cache.restore(draft_saved)
-                forward(draft_cache, start + drafts[:accepted], draft_loops)
+            take_back(draft_cache, draft_saved, start + drafts[:accepted], draft_loops)
