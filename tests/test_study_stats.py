@@ -265,7 +265,7 @@ def test_switch_table_pairs_every_run_seed_by_seed_with_both_references_and_its_
     best = [1.92 / 1.9 - 1, 2.18 / 2.2 - 1, 1.75 / 1.71 - 1]  # k = 3 against the FLOPs-matched baseline
     assert mixed["best k vs FLOPs-matched baseline"] == "k = 3: " + fmt_range(seed_range(dict(enumerate(best))))
     # parity holds (mean -0.5%, worst seed +0.5%), the loops buy 2% at k = 3, k = 4 is 2.5% above k = 3
-    assert mixed["goal"] == "not met: no turn-up"
+    assert mixed["goal"] == "not met: k = K over 0.3% above the best k"
     flops = rows["flops"]
     assert flops["updates"] == "1015" and flops["k = 1 vs matched baseline"] == "-3.33% (-5.00..+0.00) 2/3 below"
     assert rows["base"]["k = 1 vs matched baseline"] == "–" and rows["base"]["goal"] == "–"
