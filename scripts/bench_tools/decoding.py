@@ -183,16 +183,14 @@ def bench_decode(args):
         )
 
 
-def koi4b_recurrence() -> dict:
-    """The recurrence options of train_configs/koi4b.toml's [elr] (read from the file, so the benchmark follows
-    the card): FiLM on loop 1 and on the output block, the learned step, the state norm."""
-    import tomllib
+def koi4b_recurrence(max_loops: int):
+    """train_configs/koi4b.toml's RecurrenceOptions at `max_loops` (read through the job config, so the benchmark
+    follows the card): FiLM on loop 1 and on the output block, the learned step, the state norm."""
+    from elr.config.load import load_config
+    from elr.config.recurrence import RecurrenceOptions
 
-    from elr.config.recurrence import names
-
-    config = Path(__file__).resolve().parents[2] / "train_configs" / "koi4b.toml"
-    elr = tomllib.loads(config.read_text())["elr"]
-    return {key: value for key, value in elr.items() if key in names() and key != "max_loops"}
+    config = load_config(Path(__file__).resolve().parents[2] / "train_configs" / "koi4b.toml")
+    return dataclasses.replace(RecurrenceOptions.of(config.elr), max_loops=max_loops)
 
 
 def bench_one_loop(args):
@@ -208,8 +206,7 @@ def bench_one_loop(args):
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # over the [elr] defaults a job starts from, not the flavor's own recurrence
-    recurrence = RecurrenceOptions(max_loops=args.max_loops, **koi4b_recurrence())
-    model = build_model(dataclasses.replace(shapes, recurrence=recurrence))
+    model = build_model(dataclasses.replace(shapes, recurrence=koi4b_recurrence(args.max_loops)))
     model.init_weights()
     model = model.to(device).eval()
     vocab = model.args.vocab_size
